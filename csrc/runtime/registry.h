@@ -1,0 +1,26 @@
+// Process-wide registry: (buffer_id, device ordinal) -> RankContext.
+// Written only by create_buffer/destroy_buffer (host, outside any XLA program); read by the FFI
+// handlers, which XLA runs on one thread per device, so lookups take a shared lock.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/context.h"
+
+namespace jax_ep {
+
+// Allocates and zeroes the workspaces, builds the peer tables, preloads the kernels on every
+// device of `groups` (each inner list = device ordinals of one EP group, in rank order).
+// Returns "" on success, else a message naming what failed (device, CUDA error).
+std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
+                          const std::vector<std::vector<int>>& groups);
+
+// Frees everything of `buffer_id` (synchronises its devices first). Unknown ids are ignored.
+void destroy_buffer(int64_t buffer_id);
+
+// nullptr when the Buffer is unknown or this device is not part of it.
+const RankContext* find_rank_context(int64_t buffer_id, int device);
+
+}  // namespace jax_ep

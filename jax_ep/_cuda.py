@@ -1,0 +1,159 @@
+"""The CUDA backend (``backend="cuda"``): ``jax.ffi.ffi_call`` wrappers around our kernels.
+
+Each method builds the custom call of one op for the *per-rank* shapes inside ``jax.shard_map``.
+Result shapes are functions of the operand shapes only (capacity ``C`` is ``R*T`` or the
+Buffer's static capacity), so a symbolic token count exports. Operand/result order, attributes
+and semantics: docs/internals.md. Calls that write peer memory are marked ``has_side_effect`` so
+XLA neither removes nor merges them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep._types import DispatchHandle, Layout
+
+# Bump the suffix whenever an operand, result, attribute or semantic changes: a program (or a
+# persistent-cache entry) compiled against another version then fails to find its target
+# instead of running the wrong kernel.
+TARGET_VERSION = "v1"
+TARGETS = ("layout", "dispatch", "cached_dispatch", "combine",
+           "low_latency_dispatch", "low_latency_combine")
+WAIT_PHASES = {0: "none", 1: "dispatch count exchange", 2: "dispatch arrival",
+               3: "combine/cached-dispatch barrier", 4: "combine/cached-dispatch arrival",
+               5: "low-latency dispatch receive", 6: "low-latency combine receive"}
+
+
+def target_name(op: str) -> str:
+    return f"jax_ep_{op}_{TARGET_VERSION}"
+
+
+def load_extension():
+    """The compiled module ``jax_ep._C``, or None with the reason when it is not available."""
+    try:
+        from jax_ep import _C  # noqa: PLC0415
+    except ImportError as e:
+        return None, f"the CUDA extension jax_ep._C is not built or cannot load ({e})"
+    return _C, ""
+
+
+@functools.cache
+def register_targets() -> None:
+    """Registers every FFI target of ``jax_ep._C`` with XLA for platform CUDA (once)."""
+    module, reason = load_extension()
+    if module is None:
+        raise RuntimeError(reason)
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+def _varying_axes(x) -> frozenset:
+    """Manual mesh axes ``x`` varies over inside shard_map (empty when vma checks are off)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _make_varying(x, axes: frozenset):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
+class CudaBackend:
+    """FFI calls of one Buffer. Every operand is made varying over the same axes so that the
+    custom call type-checks under shard_map's varying-axes check, and results carry those axes."""
+
+    name = "cuda"
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.num_ranks = buf.num_ranks
+        self.num_local_experts = buf.num_local_experts
+
+    def _call(self, op, operands, results, **attrs):
+        axes = frozenset({self.buf.axis_name})
+        for a in operands:
+            axes |= _varying_axes(a)
+        if len(axes) == 1 and not _varying_axes(operands[0]):
+            axes = frozenset()  # vma checking is off: nothing to align
+        operands = [_make_varying(a, axes) for a in operands]
+        template = jax.typeof(operands[0])
+        result_types = [_result_type(template, shape, dtype) for shape, dtype in results]
+        call = jax.ffi.ffi_call(target_name(op), result_types, has_side_effect=True)
+        return call(*operands, buffer_id=np.int64(self.buf.buffer_id), **attrs)
+
+    def layout(self, topk_idx):
+        T = topk_idx.shape[0]
+        R, E = self.num_ranks, self.buf.num_experts
+        per_rank, per_expert, is_in = self._call(
+            "layout", [topk_idx], [((R,), jnp.int32), ((E,), jnp.int32), ((T, R), jnp.bool_)])
+        return Layout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                      is_token_in_rank=is_in)
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights):
+        T, H = x.shape
+        K, R = topk_idx.shape[1], self.num_ranks
+        C = self.buf.capacity_for(T)
+        outs = self._call("dispatch", [x, x_scales, topk_idx, topk_weights], [
+            ((C, H), x.dtype), ((C, x_scales.shape[1]), jnp.float32), ((C, K), jnp.int32),
+            ((C, K), jnp.float32), ((), jnp.int32), ((self.num_local_experts,), jnp.int32),
+            ((T, R), jnp.int32), ((C,), jnp.int32)])
+        recv_x, recv_scales, recv_idx, recv_w, num_recv, per_expert, send_pos, recv_src = outs
+        return dict(recv_x=recv_x, recv_scales=recv_scales, recv_topk_idx=recv_idx,
+                    recv_topk_weights=recv_w, num_recv_tokens=num_recv,
+                    num_recv_tokens_per_expert=per_expert,
+                    handle=DispatchHandle(send_pos=send_pos, recv_src=recv_src,
+                                          num_recv_tokens=num_recv))
+
+    def cached_dispatch(self, x, x_scales, w, handle):
+        C = handle.recv_src.shape[0]
+        return tuple(self._call(
+            "cached_dispatch",
+            [x, x_scales, w, handle.send_pos, handle.recv_src, handle.num_recv_tokens],
+            [((C, x.shape[1]), x.dtype), ((C, x_scales.shape[1]), jnp.float32),
+             ((C, w.shape[1]), jnp.float32)]))
+
+    def combine(self, y, y_w, handle):
+        T = handle.send_pos.shape[0]
+        return tuple(self._call(
+            "combine", [y, y_w, handle.send_pos, handle.recv_src, handle.num_recv_tokens],
+            [((T, y.shape[1]), y.dtype), ((T, y_w.shape[1]), jnp.float32)]))
+
+    def low_latency_dispatch(self, x, topk_idx, use_fp8, round_scale):
+        H = x.shape[1]
+        E_loc, rows = self.num_local_experts, self.num_ranks * self.buf.max_tokens_per_rank
+        x_dtype = jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16
+        num_scales = H // 128 if use_fp8 else 0
+        recv_x, recv_scales, recv_count, recv_src, recv_k = self._call(
+            "low_latency_dispatch", [x, topk_idx],
+            [((E_loc, rows, H), x_dtype), ((E_loc, rows, num_scales), jnp.float32),
+             ((E_loc,), jnp.int32), ((E_loc, rows), jnp.int32), ((E_loc, rows), jnp.int32)],
+            use_fp8=bool(use_fp8), round_scale=bool(round_scale))
+        return dict(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count,
+                    recv_src=recv_src, recv_k=recv_k)
+
+    def low_latency_combine(self, y, topk_idx, topk_weights, handle):
+        T, H = topk_idx.shape[0], y.shape[-1]
+        (out,) = self._call(
+            "low_latency_combine",
+            [y, topk_idx, topk_weights, handle.recv_src, handle.recv_k, handle.recv_count],
+            [((T, H), jnp.bfloat16)])
+        return out
+
+
+def _result_type(template, shape, dtype):
+    """An abstract value like ``template`` (same varying axes) with another shape and dtype."""
+    try:
+        return template.update(shape=tuple(shape), dtype=jnp.dtype(dtype))
+    except Exception:  # noqa: BLE001 - older avals: a plain ShapeDtypeStruct
+        return jax.ShapeDtypeStruct(tuple(shape), dtype)

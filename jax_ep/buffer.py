@@ -1,0 +1,296 @@
+"""``jax_ep.Buffer``: the communication state of one expert-parallel configuration.
+
+Sharding model: ``mesh`` may have any axes; every slice of it along ``axis_name`` is one EP
+group of ``R = mesh.shape[axis_name]`` ranks, and expert ``e`` lives on rank
+``e // (num_experts // R)`` of its group. The ops run inside ``jax.shard_map`` that is manual over
+``axis_name`` (and possibly other axes), under ``jax.jit``; each rank passes its own ``[T, ...]``
+tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _cuda
+from jax_ep.reference import ReferenceBackend
+
+BACKENDS = ("auto", "cuda", "xla")
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
+MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
+MAX_CUDA_RANKS = 8       # one NVLink domain
+DEFAULT_TIMEOUT_S = 10.0
+
+_buffer_ids = itertools.count(1)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _timeout_from_env():
+    raw = os.environ.get("JAX_EP_TIMEOUT_S")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"JAX_EP_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"JAX_EP_TIMEOUT_S must be positive, got {raw!r}")
+    return value
+
+
+class Buffer:
+    """Communication memory and configuration for dispatch/combine over one mesh axis.
+
+    Built eagerly on the host, outside jit. With the CUDA backend it allocates on every device
+    of ``mesh`` one workspace (``workspace_bytes`` per device: for the normal mode about
+    ``2 * R * max_tokens_per_rank * (hidden * itemsize + hidden / 32 + 8 * num_topk + 4)``, for
+    the low-latency mode about ``2 * num_experts * max_tokens_per_rank * (2.03 * hidden + 16)``
+    more) with cudaMalloc beside XLA's pool, exchanges peer addresses and preloads every kernel.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` containing ``axis_name``.
+      axis_name: the expert-parallel mesh axis.
+      num_experts: global number of experts ``E``; a multiple of the number of ranks.
+      hidden: channels per token ``H``; a multiple of 128.
+      max_tokens_per_rank: largest ``T`` any call will pass (``T_max``).
+      num_topk: experts per token ``K`` (at most 32).
+      dtype: data dtype of ``x``/``y`` (bfloat16 or float32); fp8 inputs come as a pair.
+      low_latency: also set up the low-latency (decode) mode.
+      backend: ``"cuda"`` (our kernels), ``"xla"`` (pure-JAX reference, any platform) or
+        ``"auto"`` (cuda when every device is a CUDA GPU and the extension is built).
+      capacity: static receive rows ``C`` of the normal mode (default ``R * T`` per call).
+        Tokens past it are dropped and reported by ``check()``.
+      timeout_s: bound on every wait for a peer (default ``$JAX_EP_TIMEOUT_S`` or 10 s).
+      lowering_only: build a CUDA Buffer without touching devices: it traces, lowers and
+        exports (e.g. ``jax.export`` for platform cuda from a CPU machine) but cannot run.
+
+    Buffer ids are handed out in creation order within a process (1, 2, ...) and baked into the
+    compiled programs; an exported program runs in a process whose Buffer of the same
+    configuration was created in the same order.
+    """
+
+    def __init__(self, mesh, axis_name, *, num_experts, hidden, max_tokens_per_rank, num_topk,
+                 dtype=jnp.bfloat16, low_latency=False, backend="auto", capacity=None,
+                 timeout_s=None, lowering_only=False):
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if axis_name not in mesh.axis_names:
+            raise ValueError(
+                f"axis_name {axis_name!r} is not an axis of the mesh (axes: {mesh.axis_names})")
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.num_ranks = int(mesh.shape[axis_name])
+        self.num_experts = _positive_int("num_experts", num_experts)
+        if self.num_experts % self.num_ranks:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be a multiple of the number of ranks along "
+                f"{axis_name!r} ({self.num_ranks})")
+        self.hidden = _positive_int("hidden", hidden)
+        if self.hidden % 128:
+            raise ValueError(f"hidden must be a multiple of 128, got {hidden}")
+        self.max_tokens_per_rank = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
+        self.num_topk = _positive_int("num_topk", num_topk)
+        if self.num_topk > min(MAX_TOPK, self.num_experts):
+            raise ValueError(f"num_topk must be at most min({MAX_TOPK}, num_experts="
+                             f"{self.num_experts}), got {num_topk}")
+        if jnp.dtype(dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+            raise ValueError(f"dtype must be bfloat16 or float32, got {jnp.dtype(dtype)}")
+        self.dtype = jnp.dtype(dtype)
+        self.low_latency = bool(low_latency)
+        max_capacity = self.num_ranks * self.max_tokens_per_rank
+        if capacity is not None:
+            capacity = _positive_int("capacity", capacity)
+            if capacity > max_capacity:
+                raise ValueError(f"capacity must be at most num_ranks * max_tokens_per_rank = "
+                                 f"{max_capacity}, got {capacity}")
+        self._capacity = capacity
+        self.timeout_s = _timeout_from_env() if timeout_s is None else float(timeout_s)
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.buffer_id = next(_buffer_ids)
+        self._closed = False
+        self._errors_lock = threading.Lock()
+        self._host_errors = {"invalid_expert_ids": 0, "overflow_rows": 0}
+        self._allocated = False
+        self.backend = self._resolve_backend(backend, lowering_only)
+        if self.backend == "cuda":
+            self._impl = _cuda.CudaBackend(self)
+            if not lowering_only:
+                self._allocate()
+        else:
+            self._impl = ReferenceBackend(self)
+
+    # ---------------------------------------------------------------------------- properties
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def capacity(self) -> int:
+        """Static receive capacity if set, else the largest one: ``R * max_tokens_per_rank``."""
+        return self._capacity or self.num_ranks * self.max_tokens_per_rank
+
+    def capacity_for(self, num_tokens: int):
+        """Receive rows ``C`` of a normal-mode call with ``num_tokens`` tokens per rank."""
+        return self._capacity if self._capacity is not None else self.num_ranks * num_tokens
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device memory the CUDA backend allocates per device (0 for the reference backend)."""
+        if self.backend != "cuda":
+            return 0
+        module, _ = _cuda.load_extension()
+        return module.workspace_bytes(*self._runtime_config()[:-1]) if module else 0
+
+    def __repr__(self):
+        return (f"Buffer(id={self.buffer_id}, backend={self.backend!r}, ranks={self.num_ranks}, "
+                f"experts={self.num_experts}, hidden={self.hidden}, "
+                f"max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.num_topk}, "
+                f"dtype={self.dtype.name}, low_latency={self.low_latency})")
+
+    # ------------------------------------------------------------------------------ set-up
+    def _resolve_backend(self, backend, lowering_only):
+        devices = list(self.mesh.devices.flat)
+        if backend == "xla":
+            return "xla"
+        all_gpus = all(d.platform == "gpu" for d in devices)
+        module, reason = _cuda.load_extension()
+        if backend == "auto":
+            return "cuda" if all_gpus and module is not None else "xla"
+        if lowering_only:
+            return "cuda"
+        if not all_gpus:
+            raise ValueError(f"backend='cuda' needs every mesh device to be a CUDA GPU, got "
+                             f"{sorted({d.platform for d in devices})}; use backend='xla'")
+        if module is None:
+            raise ValueError(f"backend='cuda': {reason}; use backend='xla'")
+        if self.num_ranks > MAX_CUDA_RANKS:
+            raise ValueError(f"backend='cuda' supports at most {MAX_CUDA_RANKS} ranks along "
+                             f"{self.axis_name!r}, got {self.num_ranks}")
+        if any(d.process_index != jax.process_index() for d in devices):
+            raise ValueError("backend='cuda' currently needs every mesh device in this process "
+                             "(one process driving all local GPUs)")
+        return "cuda"
+
+    def _ep_groups(self):
+        """Device ordinals of every EP group, in rank order."""
+        axis = self.mesh.axis_names.index(self.axis_name)
+        devices = np.moveaxis(self.mesh.devices, axis, -1).reshape(-1, self.num_ranks)
+        return [[int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
+                 for d in group] for group in devices]
+
+    def _runtime_config(self):
+        return (self.num_ranks, self.num_experts, self.hidden, self.max_tokens_per_rank,
+                self.num_topk, self.capacity, self.dtype.itemsize, self.low_latency,
+                self.timeout_s)
+
+    def _allocate(self):
+        if self.backend == "cuda":
+            _cuda.register_targets()
+            module, _ = _cuda.load_extension()
+            module.create_buffer(self.buffer_id, self._ep_groups(), *self._runtime_config())
+            self._allocated = True
+
+    # -------------------------------------------------------------------------- lifecycle
+    def _check_open(self):
+        if self._closed:
+            raise ValueError(f"{self!r} is closed")
+
+    def close(self) -> None:
+        """Frees the device memory. Later calls with this Buffer raise. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._allocated:
+            module, _ = _cuda.load_extension()
+            module.destroy_buffer(self.buffer_id)
+            self._allocated = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def warmup(self) -> None:
+        """Runs every op of this Buffer once at ``max_tokens_per_rank`` tokens per rank.
+
+        Loads and initialises everything a first call would (kernels were already preloaded at
+        creation; this also touches all communication memory, lines the ranks up and compiles
+        the small warm-up programs), so that the first real step costs what every step costs.
+        """
+        self._check_open()
+        from jax_ep import warmup as _warmup  # noqa: PLC0415
+
+        _warmup.run(self)
+
+    # ------------------------------------------------------------------------------ errors
+    def _report_errors(self, invalid_ids, overflow_rows):
+        """Reference backend: forwards per-rank error counts to the host (jit-safe)."""
+        def record(invalid, overflow):
+            with self._errors_lock:
+                self._host_errors["invalid_expert_ids"] += int(invalid)
+                self._host_errors["overflow_rows"] += int(overflow)
+
+        jax.debug.callback(record, invalid_ids, overflow_rows)
+
+    def errors(self) -> dict:
+        """Totals since creation (or the last ``check``): invalid expert ids, overflowed rows,
+        and a description of any timed-out wait."""
+        self._check_open()
+        if self.backend == "cuda" and self._allocated:
+            module, _ = _cuda.load_extension()
+            records = module.read_errors(self.buffer_id)
+            timeouts = [
+                f"rank {r['rank']} (device {r['device']}) waited for rank {r['timeout_peer']} "
+                f"in {_cuda.WAIT_PHASES.get(r['timeout_phase'], r['timeout_phase'])}"
+                for r in records if r["timed_out"]]
+            return {"invalid_expert_ids": sum(r["invalid_expert_ids"] for r in records),
+                    "overflow_rows": sum(r["overflow_rows"] for r in records),
+                    "timeouts": timeouts}
+        jax.effects_barrier()
+        with self._errors_lock:
+            return dict(self._host_errors, timeouts=[])
+
+    def check(self) -> None:
+        """Raises RuntimeError if any call so far met bad input or a timeout, then resets.
+
+        Waits for pending work (host synchronisation: call it between steps, not inside one).
+        """
+        errors = self.errors()
+        problems = []
+        if errors["invalid_expert_ids"]:
+            problems.append(f"{errors['invalid_expert_ids']} expert ids outside "
+                            f"[-1, {self.num_experts}) were treated as -1")
+        if errors["overflow_rows"]:
+            problems.append(f"receive capacity {self.capacity} overflowed: "
+                            f"{errors['overflow_rows']} rows were dropped (raise capacity)")
+        problems += [f"timeout: {t}" for t in errors["timeouts"]]
+        self._reset_errors()
+        if problems:
+            raise RuntimeError(f"jax_ep {self!r}: " + "; ".join(problems))
+
+    def _reset_errors(self):
+        if self.backend == "cuda" and self._allocated:
+            module, _ = _cuda.load_extension()
+            module.reset_errors(self.buffer_id)
+        with self._errors_lock:
+            self._host_errors = {"invalid_expert_ids": 0, "overflow_rows": 0}

@@ -1,0 +1,160 @@
+"""NumPy oracle of DESIGN.md section 2 and routing generators, for tests, the demo and benchmarks.
+
+Arrays here are *global*: a leading ``[R]`` axis holds every rank's per-rank array, as
+``jax.shard_map`` with ``in_specs=P(axis)`` on a ``[R*T, ...]`` array would split it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ------------------------------------------------------------------------------------ routing
+ROUTINGS = ("uniform", "with_minus_one", "one_hot_expert", "empty_ranks", "all_minus_one",
+            "skewed")
+
+
+def make_routing(kind, rng, num_ranks, num_tokens, num_experts, num_topk):
+    """``(topk_idx [R, T, K] int32, topk_weights [R, T, K] float32)`` of one routing kind.
+
+    Ids of one token are always distinct (as top-k produces).
+    """
+    R, T, E, K = num_ranks, num_tokens, num_experts, num_topk
+    scores = rng.random((R, T, E))
+    if kind == "one_hot_expert":      # every token picks expert 0 (+ its other top-k)
+        scores[..., 0] += 2.0
+    elif kind == "empty_ranks":       # experts of the last half of the ranks are never chosen
+        keep = max(E // R * max(R // 2, 1), K)
+        scores[..., keep:] = -1.0
+    elif kind == "skewed":            # Zipf-like popularity
+        scores *= (1.0 / np.arange(1, E + 1)) ** 1.5
+    idx = np.argsort(-scores, axis=-1)[..., :K].astype(np.int32)
+    if kind == "with_minus_one":
+        idx = np.where(rng.random(idx.shape) < 0.3, -1, idx).astype(np.int32)
+    elif kind == "all_minus_one":
+        idx = np.full(idx.shape, -1, np.int32)
+    weights = rng.random((R, T, K)).astype(np.float32)
+    return idx, weights
+
+
+# ----------------------------------------------------------------------------------- normal
+def _experts_rank(topk_idx, num_experts, num_ranks):
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    return np.where(valid, topk_idx // (num_experts // num_ranks), -1)
+
+
+def layout(topk_idx, num_experts, num_ranks):
+    """Per rank: ``num_tokens_per_rank [R]``, ``num_tokens_per_expert [E]``,
+    ``is_token_in_rank [T, R]``."""
+    out = []
+    for idx in topk_idx:
+        expert_rank = _experts_rank(idx, num_experts, num_ranks)
+        is_in = np.stack([(expert_rank == r).any(1) for r in range(num_ranks)], axis=1)
+        valid = (idx >= 0) & (idx < num_experts)
+        per_expert = np.bincount(idx[valid], minlength=num_experts).astype(np.int32)
+        out.append(dict(num_tokens_per_rank=is_in.sum(0).astype(np.int32),
+                        num_tokens_per_expert=per_expert, is_token_in_rank=is_in))
+    return out
+
+
+def dispatch(x, topk_idx, topk_weights, num_experts, capacity=None, scales=None):
+    """Normal dispatch of every rank. Returns one dict per receiving rank with ``recv_x [C,H]``
+    (zero past num_recv_tokens), ``recv_scales``, ``recv_topk_idx``, ``recv_topk_weights``,
+    ``num_recv_tokens``, ``num_recv_tokens_per_expert``, ``recv_src``, and ``send_pos``
+    (``[T, R]`` of that rank as a sender)."""
+    R, T = topk_idx.shape[:2]
+    E_loc = num_experts // R
+    C = R * T if capacity is None else capacity
+    expert_rank = [_experts_rank(i, num_experts, R) for i in topk_idx]
+    out = []
+    for r in range(R):
+        rows = [(s, t) for s in range(R) for t in range(T) if (expert_rank[s][t] == r).any()]
+        n = len(rows)
+        recv_x = np.zeros((C,) + x.shape[2:], x.dtype)
+        recv_scales = None if scales is None else np.zeros((C,) + scales.shape[2:], np.float32)
+        recv_idx = np.full((C, topk_idx.shape[2]), -1, np.int32)
+        recv_w = np.zeros((C, topk_idx.shape[2]), np.float32)
+        recv_src = np.full((C,), -1, np.int32)
+        for i, (s, t) in enumerate(rows[:C]):
+            recv_x[i] = x[s, t]
+            if scales is not None:
+                recv_scales[i] = scales[s, t]
+            mine = expert_rank[s][t] == r
+            recv_idx[i] = np.where(mine, topk_idx[s, t] - r * E_loc, -1)
+            recv_w[i] = np.where(mine, topk_weights[s, t], 0.0)
+            recv_src[i] = s * T + t
+        per_expert = np.array([(recv_idx == e).any(1).sum() for e in range(E_loc)], np.int32)
+        out.append(dict(recv_x=recv_x, recv_scales=recv_scales, recv_topk_idx=recv_idx,
+                        recv_topk_weights=recv_w, num_recv_tokens=n,
+                        num_recv_tokens_per_expert=per_expert, recv_src=recv_src))
+    for s in range(R):
+        send_pos = np.full((T, R), -1, np.int32)
+        for r in range(R):
+            row = 0
+            for s2 in range(R):
+                for t in range(T):
+                    if (expert_rank[s2][t] == r).any():
+                        if s2 == s:
+                            send_pos[t, r] = row
+                        row += 1
+        out[s]["send_pos"] = send_pos
+    return out
+
+
+def combine(y, recv_src, num_tokens):
+    """``y [R, C, H]`` rows back to their sources, summed in float64: ``[R, T, H]``."""
+    R = y.shape[0]
+    out = np.zeros((R, num_tokens) + y.shape[2:], np.float64)
+    for r in range(R):
+        for i, src in enumerate(recv_src[r]):
+            if src >= 0:
+                out[src // num_tokens, src % num_tokens] += y[r, i].astype(np.float64)
+    return out
+
+
+# ------------------------------------------------------------------------------ low latency
+def low_latency_dispatch(x, topk_idx, num_experts, max_tokens_per_rank):
+    """Per receiving rank: ``rows [E_loc][list of (src_rank, token, k)]`` in contract order,
+    ``recv_count [E_loc]``, ``recv_src [E_loc, R*T_max]`` and the expected ``recv_x`` rows
+    (a list per expert of ``x[src, token]``)."""
+    R, T, K = topk_idx.shape
+    E_loc = num_experts // R
+    out = []
+    for r in range(R):
+        rows = [[] for _ in range(E_loc)]
+        for s in range(R):
+            for t in range(T):
+                for k in range(K):
+                    g = topk_idx[s, t, k]
+                    if 0 <= g < num_experts and g // E_loc == r:
+                        rows[g % E_loc].append((s, t, k))
+        recv_src = np.full((E_loc, R * max_tokens_per_rank), -1, np.int32)
+        for e in range(E_loc):
+            for j, (s, t, _) in enumerate(rows[e]):
+                recv_src[e, j] = s * max_tokens_per_rank + t
+        out.append(dict(rows=rows, recv_count=np.array([len(v) for v in rows], np.int32),
+                        recv_src=recv_src,
+                        recv_x=[np.stack([x[s, t] for s, t, _ in v]) if v else None
+                                for v in rows]))
+    return out
+
+
+def low_latency_combine(y, topk_idx, topk_weights, rows):
+    """``y [R, E_loc, R*T_max, H]``, ``rows`` from ``low_latency_dispatch``: ``[R, T, H]``
+    float64 weighted sums."""
+    R, T, K = topk_idx.shape
+    out = np.zeros((R, T, y.shape[-1]), np.float64)
+    for r in range(R):
+        for e, selections in enumerate(rows[r]["rows"]):
+            for j, (s, t, k) in enumerate(selections):
+                out[s, t] += float(topk_weights[s, t, k]) * y[r, e, j].astype(np.float64)
+    return out
+
+
+def fp8_cast(x, round_scale=False):
+    """Per token, per 128 channels: ``(x / scale, scale)`` in float32 before the e4m3 rounding
+    (compare after casting both to float8_e4m3fn)."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 128)
+    scale = np.maximum(np.abs(blocks).max(-1), np.float32(1e-4)) / np.float32(448.0)
+    if round_scale:
+        scale = np.exp2(np.ceil(np.log2(scale.astype(np.float64)))).astype(np.float32)
+    return (blocks / scale[..., None]).reshape(x.shape), scale.astype(np.float32)

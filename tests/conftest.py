@@ -1,0 +1,63 @@
+"""Test set-up: 8 host CPU devices (before jax is imported) and the backend fixture."""
+
+import os
+import zlib
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# Never use NVLink multicast on shared machines.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+
+def gpu_devices():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def require_gpus(count=1):
+    """Skips (saying why) unless jax sees `count` GPUs and jax_ep._C is built."""
+    gpus = gpu_devices()
+    if len(gpus) < count:
+        pytest.skip(f"needs {count} CUDA GPU(s), jax sees {len(gpus)}")
+    from jax_ep import _cuda
+
+    module, reason = _cuda.load_extension()
+    if module is None:
+        pytest.skip(reason)
+    return gpus
+
+
+@pytest.fixture(params=["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request):
+    """Every op test runs once per backend; the cuda one only with `-m gpu` on a GPU machine."""
+    if request.param == "cuda":
+        require_gpus(1)
+    return request.param
+
+
+def ep_mesh(backend, num_ranks=None, data=1):
+    """A mesh ('data', 'ep') or ('ep',) over the devices of `backend`."""
+    devices = gpu_devices() if backend == "cuda" else jax.devices("cpu")
+    num_ranks = num_ranks or len(devices) // data
+    if num_ranks * data > len(devices):
+        pytest.skip(f"needs {num_ranks * data} devices, have {len(devices)}")
+    grid = np.array(devices[: num_ranks * data])
+    if data == 1:
+        return Mesh(grid, ("ep",))
+    return Mesh(grid.reshape(data, num_ranks), ("data", "ep"))
+
+
+@pytest.fixture
+def rng(request):
+    """Deterministic per test."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)

@@ -1,0 +1,209 @@
+"""Normal-mode ops against the NumPy oracle (DESIGN.md section 2), once per backend."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import ep_mesh
+from harness import run_sharded
+
+import jax_ep
+from jax_ep import testing as oracle
+
+E, K = 32, 4
+
+
+def make_buffer(backend, mesh, hidden=256, tokens=16, dtype=jnp.float32, **kw):
+    return jax_ep.Buffer(mesh, "ep", num_experts=kw.pop("num_experts", E), hidden=hidden,
+                         max_tokens_per_rank=tokens, num_topk=kw.pop("num_topk", K),
+                         dtype=dtype, backend=backend, **kw)
+
+
+def random_x(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def dispatch_and_combine(buf, x, idx, w):
+    def step(x, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w)
+        y, y_w = jax_ep.combine(buf, d.recv_x, d.handle, d.recv_topk_weights)
+        return d, y, y_w
+    return step
+
+
+def assert_dispatch_matches(out, expected, num_tokens):
+    d, y, y_w = out
+    for r, exp in enumerate(expected):
+        np.testing.assert_array_equal(d.recv_x[r].view(np.uint8), exp["recv_x"].view(np.uint8))
+        np.testing.assert_array_equal(d.recv_topk_idx[r], exp["recv_topk_idx"])
+        np.testing.assert_array_equal(d.recv_topk_weights[r], exp["recv_topk_weights"])
+        assert int(d.num_recv_tokens[r]) == exp["num_recv_tokens"]
+        np.testing.assert_array_equal(d.num_recv_tokens_per_expert[r],
+                                      exp["num_recv_tokens_per_expert"])
+        np.testing.assert_array_equal(d.handle.recv_src[r], exp["recv_src"])
+        np.testing.assert_array_equal(d.handle.send_pos[r], exp["send_pos"])
+    expected_y = oracle.combine(d.recv_x.astype(np.float32), d.handle.recv_src, num_tokens)
+    tol = 1e-5 if y.dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(y.astype(np.float64), expected_y, rtol=tol, atol=tol)
+    expected_w = oracle.combine(d.recv_topk_weights, d.handle.recv_src, num_tokens)
+    np.testing.assert_allclose(y_w, expected_w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("routing", oracle.ROUTINGS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dispatch_combine_match_oracle(backend, rng, routing, dtype):
+    mesh = ep_mesh(backend)
+    R, T, H = mesh.shape["ep"], 16, 256
+    buf = make_buffer(backend, mesh, H, T, dtype)
+    idx, w = oracle.make_routing(routing, rng, R, T, E, K)
+    x = random_x(rng, (R, T, H), dtype)
+    out = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
+    assert_dispatch_matches(out, oracle.dispatch(x, idx, w, E), T)
+    buf.check()
+
+
+def test_fewer_tokens_than_max_and_changing_t(backend, rng):
+    mesh = ep_mesh(backend)
+    R, H = mesh.shape["ep"], 128
+    buf = make_buffer(backend, mesh, H, tokens=32)
+    for T in (5, 32, 1):
+        idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
+        x = random_x(rng, (R, T, H), np.float32)
+        out = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
+        assert out[0].recv_x.shape == (R, R * T, H)
+        assert_dispatch_matches(out, oracle.dispatch(x, idx, w, E), T)
+
+
+def test_fp8_pair_moves_bit_exact(backend, rng):
+    mesh = ep_mesh(backend)
+    R, T, H = mesh.shape["ep"], 16, 384
+    buf = make_buffer(backend, mesh, H, T, jnp.bfloat16)
+    idx, w = oracle.make_routing("with_minus_one", rng, R, T, E, K)
+    x = random_x(rng, (R, T, H), np.float32)
+    x_fp8, scales = jax.jit(jax_ep.per_token_cast_to_fp8)(x)
+    x_fp8, scales = np.asarray(x_fp8), np.asarray(scales)
+
+    def step(x_fp8, scales, idx, w):
+        return jax_ep.dispatch(buf, (x_fp8, scales), idx, w)
+
+    d = run_sharded(mesh, step, x_fp8, scales, idx, w)
+    expected = oracle.dispatch(x_fp8, idx, w, E, scales=scales)
+    for r, exp in enumerate(expected):
+        assert d.recv_x[r].dtype == ml_dtypes.float8_e4m3fn
+        np.testing.assert_array_equal(d.recv_x[r].view(np.uint8), exp["recv_x"].view(np.uint8))
+        np.testing.assert_array_equal(d.recv_scales[r], exp["recv_scales"])
+        np.testing.assert_array_equal(d.handle.recv_src[r], exp["recv_src"])
+
+
+def test_layout_matches_oracle(backend, rng):
+    mesh = ep_mesh(backend)
+    R, T = mesh.shape["ep"], 24
+    buf = make_buffer(backend, mesh, 128, T)
+    idx, _ = oracle.make_routing("with_minus_one", rng, R, T, E, K)
+    lay = run_sharded(mesh, lambda i: jax_ep.get_dispatch_layout(buf, i), idx)
+    for r, exp in enumerate(oracle.layout(idx, E, R)):
+        np.testing.assert_array_equal(lay.num_tokens_per_rank[r], exp["num_tokens_per_rank"])
+        np.testing.assert_array_equal(lay.num_tokens_per_expert[r],
+                                      exp["num_tokens_per_expert"])
+        np.testing.assert_array_equal(lay.is_token_in_rank[r], exp["is_token_in_rank"])
+
+
+def test_cached_dispatch_repeats_routing(backend, rng):
+    mesh = ep_mesh(backend)
+    R, T, H = mesh.shape["ep"], 16, 256
+    buf = make_buffer(backend, mesh, H, T)
+    idx, w = oracle.make_routing("skewed", rng, R, T, E, K)
+    x = random_x(rng, (R, T, H), np.float32)
+    x2 = random_x(rng, (R, T, H), np.float32)
+
+    def step(x, x2, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w)
+        return d.handle.recv_src, jax_ep.dispatch(buf, x2, handle=d.handle).recv_x
+
+    recv_src, recv_x2 = run_sharded(mesh, step, x, x2, idx, w)
+    expected = oracle.dispatch(x2, idx, w, E)
+    for r in range(R):
+        np.testing.assert_array_equal(recv_x2[r], expected[r]["recv_x"])
+        np.testing.assert_array_equal(recv_src[r], expected[r]["recv_src"])
+
+
+def test_data_axis_mesh(backend, rng):
+    mesh = ep_mesh(backend, num_ranks=4 if backend == "xla" else 1, data=2)
+    D, R = mesh.shape["data"], mesh.shape["ep"]
+    T, H = 8, 128
+    buf = make_buffer(backend, mesh, H, T)
+    idx, w = oracle.make_routing("uniform", rng, D * R, T, E, K)
+    x = random_x(rng, (D * R, T, H), np.float32)
+    d, y, y_w = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
+    for g in range(D):
+        group = slice(g * R, (g + 1) * R)
+        expected = oracle.dispatch(x[group], idx[group], w[group], E)
+        sub = jax.tree.map(lambda a, s=group: a[s], (d, y, y_w))
+        assert_dispatch_matches(sub, expected, T)
+
+
+def test_capacity_overflow_is_reported(backend, rng):
+    mesh = ep_mesh(backend)
+    R, T, H = mesh.shape["ep"], 16, 128
+    capacity = 3
+    buf = make_buffer(backend, mesh, H, T, capacity=capacity)
+    idx, w = oracle.make_routing("one_hot_expert", rng, R, T, E, K)
+    x = random_x(rng, (R, T, H), np.float32)
+    d, y, _ = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
+    expected = oracle.dispatch(x, idx, w, E, capacity=capacity)
+    assert d.recv_x.shape == (R, capacity, H)
+    assert int(d.num_recv_tokens[0]) == R * T  # the true count, past the capacity
+    for r, exp in enumerate(expected):
+        np.testing.assert_array_equal(d.recv_x[r], exp["recv_x"])
+        np.testing.assert_array_equal(d.handle.recv_src[r], exp["recv_src"])
+    np.testing.assert_allclose(y.astype(np.float64),
+                               oracle.combine(d.recv_x, d.handle.recv_src, T), atol=1e-5)
+    with pytest.raises(RuntimeError, match="capacity 3 overflowed"):
+        buf.check()
+    buf.check()  # reset after raising
+
+
+def test_invalid_expert_ids_are_dropped_and_reported(backend, rng):
+    mesh = ep_mesh(backend)
+    R, T, H = mesh.shape["ep"], 8, 128
+    buf = make_buffer(backend, mesh, H, T)
+    idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
+    bad = idx.copy()
+    bad[:, 0, 0] = E + 5
+    bad[:, 1, 1] = -7
+    x = random_x(rng, (R, T, H), np.float32)
+    d, _, _ = run_sharded(mesh, dispatch_and_combine(buf, x, bad, w), x, bad, w)
+    cleaned = np.where((bad >= 0) & (bad < E), bad, -1).astype(np.int32)
+    for r, exp in enumerate(oracle.dispatch(x, cleaned, w, E)):
+        np.testing.assert_array_equal(d.recv_x[r], exp["recv_x"])
+        np.testing.assert_array_equal(d.recv_topk_idx[r], exp["recv_topk_idx"])
+    with pytest.raises(RuntimeError, match=f"{2 * R} expert ids outside"):
+        buf.check()
+
+
+def test_nan_and_inf_rows_move_bit_exact(backend, rng):
+    mesh = ep_mesh(backend)
+    R, T, H = mesh.shape["ep"], 8, 128
+    buf = make_buffer(backend, mesh, H, T)
+    idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
+    x = random_x(rng, (R, T, H), np.float32)
+    x[:, 0, :3] = [np.nan, np.inf, -np.inf]
+    d, _, _ = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
+    for r, exp in enumerate(oracle.dispatch(x, idx, w, E)):
+        np.testing.assert_array_equal(d.recv_x[r].view(np.uint32), exp["recv_x"].view(np.uint32))
+
+
+def test_two_buffers_alive(backend, rng):
+    mesh = ep_mesh(backend)
+    R, T = mesh.shape["ep"], 8
+    first = make_buffer(backend, mesh, 128, T)
+    second = make_buffer(backend, mesh, 256, T, num_experts=16, num_topk=2)
+    for buf, H, experts, topk in ((first, 128, E, K), (second, 256, 16, 2), (first, 128, E, K)):
+        idx, w = oracle.make_routing("uniform", rng, R, T, experts, topk)
+        x = random_x(rng, (R, T, H), np.float32)
+        d, _, _ = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
+        for r, exp in enumerate(oracle.dispatch(x, idx, w, experts)):
+            np.testing.assert_array_equal(d.recv_x[r], exp["recv_x"])
+    first.close()
+    second.close()
