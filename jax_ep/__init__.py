@@ -11,6 +11,7 @@ from jax_ep._types import (
     LowLatencyDispatched,
     LowLatencyHandle,
 )
+from jax_ep._cuda import export_safety_checks
 from jax_ep.buffer import Buffer
 from jax_ep.fp8 import per_token_cast_from_fp8, per_token_cast_to_fp8
 from jax_ep.ops import (
@@ -32,6 +33,7 @@ __all__ = [
     "LowLatencyHandle",
     "combine",
     "dispatch",
+    "export_safety_checks",
     "get_dispatch_layout",
     "low_latency_combine",
     "low_latency_dispatch",

@@ -32,6 +32,16 @@ def target_name(op: str) -> str:
     return f"jax_ep_{op}_{TARGET_VERSION}"
 
 
+def export_safety_checks():
+    """``disabled_checks`` for ``jax.export.export`` of programs that call jax_ep's kernels.
+
+    jax.export refuses custom calls without a compatibility guarantee; ours carry a version in
+    their name instead (``TARGET_VERSION``), so a program exported against another version fails
+    to find its target rather than running a different kernel.
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(target_name(op)) for op in TARGETS]
+
+
 def load_extension():
     """The compiled module ``jax_ep._C``, or None with the reason when it is not available."""
     try:

@@ -1,0 +1,416 @@
+"""`python -m jax_ep.env` and the backend choice (jax_ep/env.py, jax_ep/_cuda_driver.py).
+
+CPU tests run the real probes on this machine (no GPU expected) and the decision logic on fake
+device descriptions; the `gpu` test checks a machine with at least two peer-connected GPUs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jax_ep import _cuda_driver, env
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TOP_LEVEL_KEYS = {
+    "schema_version": int,
+    "versions": dict,
+    "driver": dict,
+    "jax": dict,
+    "gpus": list,
+    "peers": list,
+    "extension": dict,
+    "nvshmem": dict,
+    "xla_memory": dict,
+    "workspace": dict,
+    "backend": dict,
+}
+NONE = type(None)
+SECTION_KEYS = {
+    "versions": {"jax_ep": (str, NONE), "jax": str, "jaxlib": (str, NONE), "python": str,
+                 "cuda_driver": (str, NONE), "cuda_runtime": str,
+                 "cuda_runtime_source": (str, NONE), "jax_cuda_plugin": (str, NONE)},
+    "driver": {"available": bool, "reason": (str, NONE), "device_count": int, "nvml": bool,
+               "nvml_reason": (str, NONE)},
+    "jax": {"default_backend": (str, NONE), "process_index": int, "process_count": int,
+            "device_count": int, "local_devices": list, "error": (str, NONE)},
+    "extension": {"importable": bool, "cuda_architectures": (str, NONE), "path": (str, NONE),
+                  "error": (str, NONE)},
+    "nvshmem": {"package": (str, NONE), "version": (str, NONE), "host_library": (str, NONE),
+                "reason": (str, NONE)},
+    "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
+                   "preallocate_env": (str, NONE), "mem_fraction_env": (str, NONE),
+                   "allocator_env": (str, NONE), "notes": list},
+    "workspace": {"spec": dict, "bytes": int, "exact": bool, "source": str},
+    "backend": {"backend": str, "reasons": list},
+}
+DEVICE_KEYS = {"id": int, "platform": str, "kind": str, "process_index": int,
+               "addressable": bool, "local_ordinal": (int, NONE),
+               "compute_capability": (str, NONE), "is_cuda": bool}
+SPEC_KEYS = {"num_ranks": int, "num_experts": int, "hidden": int, "max_tokens_per_rank": int,
+             "num_topk": int, "capacity": int, "dtype_bytes": int, "low_latency": bool}
+
+H200 = 141 * (1 << 30)
+EXT_90 = env.ExtensionInfo(True, "90", "/fake/_C.so", None)
+EXT_MISSING = env.ExtensionInfo(False, None, None,
+                                "ModuleNotFoundError: No module named 'jax_ep._C'")
+
+
+def jax_sees_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def fake_gpu(ordinal, cc="9.0", kind="NVIDIA H200", process_index=0, addressable=True):
+    return env.DeviceInfo(id=ordinal, platform="gpu", kind=kind, process_index=process_index,
+                          addressable=addressable, local_ordinal=ordinal, compute_capability=cc,
+                          is_cuda=True)
+
+
+def fake_cpu(i):
+    return env.DeviceInfo(id=i, platform="cpu", kind="cpu", process_index=0, addressable=True,
+                          local_ordinal=None, compute_capability=None, is_cuda=False)
+
+
+def full_peers(n, link="nvlink", missing=()):
+    """PeerLinks between n GPUs; pairs in `missing` have no access."""
+    peers = []
+    for src in range(n):
+        for dst in range(n):
+            if src != dst:
+                ok = (src, dst) not in missing
+                peers.append(env.PeerLink(src, dst, ok, ok, 0 if ok else None,
+                                          link if ok else "none", "nvml" if ok else None))
+    return tuple(peers)
+
+
+def fake_gpu_infos(n, free=100 * (1 << 30)):
+    return tuple(env.GpuInfo(i, "NVIDIA H200", "9.0", H200, free, f"0000:{0x18 + i:02x}:00.0", 18)
+                 for i in range(n))
+
+
+def decide(devices, **kw):
+    kw.setdefault("default_backend", "gpu")
+    kw.setdefault("extension", EXT_90)
+    kw.setdefault("gpus", ())
+    kw.setdefault("peers", full_peers(len(devices)))
+    return env.auto_backend(devices, **kw)
+
+
+# ------------------------------------------------------------------------- this machine (CPU)
+
+
+@pytest.fixture(scope="module")
+def report():
+    if jax_sees_gpu():
+        pytest.skip("this test describes a machine without GPUs; jax sees a GPU here")
+    return env.collect()
+
+
+def test_report_on_cpu_machine_says_no_gpu_and_xla(report):
+    assert report.backend.backend == "xla"
+    assert report.backend.reasons, "backend xla must come with a reason"
+    assert any(r.startswith("no GPU") for r in report.backend.reasons), report.backend.reasons
+    assert report.jax.default_backend == "cpu"
+    assert report.gpus == () and report.peers == ()
+    assert report.versions.jax == jax.__version__
+    assert report.workspace.bytes > 0
+    text = env.format_report(report)
+    assert "no GPU" in text
+    assert 'Buffer(backend="auto") -> xla' in text
+
+
+def test_driver_absent_degrades_gracefully():
+    driver, reason = _cuda_driver.get_driver()
+    if driver is not None and driver.initialized and driver.device_count() > 0:
+        pytest.skip("a CUDA driver with GPUs is present")
+    if driver is None:
+        assert "libcuda" in reason
+    nvml, nvml_reason = _cuda_driver.get_nvml()
+    assert (nvml is None) == (nvml_reason is not None)
+    info = env.collect(free_memory=False).driver
+    assert not info.available and info.reason and info.device_count == 0
+
+
+def check_keys(obj, keys, where):
+    assert set(obj) == set(keys), f"{where}: keys {sorted(obj)} != {sorted(keys)}"
+    for key, types in keys.items():
+        assert isinstance(obj[key], types), f"{where}.{key} = {obj[key]!r} is not {types}"
+
+
+def check_json_report(data):
+    check_keys(data, TOP_LEVEL_KEYS, "report")
+    assert data["schema_version"] == env.SCHEMA_VERSION
+    for section, keys in SECTION_KEYS.items():
+        check_keys(data[section], keys, section)
+    for i, device in enumerate(data["jax"]["local_devices"]):
+        check_keys(device, DEVICE_KEYS, f"jax.local_devices[{i}]")
+    check_keys(data["workspace"]["spec"], SPEC_KEYS, "workspace.spec")
+    assert data["backend"]["backend"] in ("cuda", "xla")
+    for link in data["peers"]:
+        assert link["link"] in ("nvlink", "pcie", "none", "unknown")
+
+
+def test_json_output_has_documented_keys_and_types(capsys):
+    assert env.main(["--json", "--num-ranks", "2", "--max-tokens-per-rank", "128"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    check_json_report(data)
+    assert data["workspace"]["spec"]["num_ranks"] == 2
+    assert data["workspace"]["spec"]["max_tokens_per_rank"] == 128
+    for key in TOP_LEVEL_KEYS:  # the schema in the module docstring names every key
+        assert f'"{key}"' in env.__doc__
+
+
+def test_json_of_fake_report_matches_schema():
+    check_json_report(json.loads(json.dumps(env.report_to_dict(fake_report()))))
+
+
+def test_python_dash_m_runs():
+    environ = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-m", "jax_ep.env", "--json", "--low-latency",
+                          "--max-tokens-per-rank", "128"],
+                         capture_output=True, text=True, env=environ, cwd=REPO_ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["backend"]["backend"] == "xla"
+    assert data["workspace"]["spec"]["low_latency"] is True
+
+
+def test_bad_flags_exit_with_the_fix(capsys):
+    with pytest.raises(SystemExit):
+        env.main(["--num-experts", "10", "--num-ranks", "4"])
+    assert "multiple of num_ranks" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- format_report
+
+
+def fake_report(num_gpus=2):
+    gpus = fake_gpu_infos(num_gpus, free=30 * (1 << 30))
+    devices = tuple(fake_gpu(i) for i in range(num_gpus))
+    spec = env.BufferSpec(num_ranks=num_gpus, num_experts=32 * num_gpus)
+    return env.EnvReport(
+        versions=env.Versions("0.1.0", "0.11.2", "0.11.2", "3.11.7", "12.8", "12.9.79",
+                              "nvidia-cuda-runtime-cu12 package", "jax-cuda12-plugin 0.11.2"),
+        driver=env.DriverInfo(True, None, num_gpus, True, None),
+        jax=env.JaxInfo("gpu", 0, 1, num_gpus, devices, None),
+        gpus=gpus,
+        peers=full_peers(num_gpus),
+        extension=EXT_90,
+        nvshmem=env.NvshmemInfo("nvidia-nvshmem-cu12", "3.3.9", "/x/libnvshmem_host.so.3", None),
+        xla_memory=env.xla_memory_settings({}),
+        workspace=env.WorkspaceEstimate(spec, env.approximate_workspace_bytes(spec), False,
+                                        "approximate formula"),
+        backend=env.BackendDecision("cuda", ()),
+    )
+
+
+def test_format_report_two_gpus_nvlink_matrix():
+    text = env.format_report(fake_report(2))
+    lines = text.splitlines()
+    assert "  [0] NVIDIA H200  compute capability 9.0  memory 141.0 GiB total, 30.0 GiB free, " \
+           "18 NVLinks up" in lines
+    assert any(line.startswith("  [1] NVIDIA H200") for line in lines)
+    header = lines.index("Peer access (row GPU reads/writes column GPU's memory)")
+    columns, row0, row1 = lines[header + 1: header + 4]
+    assert columns.split() == ["GPU0", "GPU1"]
+    assert row0.split() == ["GPU0", "X", "NV"]
+    assert row1.split() == ["GPU1", "NV", "X"]
+    assert "NV = NVLink" in lines[header + 4]
+    assert "built for sm_90 only" in text
+    assert "12.9.79" in text and "12.8" in text and "nvidia-nvshmem-cu12 3.3.9" in text
+    assert 'Buffer(backend="auto") -> cuda' in text
+
+
+def test_format_report_marks_pcie_missing_and_inferred_links():
+    report = fake_report(3)
+    peers = []
+    for p in report.peers:
+        if (p.src, p.dst) in ((0, 2), (2, 0)):
+            p = env.PeerLink(p.src, p.dst, False, False, None, "none", None)
+        elif (p.src, p.dst) in ((1, 2), (2, 1)):
+            p = env.PeerLink(p.src, p.dst, True, False, 1, "pcie", "cuda")
+        else:
+            p = env.PeerLink(p.src, p.dst, True, True, 0, "nvlink", "cuda")
+        peers.append(p)
+    text = env.format_report(env.EnvReport(**{**vars(report), "peers": tuple(peers)}))
+    rows = [line.split() for line in text.splitlines() if line.startswith("  GPU")]
+    assert rows == [["GPU0", "X", "NV*", "--"], ["GPU1", "NV*", "X", "PCIe"],
+                    ["GPU2", "--", "PCIe", "X"]]
+    assert "* = inferred from native peer atomics" in text
+
+
+# ------------------------------------------------------------------------- auto_backend
+
+
+def test_auto_backend_no_gpu():
+    backend, reasons = env.auto_backend([fake_cpu(i) for i in range(4)], default_backend="cpu",
+                                        extension=EXT_MISSING, gpus=(), peers=())
+    assert backend == "xla"
+    assert reasons[0].startswith("no GPU: jax's default backend is cpu")
+    assert any("jax_ep._C does not import" in r for r in reasons)
+
+
+def test_auto_backend_real_cpu_devices():
+    backend, reasons = env.auto_backend(jax.devices("cpu"))
+    assert backend == "xla" and reasons[0].startswith("no GPU")
+
+
+def test_auto_backend_all_good_is_cuda():
+    devices = [fake_gpu(i) for i in range(8)]
+    assert decide(devices) == ("cuda", [])
+    # With enough free memory for the workspace.
+    assert decide(devices, gpus=fake_gpu_infos(8), workspace_bytes_needed=1 << 30) == ("cuda", [])
+
+
+def test_auto_backend_cc80_vs_built_90():
+    backend, reasons = decide([fake_gpu(i, cc="8.0", kind="NVIDIA A100") for i in range(2)])
+    assert backend == "xla" and len(reasons) == 1
+    assert "GPUs 0, 1 (NVIDIA A100): compute capability 8.0" in reasons[0]
+    assert "built for sm_90 only" in reasons[0] and "9.0 or newer" in reasons[0]
+
+
+def test_auto_backend_newer_gpu_vs_arch_specific_build():
+    ext = env.ExtensionInfo(True, "90a", "/fake/_C.so", None)
+    backend, reasons = decide([fake_gpu(0, cc="10.0", kind="NVIDIA B200"), fake_gpu(1, cc="10.0",
+                               kind="NVIDIA B200")], extension=ext)
+    assert backend == "xla"
+    assert reasons == ['GPUs 0, 1 (NVIDIA B200): compute capability 10.0 but the extension was '
+                       'built for sm_90a only: rebuild with JAX_EP_CUDA_ARCHS="90a;100"']
+    # A plain "90" build carries PTX, which the driver compiles for 10.0.
+    assert decide([fake_gpu(0, cc="10.0"), fake_gpu(1, cc="10.0")]) == ("cuda", [])
+
+
+def test_auto_backend_missing_peer_access():
+    devices = [fake_gpu(i) for i in range(4)]
+    backend, reasons = decide(devices, peers=full_peers(4, missing={(1, 0), (1, 3)}))
+    assert backend == "xla" and len(reasons) == 1
+    assert reasons[0].startswith("GPU 1 has no peer access to GPUs 0, 3:")
+    # Peer access is needed within an EP group only.
+    groups = [[devices[0], devices[2]], [devices[1], devices[3]]]
+    backend, reasons = decide(devices, ep_groups=groups, peers=full_peers(4, missing={(1, 0)}))
+    assert (backend, reasons) == ("cuda", [])
+
+
+def test_auto_backend_extension_missing():
+    backend, reasons = decide([fake_gpu(0), fake_gpu(1)], extension=EXT_MISSING)
+    assert backend == "xla" and len(reasons) == 1
+    assert "the CUDA extension jax_ep._C does not import (ModuleNotFoundError" in reasons[0]
+    assert "JAX_EP_ENABLE_CUDA=ON pip install ." in reasons[0]
+
+
+def test_auto_backend_other_reasons():
+    gpus = [fake_gpu(i) for i in range(2)]
+    # Mixed platforms.
+    _, reasons = decide([*gpus, fake_cpu(7)])
+    assert reasons == ["devices 7 are cpu, not CUDA GPUs: build the mesh from jax.devices('gpu')"]
+    # Not enough memory beside XLA's pool.
+    _, reasons = decide(gpus, gpus=fake_gpu_infos(2, free=2 << 30),
+                        workspace_bytes_needed=5 << 30)
+    assert len(reasons) == 1
+    assert reasons[0].startswith("not enough free device memory on GPUs 0, 1: need 5.0 GiB, "
+                                 "have 2.0 GiB; lower XLA_PYTHON_CLIENT_MEM_FRACTION")
+    # Too many ranks, and GPUs of another process.
+    _, reasons = decide([fake_gpu(i) for i in range(16)])
+    assert reasons == [r for r in reasons if "16 ranks" in r] and len(reasons) == 1
+    _, reasons = decide([*gpus, fake_gpu(0, process_index=1, addressable=False)])
+    assert len(reasons) == 1 and "other processes" in reasons[0]
+
+
+def test_check_cuda_backend_raises_with_every_reason():
+    devices = [fake_gpu(0, cc="8.0"), fake_gpu(1, cc="8.0")]
+    with pytest.raises(RuntimeError) as info:
+        env.check_cuda_backend(devices, 1 << 30, default_backend="gpu", extension=EXT_MISSING,
+                               gpus=(), peers=full_peers(2, missing={(0, 1)}))
+    message = str(info.value)
+    assert message.startswith("Buffer(backend='cuda') cannot run on these devices:")
+    for part in ("jax_ep._C does not import", "compute capability 8.0",
+                 "GPU 0 has no peer access to GPU 1", "backend='xla'"):
+        assert part in message
+    env.check_cuda_backend([fake_gpu(0), fake_gpu(1)], 1 << 30, default_backend="gpu",
+                           extension=EXT_90, gpus=fake_gpu_infos(2), peers=full_peers(2))
+
+
+@pytest.mark.parametrize("archs,cc,expected", [
+    ("90", (9, 0), True), ("90", (8, 0), False), ("90", (10, 0), True), ("90-real", (10, 0), False),
+    ("90a", (9, 0), True), ("90a", (10, 0), False), ("80;90", (8, 6), True),
+    ("90-virtual", (12, 0), True), ("100f", (10, 3), True), ("native", (9, 0), None),
+])
+def test_arch_supports(archs, cc, expected):
+    assert env.arch_supports(archs, cc) is expected
+
+
+# ------------------------------------------------------------------------- memory
+
+
+def test_approximate_workspace_formula():
+    spec = env.BufferSpec(num_ranks=2, num_experts=8, hidden=256, max_tokens_per_rank=16,
+                          num_topk=2)
+    normal = 2 * 2 * 16 * (256 * 2 + 2 * 4 + 2 * 2 * 4 + 4) + 65536
+    assert env.approximate_workspace_bytes(spec) == normal
+    ll = env.BufferSpec(**{**vars(spec), "low_latency": True})
+    low = 2 * 8 * 16 * (256 * 2 + 2 * 4 + 16) + 2 * 16 * 2 * 256 * 2 + 65536
+    assert env.approximate_workspace_bytes(ll) == normal + low
+
+
+def test_workspace_estimate_source():
+    spec = env.BufferSpec(num_ranks=2)
+    estimate = env.workspace_estimate(spec, EXT_MISSING)
+    assert not estimate.exact and estimate.source == "approximate formula"
+    assert estimate.bytes == env.approximate_workspace_bytes(spec)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_ranks": 3}, "num_experts \\(256\\) must be a multiple of num_ranks \\(3\\)"),
+    ({"num_ranks": 2, "hidden": 100}, "hidden must be a multiple of 128"),
+    ({"num_ranks": 0}, "num_ranks must be positive"),
+    ({"num_ranks": 2, "dtype_bytes": 1}, "dtype_bytes must be 2"),
+])
+def test_buffer_spec_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        env.BufferSpec(**kwargs)
+
+
+def test_xla_memory_settings():
+    default = env.xla_memory_settings({})
+    assert (default.preallocate, default.mem_fraction, default.allocator) == (True, 0.75, "default")
+    off = env.xla_memory_settings({"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                                   "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"})
+    assert (off.preallocate, off.mem_fraction, off.notes) == (False, 0.5, ())
+    bad = env.xla_memory_settings({"XLA_PYTHON_CLIENT_MEM_FRACTION": "lots"})
+    assert bad.mem_fraction == 0.75 and "XLA_PYTHON_CLIENT_MEM_FRACTION" in bad.notes[0]
+    assert not env.xla_memory_settings({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}).preallocate
+
+
+# ------------------------------------------------------------------------- GPU machine
+
+
+@pytest.mark.gpu
+def test_gpu_machine_reports_peers_and_cuda():
+    if not jax_sees_gpu():
+        pytest.skip("jax sees no GPU")
+    num_gpus = len(jax.devices("gpu"))
+    if num_gpus < 2:
+        pytest.skip(f"needs 2 GPUs, jax sees {num_gpus}")
+    report = env.collect(env.BufferSpec(num_ranks=num_gpus, max_tokens_per_rank=128))
+    assert len(report.gpus) >= 2
+    assert report.driver.available and report.versions.cuda_driver
+    for g in report.gpus:
+        assert g.total_memory_bytes and g.free_memory_bytes is not None
+    ordinals = [g.ordinal for g in report.gpus]
+    links = {(p.src, p.dst): p for p in report.peers}
+    for src in ordinals:
+        for dst in ordinals:
+            if src != dst:
+                assert links[(src, dst)].access, f"GPU {src} -> GPU {dst}: {links[(src, dst)]}"
+    assert report.backend.backend == "cuda", report.backend.reasons
+    assert env.auto_backend(jax.devices("gpu")) == ("cuda", [])
+    text = env.format_report(report)
+    assert "Peer access" in text and 'Buffer(backend="auto") -> cuda' in text
