@@ -124,6 +124,7 @@ class Buffer:
         self._errors_lock = threading.Lock()
         self._host_errors = {"invalid_expert_ids": 0, "overflow_rows": 0}
         self._allocated = False
+        self.backend_reasons = []  # why "auto" did not pick cuda (see `python -m jax_ep.env`)
         self.backend = self._resolve_backend(backend, lowering_only)
         if self.backend == "cuda":
             self._impl = _cuda.CudaBackend(self)
@@ -162,15 +163,21 @@ class Buffer:
 
     # ------------------------------------------------------------------------------ set-up
     def _resolve_backend(self, backend, lowering_only):
+        from jax_ep import env  # noqa: PLC0415 - probes the driver: only when a Buffer is made
+
         devices = list(self.mesh.devices.flat)
         if backend == "xla":
             return "xla"
+        if backend == "cuda" and lowering_only:
+            return "cuda"
         all_gpus = all(d.platform == "gpu" for d in devices)
         module, reason = _cuda.load_extension()
         if backend == "auto":
-            return "cuda" if all_gpus and module is not None else "xla"
-        if lowering_only:
-            return "cuda"
+            if not all_gpus or module is None:
+                return "xla"
+            choice, self.backend_reasons = env.auto_backend(devices,
+                                                            ep_groups=self._ep_group_devices())
+            return choice
         if not all_gpus:
             raise ValueError(f"backend='cuda' needs every mesh device to be a CUDA GPU, got "
                              f"{sorted({d.platform for d in devices})}; use backend='xla'")
@@ -182,14 +189,20 @@ class Buffer:
         if any(d.process_index != jax.process_index() for d in devices):
             raise ValueError("backend='cuda' currently needs every mesh device in this process "
                              "(one process driving all local GPUs)")
+        env.check_cuda_backend(devices, module.workspace_bytes(*self._runtime_config()[:-1]),
+                               ep_groups=self._ep_group_devices())
         return "cuda"
+
+    def _ep_group_devices(self):
+        """The devices of every EP group, in rank order."""
+        axis = self.mesh.axis_names.index(self.axis_name)
+        return [list(g) for g in
+                np.moveaxis(self.mesh.devices, axis, -1).reshape(-1, self.num_ranks)]
 
     def _ep_groups(self):
         """Device ordinals of every EP group, in rank order."""
-        axis = self.mesh.axis_names.index(self.axis_name)
-        devices = np.moveaxis(self.mesh.devices, axis, -1).reshape(-1, self.num_ranks)
         return [[int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
-                 for d in group] for group in devices]
+                 for d in group] for group in self._ep_group_devices()]
 
     def _runtime_config(self):
         return (self.num_ranks, self.num_experts, self.hidden, self.max_tokens_per_rank,
