@@ -18,14 +18,14 @@ constexpr int kMaxRanks = 8;
 // Static configuration of a Buffer, identical on every rank.
 struct BufferConfig {
   int num_ranks = 0;
-  int num_experts = 0;           // global experts; num_experts % num_ranks == 0
-  int hidden = 0;                // channels per token; multiple of 128
-  int max_tokens_per_rank = 0;   // T_max
-  int num_topk = 0;              // K
-  int capacity = 0;              // normal-mode receive rows C_max (<= num_ranks * T_max)
-  int dtype_bytes = 2;           // bytes per element of the Buffer's data dtype (bf16: 2, f32: 4)
-  bool low_latency = false;      // allocate the low-latency regions too
-  double timeout_s = 10.0;       // bound on every spin-wait
+  int num_experts = 0;          // global experts; num_experts % num_ranks == 0
+  int hidden = 0;               // channels per token; multiple of 128
+  int max_tokens_per_rank = 0;  // T_max
+  int num_topk = 0;             // K
+  int capacity = 0;             // normal-mode receive rows C_max (<= num_ranks * T_max)
+  int dtype_bytes = 2;          // bytes per element of the Buffer's data dtype (bf16: 2, f32: 4)
+  bool low_latency = false;     // allocate the low-latency regions too
+  double timeout_s = 10.0;      // bound on every spin-wait
 
   int num_local_experts() const { return num_experts / num_ranks; }
 };
@@ -33,10 +33,10 @@ struct BufferConfig {
 // Which wait timed out. Values are stable: Python maps them to names (jax_ep/_cuda.py).
 enum class WaitPhase : int32_t {
   kNone = 0,
-  kDispatchCounts = 1,       // normal dispatch: waiting for a peer's per-rank counts
-  kDispatchArrival = 2,      // normal dispatch: waiting for a peer's "rows written" flag
-  kCombineBarrier = 3,       // normal combine / cached dispatch: waiting for a peer to enter
-  kCombineArrival = 4,       // normal combine / cached dispatch: waiting for a peer's rows
+  kDispatchCounts = 1,   // normal dispatch: waiting for a peer's per-rank counts
+  kDispatchArrival = 2,  // normal dispatch: waiting for a peer's "rows written" flag
+  kCombineBarrier = 3,   // normal combine / cached dispatch: waiting for a peer to enter
+  kCombineArrival = 4,   // normal combine / cached dispatch: waiting for a peer's rows
   kLowLatencyDispatchRecv = 5,
   kLowLatencyCombineRecv = 6,
 };
@@ -44,11 +44,11 @@ enum class WaitPhase : int32_t {
 // Written by a kernel (plain stores + __threadfence_system) into host-mapped memory before it
 // traps, so the host can name the culprit even after the CUDA context is lost.
 struct TimeoutRecord {
-  int32_t timed_out;   // 1 once a wait expired
-  int32_t rank;        // the waiting rank
-  int32_t peer;        // the rank it waited for
-  int32_t phase;       // WaitPhase
-  uint64_t seq;        // the call's sequence number (per mode)
+  int32_t timed_out;  // 1 once a wait expired
+  int32_t rank;       // the waiting rank
+  int32_t peer;       // the rank it waited for
+  int32_t phase;      // WaitPhase
+  uint64_t seq;       // the call's sequence number (per mode)
 };
 
 // Device-side counters of bad input, read by Buffer.check().
@@ -60,16 +60,19 @@ struct ErrorCounters {
 // Everything a launcher needs for one rank. Plain data: kernels receive copies of its fields.
 struct RankContext {
   BufferConfig config;
-  int rank = 0;                            // index along the EP axis
-  int device = 0;                          // CUDA device ordinal
-  char* workspace = nullptr;               // this rank's workspace (device memory)
+  int rank = 0;               // index along the EP axis
+  int device = 0;             // CUDA device ordinal
+  char* workspace = nullptr;  // this rank's workspace (device memory)
   size_t workspace_bytes = 0;
-  char* peer_workspaces[kMaxRanks] = {};   // every rank's workspace, as seen from this device
-  char** peer_workspaces_device = nullptr; // the same table in device memory
-  ErrorCounters* error_counters = nullptr; // device memory
-  TimeoutRecord* timeout_record = nullptr; // host-mapped; device pointer of the mapping
+  char* peer_workspaces[kMaxRanks] = {};    // every rank's workspace, as seen from this device
+  char** peer_workspaces_device = nullptr;  // the same table in device memory
+  ErrorCounters* error_counters = nullptr;  // device memory
+  TimeoutRecord* timeout_record = nullptr;  // host-mapped; device pointer of the mapping
   TimeoutRecord* timeout_record_host = nullptr;
-  uint64_t timeout_ns = 0;                 // config.timeout_s in nanoseconds
+  uint64_t timeout_ns = 0;     // config.timeout_s in nanoseconds
+  int num_sms = 0;             // multiprocessors of `device`
+  int normal_blocks = 0;       // grid of the normal-mode transfer kernels
+  int normal_push_blocks = 0;  // of which the first ones send (push roles)
 };
 
 // Workspace sizes of each mode (defined next to the kernels that use the regions).

@@ -17,10 +17,18 @@ namespace jax_ep {
 std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
                           const std::vector<std::vector<int>>& groups);
 
+// Bytes of the per-device workspace create_buffer allocates for `config`: the normal-mode region,
+// plus the low-latency region (at low_latency_workspace_offset) when config.low_latency.
+size_t workspace_bytes(const BufferConfig& config);
+
 // Frees everything of `buffer_id` (synchronises its devices first). Unknown ids are ignored.
 void destroy_buffer(int64_t buffer_id);
 
 // nullptr when the Buffer is unknown or this device is not part of it.
 const RankContext* find_rank_context(int64_t buffer_id, int device);
+
+// Every rank of every group of `buffer_id` (group-major, rank order); empty when unknown.
+// The pointers stay valid until destroy_buffer(buffer_id).
+std::vector<const RankContext*> rank_contexts(int64_t buffer_id);
 
 }  // namespace jax_ep

@@ -1,0 +1,118 @@
+// jax_ep_layout_v1: routing statistics of one rank's top-k ids (no communication).
+#include <cuda_runtime.h>
+
+#include "kernels/common/launch.h"
+#include "kernels/common/limits.h"
+#include "kernels/normal.h"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kLayoutThreads = 256;
+// Experts counted in a shared-memory histogram per block (the rest go straight to global
+// atomics); 8192 x 4 bytes stays well inside the default 48 KiB of dynamic shared memory.
+constexpr int kLayoutSharedExperts = 8192;
+
+struct LayoutArgs {
+  const int32_t* topk_idx;  // [T, K]
+  int num_tokens;
+  int num_topk;
+  int num_ranks;
+  int num_experts;
+  int num_local_experts;
+  int num_shared_experts;          // min(E, kLayoutSharedExperts)
+  int32_t* num_tokens_per_rank;    // [R], zeroed by the launcher
+  int32_t* num_tokens_per_expert;  // [E], zeroed by the launcher
+  bool* is_token_in_rank;          // [T, R]
+  ErrorCounters* errors;
+};
+
+// Role: one thread per token computes its rank mask (ids outside [-1, E) count as -1 and are
+// counted as invalid) and adds its (token, expert) pairs and ranks to per-block histograms.
+// Grid: ceil(T / kLayoutThreads) blocks. Synchronisation: block-local shared histograms flushed
+// with global atomics into outputs the launcher zeroed on the same stream.
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const LayoutArgs args) {
+  extern __shared__ int expert_histogram[];
+  __shared__ int rank_histogram[kMaxRanks];
+  __shared__ int invalid_ids;
+  for (int e = threadIdx.x; e < args.num_shared_experts; e += blockDim.x) expert_histogram[e] = 0;
+  if (threadIdx.x < kMaxRanks) rank_histogram[threadIdx.x] = 0;
+  if (threadIdx.x == 0) invalid_ids = 0;
+  __syncthreads();
+
+  const int token = blockIdx.x * blockDim.x + threadIdx.x;
+  if (token < args.num_tokens) {
+    uint32_t rank_mask = 0;
+    int num_invalid = 0;
+    const int32_t* ids = args.topk_idx + static_cast<int64_t>(token) * args.num_topk;
+    for (int k = 0; k < args.num_topk; ++k) {
+      const int expert = __ldg(ids + k);
+      if (expert == -1) continue;
+      if (expert < -1 || expert >= args.num_experts) {
+        ++num_invalid;
+        continue;
+      }
+      rank_mask |= 1u << (expert / args.num_local_experts);
+      if (expert < args.num_shared_experts) {
+        atomicAdd(&expert_histogram[expert], 1);
+      } else {
+        atomicAdd(&args.num_tokens_per_expert[expert], 1);
+      }
+    }
+    bool* in_rank = args.is_token_in_rank + static_cast<int64_t>(token) * args.num_ranks;
+    for (int r = 0; r < args.num_ranks; ++r) {
+      const bool sent = (rank_mask >> r) & 1u;
+      in_rank[r] = sent;
+      if (sent) atomicAdd(&rank_histogram[r], 1);
+    }
+    if (num_invalid > 0) atomicAdd(&invalid_ids, num_invalid);
+  }
+  __syncthreads();
+
+  for (int e = threadIdx.x; e < args.num_shared_experts; e += blockDim.x) {
+    if (expert_histogram[e] != 0) atomicAdd(&args.num_tokens_per_expert[e], expert_histogram[e]);
+  }
+  if (threadIdx.x < args.num_ranks && rank_histogram[threadIdx.x] != 0) {
+    atomicAdd(&args.num_tokens_per_rank[threadIdx.x], rank_histogram[threadIdx.x]);
+  }
+  if (threadIdx.x == 0 && invalid_ids != 0) {
+    atomicAdd(&args.errors->invalid_expert_ids, static_cast<unsigned long long>(invalid_ids));
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_layout(const RankContext& ctx, const LayoutParams& params, cudaStream_t stream) {
+  const BufferConfig& config = ctx.config;
+  CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(params.num_tokens_per_rank, 0, sizeof(int32_t) * config.num_ranks, stream));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(params.num_tokens_per_expert, 0,
+                                       sizeof(int32_t) * config.num_experts, stream));
+  if (params.num_tokens == 0) return cudaSuccess;
+
+  LayoutArgs args;
+  args.topk_idx = params.topk_idx;
+  args.num_tokens = params.num_tokens;
+  args.num_topk = config.num_topk;
+  args.num_ranks = config.num_ranks;
+  args.num_experts = config.num_experts;
+  args.num_local_experts = config.num_local_experts();
+  args.num_shared_experts =
+      config.num_experts < kLayoutSharedExperts ? config.num_experts : kLayoutSharedExperts;
+  args.num_tokens_per_rank = params.num_tokens_per_rank;
+  args.num_tokens_per_expert = params.num_tokens_per_expert;
+  args.is_token_in_rank = params.is_token_in_rank;
+  args.errors = ctx.error_counters;
+
+  const int num_blocks = ceil_div(params.num_tokens, kLayoutThreads);
+  const size_t shared_bytes = sizeof(int) * args.num_shared_experts;
+  layout_kernel<<<num_blocks, kLayoutThreads, shared_bytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t preload_layout_kernels() {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, layout_kernel);
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,403 @@
+// Low-latency (decode) combine, jax_ep_low_latency_combine_v1:
+//   out[t] = sum over k with a valid id of w[t, k] * y[e_k][row of (t, k)], float32, rounded once.
+// One cooperative launch, one block of 512 threads per SM.
+//
+// Expert outputs of rows that came from a peer are pushed into that peer's combine region at
+// [parity][token][k]; rows of this rank's own tokens are not moved at all: the owner reads them
+// straight from y, finding the row of (t, k) in the dispatch handle (rows of an expert are sorted
+// by (recv_src, recv_k), so a warp-wide search over recv_src/recv_k finds it in two rounds).
+//
+// Phases of every block (W = all warps of the grid):
+//   1. Warp 0: prefix over experts of the valid rows min(recv_count[e], R*T_max).
+//   2. Send: warp units (valid row, chunk of <= 1024 channels) over the grid; rows whose source
+//      rank is a peer are copied from y to the peer's region (16-byte loads, kSendVecsPerLane in
+//      flight per lane). Rows of this rank's own tokens are skipped.
+//   3. Owner, first token of the block (t = block, block + grid, ...): one warp per k resolves
+//      (t, k) to a row of y (own expert) or of the local region (peer expert); the block sums
+//      the own rows into float32 registers while the pushed rows are still in flight.
+//   4. Every thread fences, the block arrives on the "sent" counter; the last block
+//      release-stores the combine flag word [parity][me] = tag at every peer. Then the block
+//      waits for the flag word of every peer (every block, even without tokens: see below).
+//   5. The block adds the peer rows, rounds to bf16 and stores out[t]; further tokens likewise.
+//   6. The last block to finish advances the combine sequence word.
+//
+// Parity safety: as for dispatch (low_latency_dispatch.cu), with the combine sequence word and
+// the flag words of phase 4 as the words every rank waits for from every other rank in every
+// call: a rank starts combine n only after its combine n-1 saw every peer's flag of n-1, which a
+// peer publishes only after its combine n-2 ended, the last reader of the parity n % 2 region.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/copy.cuh"
+#include "kernels/common/launch.h"
+#include "kernels/common/limits.h"
+#include "kernels/common/sync.cuh"
+#include "kernels/low_latency_common.cuh"
+#include "kernels/low_latency_launch.h"
+#include "kernels/low_latency_layout.cuh"
+
+namespace jax_ep {
+namespace {
+
+constexpr uint32_t kFullMask = 0xffffffffu;
+constexpr int kBf16PerVector = kBytesPerVector / 2;
+// Send unit: one warp moves at most kWarpSize * kSendVecsPerLane vectors of one row.
+constexpr int kSendVecsPerLane = 4;
+// Owner: vectors (8 channels) per thread per pass (a pass covers 8192 channels), and rows whose
+// loads are in flight together.
+constexpr int kOwnerVecsPerThread = 2;
+constexpr int kOwnerRowsInFlight = 4;
+
+struct CombineArgs {
+  LowLatencyRank rank;
+  const __nv_bfloat16* y;     // [E_loc, R*T_max, H]
+  const int32_t* topk_idx;    // [T, K]
+  const float* topk_weights;  // [T, K]
+  const int32_t* recv_src;    // [E_loc, R*T_max]
+  const int32_t* recv_k;      // [E_loc, R*T_max]
+  const int32_t* recv_count;  // [E_loc]
+  __nv_bfloat16* out;         // [T, H]
+  int num_tokens;
+  int num_experts;
+};
+
+// Rows summed into one output token, split by where they are read from.
+struct TokenSources {
+  const __nv_bfloat16* entry_row[kMaxTopk];
+  float entry_weight[kMaxTopk];
+  int entry_kind[kMaxTopk];  // 0 none, 1 own (y), 2 peer (region)
+  const __nv_bfloat16* rows[2][kMaxTopk];
+  float weights[2][kMaxTopk];
+  int count[2];
+};
+
+// Row of expert `expert` in y holding (source key, k), or -1. Valid rows [0, count) are sorted by
+// (recv_src, recv_k) (dispatch order); each round probes 32 evenly spaced rows, so two rounds
+// cover 1024 rows. Whole warp, uniform arguments; in bounds whatever the handle holds.
+__device__ __forceinline__ int warp_find_row(const int32_t* src_col, const int32_t* k_col,
+                                             int count, int src_key, int k, int lane) {
+  auto key = [&](int i) {
+    return static_cast<int64_t>(__ldg(src_col + i)) * kMaxTopk + __ldg(k_col + i);
+  };
+  const int64_t target = static_cast<int64_t>(src_key) * kMaxTopk + k;
+  int lo = 0, hi = count;  // rows < lo are below target, rows >= hi are not
+  while (hi - lo > kWarpSize) {
+    const int step = ceil_div(hi - lo, kWarpSize);
+    const int probe = lo + lane * step;
+    const int num_below = __popc(__ballot_sync(kFullMask, probe < hi && key(probe) < target));
+    if (num_below == 0) {
+      hi = lo;
+      break;
+    }
+    hi = min(hi, lo + num_below * step);
+    lo += (num_below - 1) * step + 1;
+  }
+  const int probe = lo + lane;
+  const int found = lo + __popc(__ballot_sync(kFullMask, probe < hi && key(probe) < target));
+  return found < count && key(found) == target ? found : -1;
+}
+
+// Phase 2 (see the file comment). A warp takes its units 32 at a time: lane l resolves the
+// metadata of the l-th one (one round of loads for all), then the warp copies the remote ones.
+__device__ __forceinline__ void send_rows(const CombineArgs& args, const int* row_prefix,
+                                          int parity) {
+  const LowLatencyRank& rk = args.rank;
+  const LowLatencyLayout& layout = rk.layout;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
+  const int warp =
+      static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
+  const int num_local = layout.num_local_experts;
+  const int max_tokens = layout.max_tokens;
+  const int rows_per_expert = layout.num_ranks * max_tokens;
+  const int vecs = layout.hidden / kBf16PerVector;
+  const int num_chunks = ceil_div(vecs, kWarpSize * kSendVecsPerLane);
+  const int chunk_vecs = ceil_div(vecs, num_chunks);
+  const int units = row_prefix[num_local] * num_chunks;
+
+  for (int unit_base = warp; unit_base < units; unit_base += num_warps * kWarpSize) {
+    const int unit = unit_base + lane * num_warps;
+    unsigned long long row_index = 0;
+    int chunk = 0, dst = -1, slot_offset = 0;
+    if (unit < units) {
+      const int row = unit / num_chunks;
+      chunk = unit - row * num_chunks;
+      int lo = 0, hi = num_local;  // last expert whose first row is <= row
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (row_prefix[mid] <= row) {
+          lo = mid;
+        } else {
+          hi = mid;
+        }
+      }
+      row_index = static_cast<unsigned long long>(lo) * rows_per_expert + (row - row_prefix[lo]);
+      const int src_key = __ldg(args.recv_src + row_index);
+      const int k = __ldg(args.recv_k + row_index);
+      const int owner = src_key / max_tokens;
+      if (src_key >= 0 && k >= 0 && k < layout.num_topk && owner < layout.num_ranks &&
+          owner != rk.rank) {
+        dst = owner;
+        slot_offset = (src_key - owner * max_tokens) * layout.num_topk + k;  // token * K + k
+      }
+    }
+    for (uint32_t todo = __ballot_sync(kFullMask, dst >= 0); todo != 0; todo &= todo - 1) {
+      const int from = __ffs(todo) - 1;
+      const unsigned long long src_row = __shfl_sync(kFullMask, row_index, from);
+      const int to = __shfl_sync(kFullMask, dst, from);
+      const int to_slot = __shfl_sync(kFullMask, slot_offset, from);
+      const int vec0 = __shfl_sync(kFullMask, chunk, from) * chunk_vecs;
+      const int vec_end = min(vecs, vec0 + chunk_vecs);
+      const int4* src = reinterpret_cast<const int4*>(args.y + src_row * layout.hidden);
+      int4* dst_row = reinterpret_cast<int4*>(
+          rk.peers[to] +
+          layout.combine_row_offset(parity, to_slot / layout.num_topk, to_slot % layout.num_topk));
+      int4 v[kSendVecsPerLane];
+#pragma unroll
+      for (int m = 0; m < kSendVecsPerLane; ++m) {
+        const int vec = vec0 + m * kWarpSize + lane;
+        v[m] = make_int4(0, 0, 0, 0);
+        if (vec < vec_end) v[m] = ld_nc_v4(src + vec);
+      }
+#pragma unroll
+      for (int m = 0; m < kSendVecsPerLane; ++m) {
+        const int vec = vec0 + m * kWarpSize + lane;
+        if (vec < vec_end) st_v4(dst_row + vec, v[m]);
+      }
+    }
+  }
+}
+
+// Phase 3 setup: where the K rows of `token` are read from. Warp w resolves k = w, w + 16, ...;
+// warp 0 then compacts them into own / peer lists (k order kept). Block-wide, ends synchronised.
+__device__ __forceinline__ void find_token_sources(const CombineArgs& args, int token, int parity,
+                                                   TokenSources& sources) {
+  const LowLatencyRank& rk = args.rank;
+  const LowLatencyLayout& layout = rk.layout;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int num_topk = layout.num_topk;
+  const int num_local = layout.num_local_experts;
+  const int rows_per_expert = layout.num_ranks * layout.max_tokens;
+
+  for (int k = warp; k < num_topk; k += kLowLatencyWarps) {
+    const size_t idx = static_cast<size_t>(token) * num_topk + k;
+    const int g = __ldg(args.topk_idx + idx);
+    int kind = 0;
+    const __nv_bfloat16* row = nullptr;
+    if (g >= 0 && g < args.num_experts) {
+      const int owner = g / num_local;
+      const int expert = g - owner * num_local;
+      if (owner == rk.rank) {
+        const size_t expert_row0 = static_cast<size_t>(expert) * rows_per_expert;
+        const int count = min(max(__ldg(args.recv_count + expert), 0), rows_per_expert);
+        const int i = warp_find_row(args.recv_src + expert_row0, args.recv_k + expert_row0, count,
+                                    rk.rank * layout.max_tokens + token, k, lane);
+        if (i >= 0) {
+          kind = 1;
+          row = args.y + (expert_row0 + i) * layout.hidden;
+        }
+      } else {
+        kind = 2;
+        row = reinterpret_cast<const __nv_bfloat16*>(rk.local +
+                                                     layout.combine_row_offset(parity, token, k));
+      }
+    }
+    if (lane == 0) {
+      sources.entry_row[k] = row;
+      sources.entry_weight[k] = __ldg(args.topk_weights + idx);
+      sources.entry_kind[k] = kind;
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int kind = lane < num_topk ? sources.entry_kind[lane] : 0;
+    const uint32_t lanes_below = (1u << lane) - 1;
+#pragma unroll
+    for (int list = 0; list < 2; ++list) {
+      const uint32_t members = __ballot_sync(kFullMask, kind == list + 1);
+      if (kind == list + 1) {
+        const int pos = __popc(members & lanes_below);
+        sources.rows[list][pos] = sources.entry_row[lane];
+        sources.weights[list][pos] = sources.entry_weight[lane];
+      }
+      if (lane == 0) sources.count[list] = __popc(members);
+    }
+  }
+  __syncthreads();
+}
+
+// acc[j][c] += w * row[vec0 + j * kLowLatencyThreads][c] over `num_rows` rows, with
+// kOwnerRowsInFlight rows' loads issued together. kInput: rows are XLA operands (y), else rows a
+// peer wrote during this launch.
+template <bool kInput>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kOwnerVecsPerThread][kBf16PerVector],
+                                                const __nv_bfloat16* const* rows,
+                                                const float* weights, int num_rows, int vec0,
+                                                int vecs) {
+  for (int r0 = 0; r0 < num_rows; r0 += kOwnerRowsInFlight) {
+    int4 v[kOwnerRowsInFlight][kOwnerVecsPerThread];
+#pragma unroll
+    for (int a = 0; a < kOwnerRowsInFlight; ++a) {
+#pragma unroll
+      for (int j = 0; j < kOwnerVecsPerThread; ++j) {
+        const int vec = vec0 + j * kLowLatencyThreads;
+        v[a][j] = make_int4(0, 0, 0, 0);
+        if (r0 + a < num_rows && vec < vecs) {
+          const int4* ptr = reinterpret_cast<const int4*>(rows[r0 + a]) + vec;
+          v[a][j] = kInput ? ld_nc_v4(ptr) : ld_cg_v4(ptr);
+        }
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < kOwnerRowsInFlight; ++a) {
+      if (r0 + a >= num_rows) break;
+      const float w = weights[r0 + a];
+#pragma unroll
+      for (int j = 0; j < kOwnerVecsPerThread; ++j) {
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v[a][j]);
+#pragma unroll
+        for (int c = 0; c < kBf16PerVector / 2; ++c) {
+          const float2 f = __bfloat1622float2(pairs[c]);
+          acc[j][2 * c] = fmaf(w, f.x, acc[j][2 * c]);
+          acc[j][2 * c + 1] = fmaf(w, f.y, acc[j][2 * c + 1]);
+        }
+      }
+    }
+  }
+}
+
+// Grid: one block per SM (cooperative), kLowLatencyThreads threads. Dynamic shared memory:
+// row_prefix [E_loc + 1].
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    low_latency_combine_kernel(const __grid_constant__ CombineArgs args) {
+  extern __shared__ int row_prefix[];
+  __shared__ TokenSources sources;
+  const LowLatencyRank& rk = args.rank;
+  const LowLatencyLayout& layout = rk.layout;
+  const int num_ranks = layout.num_ranks;
+  const int num_local = layout.num_local_experts;
+  const int me = rk.rank;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % kWarpSize;
+
+  LowLatencyControl* control = low_latency_control(rk);
+  const uint64_t seq = ld_volatile_u64(&control->combine_seq);
+  const uint64_t tag = seq + 1;
+  const int parity = static_cast<int>(seq & 1);
+
+  // Phase 1: counts into row_prefix[1..E_loc] in parallel, then warp 0 scans them in place.
+  const int rows_per_expert = num_ranks * layout.max_tokens;
+  for (int expert = tid; expert < num_local; expert += blockDim.x) {
+    row_prefix[expert + 1] = min(max(__ldg(args.recv_count + expert), 0), rows_per_expert);
+  }
+  __syncthreads();
+  if (tid < kWarpSize) {
+    int running = 0;
+    for (int e0 = 0; e0 < num_local; e0 += kWarpSize) {
+      const int expert = e0 + lane;
+      const int count = expert < num_local ? row_prefix[expert + 1] : 0;
+      const int inclusive = warp_inclusive_sum(count, lane);
+      __syncwarp();
+      if (expert < num_local) row_prefix[expert] = running + inclusive - count;
+      running += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+    }
+    __syncwarp();
+    if (lane == 0) row_prefix[num_local] = running;
+  }
+  __syncthreads();
+
+  // Phase 2.
+  send_rows(args, row_prefix, parity);
+
+  // Phase 4 (run inside the first owner pass, after the own rows are summed).
+  auto arrive_and_wait_peers = [&]() {
+    if (arrive_and_check_last(&control->combine_blocks_sent)) {
+      if (tid < num_ranks && tid != me) {
+        uint64_t* flag = reinterpret_cast<uint64_t*>(rk.peers[tid] + layout.combine_flags) +
+                         layout.flag_index(parity, me);
+        st_release_sys(flag, tag);
+      }
+    }
+    if (tid < num_ranks && tid != me) {
+      const uint64_t* flag = reinterpret_cast<const uint64_t*>(rk.local + layout.combine_flags) +
+                             layout.flag_index(parity, tid);
+      wait_flag_at_least(flag, tag, rk.timeout_ns, rk.timeout_record, me, tid,
+                         WaitPhase::kLowLatencyCombineRecv);
+    }
+    __syncthreads();
+  };
+
+  // Phases 3 and 5.
+  const int hidden = layout.hidden;
+  const int vecs = hidden / kBf16PerVector;
+  bool peers_arrived = false;
+  for (int token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
+    find_token_sources(args, token, parity, sources);
+    for (int vec_base = 0; vec_base < vecs; vec_base += kLowLatencyThreads * kOwnerVecsPerThread) {
+      float acc[kOwnerVecsPerThread][kBf16PerVector] = {};
+      accumulate_rows<true>(acc, sources.rows[0], sources.weights[0], sources.count[0],
+                            vec_base + tid, vecs);
+      if (!peers_arrived) {  // block-uniform
+        arrive_and_wait_peers();
+        peers_arrived = true;
+      }
+      accumulate_rows<false>(acc, sources.rows[1], sources.weights[1], sources.count[1],
+                             vec_base + tid, vecs);
+      int4* out_row = reinterpret_cast<int4*>(args.out + static_cast<size_t>(token) * hidden);
+#pragma unroll
+      for (int j = 0; j < kOwnerVecsPerThread; ++j) {
+        const int vec = vec_base + tid + j * kLowLatencyThreads;
+        if (vec >= vecs) continue;
+        int4 packed;
+        __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+        for (int c = 0; c < kBf16PerVector / 2; ++c) {
+          pairs[c] = __floats2bfloat162_rn(acc[j][2 * c], acc[j][2 * c + 1]);
+        }
+        st_v4(out_row + vec, packed);
+      }
+    }
+    __syncthreads();  // `sources` is rebuilt for the next token
+  }
+  // Every block waits for every peer, also without tokens: the parity argument needs every call
+  // to observe every peer's flag before it ends.
+  if (!peers_arrived) arrive_and_wait_peers();
+
+  // Phase 6.
+  finish_launch(&control->combine_blocks_done, &control->combine_seq, seq, nullptr);
+}
+
+}  // namespace
+
+cudaError_t launch_low_latency_combine(const RankContext& ctx,
+                                       const LowLatencyCombineParams& params, cudaStream_t stream) {
+  int num_blocks = 0;
+  const cudaError_t err = low_latency_grid_size(ctx, &num_blocks);
+  if (err != cudaSuccess) return err;
+
+  CombineArgs args = {};
+  args.rank = make_low_latency_rank(ctx);
+  args.y = static_cast<const __nv_bfloat16*>(params.y);
+  args.topk_idx = params.topk_idx;
+  args.topk_weights = params.topk_weights;
+  args.recv_src = params.recv_src;
+  args.recv_k = params.recv_k;
+  args.recv_count = params.recv_count;
+  args.out = static_cast<__nv_bfloat16*>(params.out);
+  args.num_tokens = params.num_tokens;
+  args.num_experts = ctx.config.num_experts;
+
+  const size_t smem_bytes = (static_cast<size_t>(ctx.config.num_local_experts()) + 1) * sizeof(int);
+  return launch_low_latency_kernel(low_latency_combine_kernel, num_blocks, smem_bytes, stream,
+                                   args);
+}
+
+cudaError_t preload_low_latency_combine_kernels() {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, low_latency_combine_kernel);
+}
+
+}  // namespace jax_ep

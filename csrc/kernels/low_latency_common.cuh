@@ -1,0 +1,146 @@
+// Pieces shared by the low-latency dispatch and combine kernels: the per-rank view of the
+// regions that every kernel gets, the "last block" arrival, and the cooperative launch.
+//
+// Launch shape of both kernels: one block of kLowLatencyThreads per SM, launched cooperatively so
+// that every block is resident (blocks wait for words that other blocks of the same launch
+// write). No host state per call: the sequence word that picks the call's parity and tag lives
+// in device memory and is advanced by the last block of each launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/limits.h"
+#include "kernels/common/sync.cuh"
+#include "kernels/low_latency_layout.cuh"
+#include "runtime/context.h"
+
+namespace jax_ep {
+
+constexpr int kLowLatencyThreads = 512;
+constexpr int kLowLatencyWarps = kLowLatencyThreads / kWarpSize;
+
+// What a low-latency kernel knows about its rank. Plain data inside the kernel arguments.
+struct LowLatencyRank {
+  LowLatencyLayout layout;
+  char* local = nullptr;        // this rank's low-latency region
+  char* peers[kMaxRanks] = {};  // every rank's low-latency region (peers[rank] == local)
+  ErrorCounters* errors = nullptr;
+  TimeoutRecord* timeout_record = nullptr;
+  uint64_t timeout_ns = 0;
+  int rank = 0;
+};
+
+inline LowLatencyRank make_low_latency_rank(const RankContext& ctx) {
+  LowLatencyRank view;
+  view.layout = make_low_latency_layout(ctx.config);
+  const size_t offset = low_latency_workspace_offset(ctx.config);
+  view.local = ctx.workspace + offset;
+  for (int r = 0; r < ctx.config.num_ranks && r < kMaxRanks; ++r) {
+    view.peers[r] = ctx.peer_workspaces[r] + offset;
+  }
+  view.errors = ctx.error_counters;
+  view.timeout_record = ctx.timeout_record;
+  view.timeout_ns = ctx.timeout_ns;
+  view.rank = ctx.rank;
+  return view;
+}
+
+__device__ __forceinline__ LowLatencyControl* low_latency_control(const LowLatencyRank& view) {
+  return reinterpret_cast<LowLatencyControl*>(view.local + view.layout.control);
+}
+
+// A word this rank's previous launch wrote (read once at kernel start).
+__device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* ptr) {
+  return *reinterpret_cast<const volatile uint64_t*>(ptr);
+}
+
+// Orders this thread's earlier loads/stores (local and peer memory) before its later ones for
+// every observer in the system (lighter than the sequentially consistent __threadfence_system).
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+// A word that carries only its own value (no data is published with it).
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+// One arrival per block on `counter`, after every thread's earlier writes (local and remote) are
+// visible system-wide. Returns true, uniformly over the block, in the block that arrives last;
+// that block has synchronised with every other block's writes (fence after the atomic) and resets
+// the counter, so the next launch finds it at 0. Must be reached by every thread of every block.
+__device__ __forceinline__ bool arrive_and_check_last(unsigned long long* counter) {
+  __shared__ int last_block;
+  fence_acq_rel_sys();  // every thread: its own remote stores are complete before the arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned long long arrived_before = atomicAdd(counter, 1ull);
+    const bool last = arrived_before + 1 == gridDim.x;
+    if (last) {
+      fence_acq_rel_sys();  // acquire side of the other blocks' arrivals
+      *counter = 0;
+    }
+    last_block = last;
+  }
+  __syncthreads();
+  return last_block != 0;
+}
+
+// Called once by every block as its last action: the last block to finish advances the sequence
+// word (every block read it at its start, so none can see the new value in this launch) and
+// clears the counters the launch waited on.
+__device__ __forceinline__ void finish_launch(unsigned long long* done_counter, uint64_t* seq_word,
+                                              uint64_t seq, unsigned long long* waited_counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned long long finished_before = atomicAdd(done_counter, 1ull);
+    if (finished_before + 1 == gridDim.x) {
+      *done_counter = 0;
+      if (waited_counter != nullptr) *waited_counter = 0;
+      *seq_word = seq + 1;
+    }
+  }
+}
+
+__device__ __forceinline__ int warp_inclusive_sum(int value, int lane) {
+#pragma unroll
+  for (int delta = 1; delta < kWarpSize; delta <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, value, delta);
+    if (lane >= delta) value += other;
+  }
+  return value;
+}
+
+// Blocks of one low-latency launch: one per SM (ctx.num_sms, queried when the runtime left it 0).
+inline cudaError_t low_latency_grid_size(const RankContext& ctx, int* num_blocks) {
+  *num_blocks = ctx.num_sms;
+  if (*num_blocks > 0) return cudaSuccess;
+  return cudaDeviceGetAttribute(num_blocks, cudaDevAttrMultiProcessorCount, ctx.device);
+}
+
+// Launches `kernel` cooperatively (all blocks co-resident) with kLowLatencyThreads per block.
+template <typename Args>
+cudaError_t launch_low_latency_kernel(void (*kernel)(Args), int num_blocks, size_t smem_bytes,
+                                      cudaStream_t stream, const Args& args) {
+  constexpr size_t kDefaultSmemBytes = 48 * 1024;
+  if (smem_bytes > kDefaultSmemBytes) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+    if (err != cudaSuccess) return err;
+  }
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeCooperative;
+  attribute.val.cooperative = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(num_blocks);
+  config.blockDim = dim3(kLowLatencyThreads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args);
+}
+
+}  // namespace jax_ep

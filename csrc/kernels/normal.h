@@ -1,0 +1,96 @@
+// Host-side entry points of the normal-mode kernels (layout, dispatch, cached dispatch, combine).
+//
+// The FFI handlers fill one *Params struct per op with the XLA buffers of the call (already
+// validated against the Buffer's configuration) and call the launcher, which enqueues the kernels
+// on `stream` and returns the launch status. Nothing here synchronises with the host.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "runtime/context.h"
+
+namespace jax_ep {
+
+// jax_ep_layout_v1: routing statistics of topk_idx, no communication.
+struct LayoutParams {
+  const int32_t* topk_idx = nullptr;         // [T, K]
+  int num_tokens = 0;                        // T
+  int32_t* num_tokens_per_rank = nullptr;    // [R]
+  int32_t* num_tokens_per_expert = nullptr;  // [E]
+  bool* is_token_in_rank = nullptr;          // [T, R]
+};
+cudaError_t launch_layout(const RankContext& ctx, const LayoutParams& params, cudaStream_t stream);
+
+// jax_ep_dispatch_v1. `x` rows are `x_bytes_per_row` bytes (H * element bytes); `x_scales` is
+// [T, num_scales] (num_scales = 0 unless x is fp8).
+struct DispatchParams {
+  int num_tokens = 0;  // T
+  int capacity = 0;    // C of this call
+  const void* x = nullptr;
+  int64_t x_bytes_per_row = 0;
+  const float* x_scales = nullptr;
+  int num_scales = 0;
+  const int32_t* topk_idx = nullptr;              // [T, K]
+  const float* topk_weights = nullptr;            // [T, K]
+  void* recv_x = nullptr;                         // [C, H]
+  float* recv_scales = nullptr;                   // [C, num_scales]
+  int32_t* recv_topk_idx = nullptr;               // [C, K]
+  float* recv_topk_weights = nullptr;             // [C, K]
+  int32_t* num_recv_tokens = nullptr;             // []
+  int32_t* num_recv_tokens_per_expert = nullptr;  // [E_loc]
+  int32_t* send_pos = nullptr;                    // [T, R]
+  int32_t* recv_src = nullptr;                    // [C]
+};
+cudaError_t launch_dispatch(const RankContext& ctx, const DispatchParams& params,
+                            cudaStream_t stream);
+
+// jax_ep_cached_dispatch_v1: moves x (+ scales, + w) along the routing of send_pos.
+struct CachedDispatchParams {
+  int num_tokens = 0;
+  int capacity = 0;
+  const void* x = nullptr;
+  int64_t x_bytes_per_row = 0;
+  const float* x_scales = nullptr;
+  int num_scales = 0;
+  const float* w = nullptr;  // [T, num_w]
+  int num_w = 0;
+  const int32_t* send_pos = nullptr;  // [T, R]
+  void* recv_x = nullptr;
+  float* recv_scales = nullptr;
+  float* recv_w = nullptr;  // [C, num_w]
+};
+cudaError_t launch_cached_dispatch(const RankContext& ctx, const CachedDispatchParams& params,
+                                   cudaStream_t stream);
+
+// jax_ep_combine_v1. `y` holds elements of the Buffer's dtype (bf16 when dtype_bytes == 2,
+// float32 when 4).
+struct CombineParams {
+  int num_tokens = 0;          // T (send_pos.shape[0])
+  int capacity = 0;            // C
+  const void* y = nullptr;     // [C, H]
+  const float* y_w = nullptr;  // [C, num_w]
+  int num_w = 0;
+  const int32_t* send_pos = nullptr;         // [T, R]
+  const int32_t* recv_src = nullptr;         // [C]
+  const int32_t* num_recv_tokens = nullptr;  // []
+  void* combined = nullptr;                  // [T, H]
+  float* combined_w = nullptr;               // [T, num_w]
+};
+cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
+                           cudaStream_t stream);
+
+// Bytes of the normal-mode data region (rows) of this Buffer, and the per-row bytes each op
+// needs there: the handlers check `rows * row bytes <= normal_data_bytes`.
+size_t normal_data_bytes(const BufferConfig& config);
+int64_t dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int num_topk);
+int64_t cached_dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int num_w);
+int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w);
+
+// Per-file kernel preloading (called by preload_normal_kernels()).
+cudaError_t preload_layout_kernels();
+cudaError_t preload_dispatch_kernels();
+cudaError_t preload_combine_kernels();
+
+}  // namespace jax_ep

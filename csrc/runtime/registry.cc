@@ -1,0 +1,331 @@
+// Registry of Buffers: device memory, peer tables and kernel preloading, per (buffer, device).
+//
+// Process model (a) of DESIGN section 4: one process drives every GPU of the EP group, so a
+// peer's workspace is reachable through its plain device pointer once peer access is enabled.
+#include "runtime/registry.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <shared_mutex>
+#include <sstream>
+#include <utility>
+
+#include "kernels/common/limits.h"
+
+namespace jax_ep {
+namespace {
+
+// Transfer-kernel grid of the normal mode, per multiprocessor: one 512-thread block per SM.
+constexpr int kNormalBlocksPerSm = 1;
+// Share of those blocks that push rows to peers (the rest copy own rows, zero the padding and
+// receive). NVLink saturates with far fewer SMs than HBM-bound local copies need.
+constexpr int kNormalPushBlocksDivisor = 4;
+
+struct BufferState {
+  BufferConfig config;
+  std::vector<std::unique_ptr<RankContext>> contexts;  // every device of every group
+};
+
+std::shared_mutex registry_mutex;
+std::map<int64_t, BufferState> buffers;                           // guarded by registry_mutex
+std::map<std::pair<int64_t, int>, const RankContext*> by_device;  // guarded by registry_mutex
+
+std::string cuda_failure(int device, const char* call, cudaError_t status) {
+  std::ostringstream message;
+  message << "jax_ep: " << call << " failed on device " << device << ": "
+          << cudaGetErrorName(status) << " (" << cudaGetErrorString(status) << ")";
+  return message.str();
+}
+
+// Returns the message of a failed CUDA call (naming the device and the call) and clears the
+// thread's last-error state so that it does not surface in an unrelated later check.
+#define RETURN_MESSAGE_IF_CUDA_ERROR(device, call) \
+  do {                                             \
+    const cudaError_t status_ = (call);            \
+    if (status_ != cudaSuccess) {                  \
+      cudaGetLastError();                          \
+      return cuda_failure(device, #call, status_); \
+    }                                              \
+  } while (0)
+
+// Restores the calling thread's current device when it goes out of scope.
+class CurrentDeviceGuard {
+ public:
+  CurrentDeviceGuard() { saved_ok_ = cudaGetDevice(&saved_) == cudaSuccess; }
+  ~CurrentDeviceGuard() {
+    if (saved_ok_) cudaSetDevice(saved_);
+  }
+  CurrentDeviceGuard(const CurrentDeviceGuard&) = delete;
+  CurrentDeviceGuard& operator=(const CurrentDeviceGuard&) = delete;
+
+ private:
+  int saved_ = 0;
+  bool saved_ok_ = false;
+};
+
+// Positive integer from the environment, or `fallback` (tuning knobs for the normal mode).
+int env_int(const char* name, int fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  const long value = std::strtol(text, nullptr, 10);
+  return value > 0 ? static_cast<int>(value) : fallback;
+}
+
+std::string validate(const BufferConfig& config, const std::vector<std::vector<int>>& groups) {
+  std::ostringstream message;
+  if (groups.empty()) return "jax_ep: create_buffer needs at least one group of devices";
+  const int num_ranks = config.num_ranks;
+  if (num_ranks < 1 || num_ranks > kMaxRanks) {
+    message << "jax_ep: num_ranks must be in [1, " << kMaxRanks << "], got " << num_ranks;
+    return message.str();
+  }
+  std::set<int> seen;
+  for (const auto& group : groups) {
+    if (static_cast<int>(group.size()) != num_ranks) {
+      message << "jax_ep: every group must have " << num_ranks << " devices, got one with "
+              << group.size();
+      return message.str();
+    }
+    for (int device : group) {
+      if (!seen.insert(device).second) {
+        message << "jax_ep: device " << device << " appears twice in the groups";
+        return message.str();
+      }
+    }
+  }
+  if (config.num_experts <= 0 || config.num_experts % num_ranks != 0) {
+    message << "jax_ep: num_experts must be a positive multiple of num_ranks=" << num_ranks
+            << ", got " << config.num_experts;
+    return message.str();
+  }
+  if (config.hidden <= 0 || config.hidden % kChannelsPerScale != 0) {
+    message << "jax_ep: hidden must be a positive multiple of " << kChannelsPerScale << ", got "
+            << config.hidden;
+    return message.str();
+  }
+  if (config.max_tokens_per_rank <= 0) {
+    message << "jax_ep: max_tokens_per_rank must be positive, got " << config.max_tokens_per_rank;
+    return message.str();
+  }
+  if (config.num_topk <= 0 || config.num_topk > kMaxTopk) {
+    message << "jax_ep: num_topk must be in [1, " << kMaxTopk << "], got " << config.num_topk;
+    return message.str();
+  }
+  const int64_t max_capacity = static_cast<int64_t>(num_ranks) * config.max_tokens_per_rank;
+  if (config.capacity <= 0 || config.capacity > max_capacity) {
+    message << "jax_ep: capacity must be in [1, num_ranks * max_tokens_per_rank = " << max_capacity
+            << "], got " << config.capacity;
+    return message.str();
+  }
+  if (config.dtype_bytes != 2 && config.dtype_bytes != 4) {
+    message << "jax_ep: dtype_bytes must be 2 (bfloat16) or 4 (float32), got "
+            << config.dtype_bytes;
+    return message.str();
+  }
+  if (!(config.timeout_s > 0.0)) {
+    message << "jax_ep: timeout_s must be positive, got " << config.timeout_s;
+    return message.str();
+  }
+  return "";
+}
+
+// Frees what was allocated for `ctx` (any subset), on its device. Errors are ignored: this runs
+// on failure paths and at close, where nothing better can be done.
+void free_rank_context(RankContext& ctx) {
+  if (cudaSetDevice(ctx.device) != cudaSuccess) return;
+  cudaDeviceSynchronize();
+  if (ctx.workspace != nullptr) cudaFree(ctx.workspace);
+  if (ctx.peer_workspaces_device != nullptr) cudaFree(ctx.peer_workspaces_device);
+  if (ctx.error_counters != nullptr) cudaFree(ctx.error_counters);
+  if (ctx.timeout_record_host != nullptr) cudaFreeHost(ctx.timeout_record_host);
+  ctx.workspace = nullptr;
+  ctx.peer_workspaces_device = nullptr;
+  ctx.error_counters = nullptr;
+  ctx.timeout_record = nullptr;
+  ctx.timeout_record_host = nullptr;
+  cudaGetLastError();  // do not leave a failure of the cleanup behind for the next caller
+}
+
+// Per-device allocations of one rank (workspace, counters, timeout record) and its kernels.
+std::string allocate_rank(RankContext& ctx) {
+  const int device = ctx.device;
+  RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaSetDevice(device));
+  const cudaError_t status = cudaMalloc(&ctx.workspace, ctx.workspace_bytes);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    std::ostringstream message;
+    message << cuda_failure(device, "cudaMalloc(workspace)", status) << "; the Buffer needs "
+            << ctx.workspace_bytes << " bytes per device (XLA preallocates most GPU memory: "
+            << "lower XLA_PYTHON_CLIENT_MEM_FRACTION or create the Buffer earlier)";
+    ctx.workspace = nullptr;
+    return message.str();
+  }
+  RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaMemset(ctx.workspace, 0, ctx.workspace_bytes));
+  RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaMalloc(&ctx.error_counters, sizeof(ErrorCounters)));
+  RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaMemset(ctx.error_counters, 0, sizeof(ErrorCounters)));
+  RETURN_MESSAGE_IF_CUDA_ERROR(device,
+                               cudaHostAlloc(&ctx.timeout_record_host, sizeof(TimeoutRecord),
+                                             cudaHostAllocMapped | cudaHostAllocPortable));
+  *ctx.timeout_record_host = TimeoutRecord{};
+  RETURN_MESSAGE_IF_CUDA_ERROR(
+      device, cudaHostGetDevicePointer(&ctx.timeout_record, ctx.timeout_record_host, 0));
+  RETURN_MESSAGE_IF_CUDA_ERROR(device,
+                               cudaMalloc(&ctx.peer_workspaces_device, sizeof(char*) * kMaxRanks));
+  RETURN_MESSAGE_IF_CUDA_ERROR(
+      device, cudaDeviceGetAttribute(&ctx.num_sms, cudaDevAttrMultiProcessorCount, device));
+  ctx.normal_blocks = env_int("JAX_EP_NORMAL_BLOCKS", ctx.num_sms * kNormalBlocksPerSm);
+  ctx.normal_push_blocks =
+      env_int("JAX_EP_NORMAL_PUSH_BLOCKS", ctx.normal_blocks / kNormalPushBlocksDivisor > 0
+                                               ? ctx.normal_blocks / kNormalPushBlocksDivisor
+                                               : 1);
+
+  preload_normal_kernels();
+  RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaGetLastError());  // from preload_normal_kernels()
+  if (ctx.config.low_latency) {
+    preload_low_latency_kernels();
+    RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaGetLastError());  // from preload_low_latency_kernels()
+  }
+  return "";
+}
+
+// Enables access from `device` to every other device of its group.
+std::string enable_peer_access(int device, const std::vector<int>& group) {
+  RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaSetDevice(device));
+  for (int peer : group) {
+    if (peer == device) continue;
+    int can_access = 0;
+    RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaDeviceCanAccessPeer(&can_access, device, peer));
+    if (!can_access) {
+      std::ostringstream message;
+      message << "jax_ep: device " << device << " cannot access the memory of device " << peer
+              << " (cudaDeviceCanAccessPeer is false): the ranks of one EP group must be "
+              << "connected by NVLink or PCIe peer-to-peer";
+      return message.str();
+    }
+    const cudaError_t status = cudaDeviceEnablePeerAccess(peer, 0);
+    if (status == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();  // XLA enabled it already; clear the error
+    } else if (status != cudaSuccess) {
+      std::ostringstream message;
+      message << cuda_failure(device, "cudaDeviceEnablePeerAccess", status) << " (peer device "
+              << peer << ")";
+      return message.str();
+    }
+  }
+  return "";
+}
+
+std::string create_group(const BufferConfig& config, const std::vector<int>& group,
+                         std::vector<std::unique_ptr<RankContext>>& contexts) {
+  const size_t first = contexts.size();
+  for (int rank = 0; rank < static_cast<int>(group.size()); ++rank) {
+    auto ctx = std::make_unique<RankContext>();
+    ctx->config = config;
+    ctx->rank = rank;
+    ctx->device = group[rank];
+    ctx->workspace_bytes = workspace_bytes(config);
+    ctx->timeout_ns = static_cast<uint64_t>(config.timeout_s * 1e9);
+    contexts.push_back(std::move(ctx));
+    std::string error = enable_peer_access(group[rank], group);
+    if (error.empty()) error = allocate_rank(*contexts.back());
+    if (!error.empty()) return error;
+  }
+  // Peer tables: with unified addressing a device pointer is valid on every peer that has
+  // access, so every rank sees the same table.
+  for (size_t i = first; i < contexts.size(); ++i) {
+    RankContext& ctx = *contexts[i];
+    for (int r = 0; r < config.num_ranks; ++r) {
+      ctx.peer_workspaces[r] = contexts[first + r]->workspace;
+    }
+    RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaSetDevice(ctx.device));
+    RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device,
+                                 cudaMemcpy(ctx.peer_workspaces_device, ctx.peer_workspaces,
+                                            sizeof(char*) * kMaxRanks, cudaMemcpyHostToDevice));
+    RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaDeviceSynchronize());
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
+                          const std::vector<std::vector<int>>& groups) {
+  std::string error = validate(config, groups);
+  if (!error.empty()) return error;
+  {
+    std::shared_lock<std::shared_mutex> lock(registry_mutex);
+    if (buffers.count(buffer_id) != 0) {
+      return "jax_ep: buffer id " + std::to_string(buffer_id) + " is already registered";
+    }
+  }
+
+  BufferState state;
+  state.config = config;
+  {
+    CurrentDeviceGuard device_guard;
+    for (const auto& group : groups) {
+      error = create_group(config, group, state.contexts);
+      if (!error.empty()) break;
+    }
+    if (!error.empty()) {
+      for (auto& ctx : state.contexts) free_rank_context(*ctx);
+      return error;
+    }
+  }
+
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  if (buffers.count(buffer_id) != 0) {
+    CurrentDeviceGuard device_guard;
+    for (auto& ctx : state.contexts) free_rank_context(*ctx);
+    return "jax_ep: buffer id " + std::to_string(buffer_id) + " is already registered";
+  }
+  for (const auto& ctx : state.contexts) by_device[{buffer_id, ctx->device}] = ctx.get();
+  buffers.emplace(buffer_id, std::move(state));
+  return "";
+}
+
+void destroy_buffer(int64_t buffer_id) {
+  BufferState state;
+  {
+    std::unique_lock<std::shared_mutex> lock(registry_mutex);
+    auto it = buffers.find(buffer_id);
+    if (it == buffers.end()) return;
+    state = std::move(it->second);
+    buffers.erase(it);
+    for (const auto& ctx : state.contexts) by_device.erase({buffer_id, ctx->device});
+  }
+  CurrentDeviceGuard device_guard;
+  for (auto& ctx : state.contexts) free_rank_context(*ctx);
+}
+
+size_t workspace_bytes(const BufferConfig& config) {
+  size_t total = normal_workspace_bytes(config);
+  if (config.low_latency) {
+    const size_t low_latency_end =
+        low_latency_workspace_offset(config) + low_latency_workspace_bytes(config);
+    if (low_latency_end > total) total = low_latency_end;
+  }
+  return total;
+}
+
+const RankContext* find_rank_context(int64_t buffer_id, int device) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  auto it = by_device.find({buffer_id, device});
+  return it == by_device.end() ? nullptr : it->second;
+}
+
+std::vector<const RankContext*> rank_contexts(int64_t buffer_id) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  std::vector<const RankContext*> result;
+  auto it = buffers.find(buffer_id);
+  if (it == buffers.end()) return result;
+  for (const auto& ctx : it->second.contexts) result.push_back(ctx.get());
+  return result;
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,183 @@
+// FFI handlers of the low-latency (decode) mode: jax_ep_low_latency_dispatch_v1 and
+// jax_ep_low_latency_combine_v1 (operands/results: docs/internals.md, "Low-latency mode").
+//
+// Each handler looks up the rank's context (failing if a previous call timed out), checks every
+// operand and result against the Buffer's configuration, and enqueues one kernel on XLA's
+// stream. Both are command-buffer compatible: no host synchronisation and no host state per
+// call (the sequence words that pick parity and tags live in device memory and are advanced by
+// the kernels), so XLA may capture them into CUDA graphs and replay them.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <sstream>
+
+#include "common.h"
+#include "kernels/common/limits.h"
+#include "kernels/low_latency_launch.h"
+#include "targets.h"
+
+namespace nb = nanobind;
+
+namespace jax_ep {
+namespace {
+
+constexpr const char* kLowLatencyDispatchOp = "jax_ep_low_latency_dispatch_v1";
+constexpr const char* kLowLatencyCombineOp = "jax_ep_low_latency_combine_v1";
+
+// The Buffer must have low-latency regions, and its static shape must fit the kernels.
+ffi::Error check_low_latency_config(const char* op, const BufferConfig& config) {
+  std::ostringstream message;
+  if (!config.low_latency) {
+    message << op << ": the Buffer was created with low_latency=False; create it with "
+            << "low_latency=True to use the low-latency ops";
+  } else if (config.num_topk > kMaxTopk) {
+    message << op << ": num_topk must be <= " << kMaxTopk << " in low-latency mode, got "
+            << config.num_topk;
+  } else if (config.hidden % kChannelsPerScale != 0) {
+    message << op << ": hidden must be a multiple of " << kChannelsPerScale << ", got "
+            << config.hidden;
+  } else {
+    return ffi::Error::Success();
+  }
+  return ffi::Error::InvalidArgument(message.str());
+}
+
+// T (leading extent of `arg`) must not exceed max_tokens_per_rank.
+ffi::Error check_low_latency_tokens(const char* op, const char* arg, int64_t num_tokens,
+                                    const BufferConfig& config) {
+  if (num_tokens <= config.max_tokens_per_rank) return ffi::Error::Success();
+  std::ostringstream message;
+  message << op << ": argument '" << arg << "' has " << num_tokens
+          << " tokens, more than the Buffer's max_tokens_per_rank=" << config.max_tokens_per_rank;
+  return ffi::Error::InvalidArgument(message.str());
+}
+
+ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
+                                  bool use_fp8, bool round_scale, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> recv_x,
+                                  ffi::Result<ffi::AnyBuffer> recv_scales,
+                                  ffi::Result<ffi::AnyBuffer> recv_count,
+                                  ffi::Result<ffi::AnyBuffer> recv_src,
+                                  ffi::Result<ffi::AnyBuffer> recv_k) {
+  const char* op = kLowLatencyDispatchOp;
+  const RankContext* ctx = nullptr;
+  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
+  const BufferConfig& config = ctx->config;
+  FFI_RETURN_IF_ERROR(check_low_latency_config(op, config));
+
+  FFI_RETURN_IF_ERROR(check_array(op, "x", x, {ffi::DataType::BF16}, {kAnyDim, config.hidden}));
+  const int64_t num_tokens = x.dimensions()[0];
+  FFI_RETURN_IF_ERROR(check_low_latency_tokens(op, "x", num_tokens, config));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32}, {num_tokens, config.num_topk}));
+
+  const int64_t num_local = config.num_local_experts();
+  const int64_t rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  const int64_t num_scales = use_fp8 ? config.hidden / kChannelsPerScale : 0;
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_x", *recv_x,
+                                  {use_fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16},
+                                  {num_local, rows, config.hidden}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_scales", *recv_scales, {ffi::DataType::F32},
+                                  {num_local, rows, num_scales}));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "recv_count", *recv_count, {ffi::DataType::S32}, {num_local}));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "recv_src", *recv_src, {ffi::DataType::S32}, {num_local, rows}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_k", *recv_k, {ffi::DataType::S32}, {num_local, rows}));
+
+  LowLatencyDispatchParams params;
+  params.x = x.untyped_data();
+  params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  params.num_tokens = static_cast<int>(num_tokens);
+  params.use_fp8 = use_fp8;
+  params.round_scale = round_scale;
+  params.recv_x = recv_x->untyped_data();
+  params.recv_scales = static_cast<float*>(recv_scales->untyped_data());
+  params.recv_count = static_cast<int32_t*>(recv_count->untyped_data());
+  params.recv_src = static_cast<int32_t*>(recv_src->untyped_data());
+  params.recv_k = static_cast<int32_t*>(recv_k->untyped_data());
+  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_dispatch(*ctx, params, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
+                                 ffi::AnyBuffer y, ffi::AnyBuffer topk_idx,
+                                 ffi::AnyBuffer topk_weights, ffi::AnyBuffer recv_src,
+                                 ffi::AnyBuffer recv_k, ffi::AnyBuffer recv_count,
+                                 ffi::Result<ffi::AnyBuffer> out) {
+  const char* op = kLowLatencyCombineOp;
+  const RankContext* ctx = nullptr;
+  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
+  const BufferConfig& config = ctx->config;
+  FFI_RETURN_IF_ERROR(check_low_latency_config(op, config));
+
+  const int64_t num_local = config.num_local_experts();
+  const int64_t rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "y", y, {ffi::DataType::BF16}, {num_local, rows, config.hidden}));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32}, {kAnyDim, config.num_topk}));
+  const int64_t num_tokens = topk_idx.dimensions()[0];
+  FFI_RETURN_IF_ERROR(check_low_latency_tokens(op, "topk_idx", num_tokens, config));
+  FFI_RETURN_IF_ERROR(check_array(op, "topk_weights", topk_weights, {ffi::DataType::F32},
+                                  {num_tokens, config.num_topk}));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "recv_src", recv_src, {ffi::DataType::S32}, {num_local, rows}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_k", recv_k, {ffi::DataType::S32}, {num_local, rows}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_count", recv_count, {ffi::DataType::S32}, {num_local}));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "out", *out, {ffi::DataType::BF16}, {num_tokens, config.hidden}));
+
+  LowLatencyCombineParams params;
+  params.y = y.untyped_data();
+  params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  params.topk_weights = static_cast<const float*>(topk_weights.untyped_data());
+  params.recv_src = static_cast<const int32_t*>(recv_src.untyped_data());
+  params.recv_k = static_cast<const int32_t*>(recv_k.untyped_data());
+  params.recv_count = static_cast<const int32_t*>(recv_count.untyped_data());
+  params.num_tokens = static_cast<int>(num_tokens);
+  params.out = out->untyped_data();
+  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_combine(*ctx, params, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, LowLatencyDispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Attr<int64_t>("buffer_id")                // buffer_id
+                                  .Attr<bool>("use_fp8")                     // use_fp8
+                                  .Attr<bool>("round_scale")                 // round_scale
+                                  .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
+                                  .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                                  .Ret<ffi::AnyBuffer>()   // recv_x [E_loc, R*T_max, H] f8/bf16
+                                  .Ret<ffi::AnyBuffer>()   // recv_scales [E_loc, R*T_max, S'] f32
+                                  .Ret<ffi::AnyBuffer>()   // recv_count [E_loc] s32
+                                  .Ret<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
+                                  .Ret<ffi::AnyBuffer>(),  // recv_k [E_loc, R*T_max] s32
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, LowLatencyCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Attr<int64_t>("buffer_id")                // buffer_id
+                                  .Arg<ffi::AnyBuffer>()   // y [E_loc, R*T_max, H] bf16
+                                  .Arg<ffi::AnyBuffer>()   // topk_idx [T, K] s32
+                                  .Arg<ffi::AnyBuffer>()   // topk_weights [T, K] f32
+                                  .Arg<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
+                                  .Arg<ffi::AnyBuffer>()   // recv_k [E_loc, R*T_max] s32
+                                  .Arg<ffi::AnyBuffer>()   // recv_count [E_loc] s32
+                                  .Ret<ffi::AnyBuffer>(),  // out [T, H] bf16
+                              {ffi::Traits::kCmdBufferCompatible});
+
+void add_low_latency_targets(nb::dict& targets) {
+  targets["jax_ep_low_latency_dispatch_v1"] =
+      nb::capsule(reinterpret_cast<void*>(LowLatencyDispatchHandler));
+  targets["jax_ep_low_latency_combine_v1"] =
+      nb::capsule(reinterpret_cast<void*>(LowLatencyCombineHandler));
+}
+
+}  // namespace jax_ep
