@@ -4,6 +4,8 @@ Our CUDA kernels, registered as XLA FFI custom calls, move tokens over NVLink; a
 reference backend runs the same ops on any platform. See ``Buffer`` for the sharding model.
 """
 
+from jax_ep import moe
+from jax_ep._cuda import export_safety_checks
 from jax_ep._types import (
     Dispatched,
     DispatchHandle,
@@ -11,7 +13,6 @@ from jax_ep._types import (
     LowLatencyDispatched,
     LowLatencyHandle,
 )
-from jax_ep._cuda import export_safety_checks
 from jax_ep.buffer import Buffer
 from jax_ep.fp8 import per_token_cast_from_fp8, per_token_cast_to_fp8
 from jax_ep.ops import (
@@ -37,6 +38,7 @@ __all__ = [
     "get_dispatch_layout",
     "low_latency_combine",
     "low_latency_dispatch",
+    "moe",
     "per_token_cast_from_fp8",
     "per_token_cast_to_fp8",
 ]

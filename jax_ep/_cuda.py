@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep import _vma
 from jax_ep._types import DispatchHandle, Layout
 
 # Bump the suffix whenever an operand, result, attribute or semantic changes: a program (or a
@@ -61,27 +62,9 @@ def register_targets() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
-def _varying_axes(x) -> frozenset:
-    """Manual mesh axes ``x`` varies over inside shard_map (empty when vma checks are off)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def _make_varying(x, axes: frozenset):
-    missing = tuple(sorted(axes - _varying_axes(x)))
-    if not missing:
-        return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)
-
-
 class CudaBackend:
-    """FFI calls of one Buffer. Every operand is made varying over the same axes so that the
-    custom call type-checks under shard_map's varying-axes check, and results carry those axes."""
+    """FFI calls of one Buffer. Operands vary over the same axes (so the custom call type-checks
+    under shard_map's varying-axes check) and results are typed like them."""
 
     name = "cuda"
 
@@ -91,12 +74,7 @@ class CudaBackend:
         self.num_local_experts = buf.num_local_experts
 
     def _call(self, op, operands, results, **attrs):
-        axes = frozenset({self.buf.axis_name})
-        for a in operands:
-            axes |= _varying_axes(a)
-        if len(axes) == 1 and not _varying_axes(operands[0]):
-            axes = frozenset()  # vma checking is off: nothing to align
-        operands = [_make_varying(a, axes) for a in operands]
+        operands = _vma.align(self.buf.axis_name, list(operands))
         template = jax.typeof(operands[0])
         result_types = [_result_type(template, shape, dtype) for shape, dtype in results]
         call = jax.ffi.ffi_call(target_name(op), result_types, has_side_effect=True)

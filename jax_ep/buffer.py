@@ -71,6 +71,9 @@ class Buffer:
       capacity: static receive rows ``C`` of the normal mode (default ``R * T`` per call).
         Tokens past it are dropped and reported by ``check()``.
       timeout_s: bound on every wait for a peer (default ``$JAX_EP_TIMEOUT_S`` or 10 s).
+      report_errors: reference backend only: count invalid ids and overflow through one host
+        callback per call, for ``check()``. False keeps its programs device-only (benchmarks,
+        CUDA graphs). The CUDA kernels always count on the device, for free.
       lowering_only: build a CUDA Buffer without touching devices: it traces, lowers and
         exports (e.g. ``jax.export`` for platform cuda from a CPU machine) but cannot run.
 
@@ -81,7 +84,7 @@ class Buffer:
 
     def __init__(self, mesh, axis_name, *, num_experts, hidden, max_tokens_per_rank, num_topk,
                  dtype=jnp.bfloat16, low_latency=False, backend="auto", capacity=None,
-                 timeout_s=None, lowering_only=False):
+                 timeout_s=None, report_errors=True, lowering_only=False):
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
@@ -123,6 +126,7 @@ class Buffer:
         self._closed = False
         self._errors_lock = threading.Lock()
         self._host_errors = {"invalid_expert_ids": 0, "overflow_rows": 0}
+        self.report_errors = bool(report_errors)
         self._allocated = False
         self.backend_reasons = []  # why "auto" did not pick cuda (see `python -m jax_ep.env`)
         self.backend = self._resolve_backend(backend, lowering_only)
@@ -258,6 +262,9 @@ class Buffer:
     # ------------------------------------------------------------------------------ errors
     def _report_errors(self, invalid_ids, overflow_rows):
         """Reference backend: forwards per-rank error counts to the host (jit-safe)."""
+        if not self.report_errors:
+            return
+
         def record(invalid, overflow):
             with self._errors_lock:
                 self._host_errors["invalid_expert_ids"] += int(invalid)

@@ -18,7 +18,8 @@ def fp8_scales(amax, round_scale: bool = False):
     """
     scale = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) / FP8_MAX
     if round_scale:
-        mantissa, exponent = jnp.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+        # scale = mantissa * 2**exponent with mantissa in [0.5, 1)
+        mantissa, exponent = jnp.frexp(scale)
         exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
         scale = jnp.ldexp(jnp.ones_like(scale), exponent)
     return scale

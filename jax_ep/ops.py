@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_ep import fp8
+from jax_ep import _vma, fp8
 from jax_ep._types import Dispatched, DispatchHandle, Layout, LowLatencyDispatched, LowLatencyHandle
 
 
@@ -70,6 +70,12 @@ def _check_handle(buf, handle, num_rows=None):
     _check_array("handle.recv_src", handle.recv_src, (num_rows,), (jnp.int32,))
 
 
+def _like_primals(buf, handle, *cotangents):
+    """Cotangents typed like the primal inputs: the public ops aligned every input to the
+    handle's varying axes, and custom_vjp insists a cotangent has its primal's type."""
+    return _vma.align(buf.axis_name, (handle, *cotangents))[1:]
+
+
 # ------------------------------------------------------------------------------------- layout
 def get_dispatch_layout(buf, topk_idx) -> Layout:
     """Per-rank routing statistics of ``topk_idx [T, K]`` int32 (global ids, -1 = none).
@@ -112,6 +118,7 @@ def dispatch(buf, x, topk_idx=None, topk_weights=None, *, handle=None) -> Dispat
         if handle.send_pos.shape[0] != num_tokens:
             raise ValueError(f"x has {num_tokens} tokens but handle.send_pos was made for "
                              f"{handle.send_pos.shape[0]}")
+        payload, scales, handle = _vma.align(buf.axis_name, (payload, scales, handle))
         no_weights = jnp.zeros((num_tokens, 0), jnp.float32)
         if is_fp8:
             recv_x, recv_scales, _ = buf._impl.cached_dispatch(payload, scales, no_weights, handle)
@@ -127,6 +134,7 @@ def dispatch(buf, x, topk_idx=None, topk_weights=None, *, handle=None) -> Dispat
     if is_fp8:
         out = buf._impl.dispatch(payload, scales, topk_idx, topk_weights)
         return Dispatched(**out)
+    payload, topk_idx, topk_weights = _vma.align(buf.axis_name, (payload, topk_idx, topk_weights))
     out = _dispatch(buf, payload, topk_idx, topk_weights)
     return dataclasses.replace(out, recv_scales=None)
 
@@ -147,6 +155,7 @@ def _dispatch_bwd(buf, residuals, cotangent):
     # Only weights that were kept (their expert is on the receiving rank) carry gradient.
     ct_weights = jnp.where(recv_topk_idx >= 0, cotangent.recv_topk_weights, 0.0)
     dx, dw = buf._impl.combine(cotangent.recv_x, ct_weights.astype(jnp.float32), handle)
+    dx, dw = _like_primals(buf, handle, dx, dw)
     return dx, None, dw
 
 
@@ -167,6 +176,7 @@ def _cached_dispatch_fwd(buf, x, handle):
 def _cached_dispatch_bwd(buf, handle, ct_recv_x):
     no_weights = jnp.zeros((ct_recv_x.shape[0], 0), jnp.float32)
     dx, _ = buf._impl.combine(ct_recv_x, no_weights, handle)
+    (dx,) = _like_primals(buf, handle, dx)
     return dx, None
 
 
@@ -192,11 +202,12 @@ def combine(buf, y, handle, topk_weights=None):
     _check_handle(buf, handle)
     num_rows = handle.recv_src.shape[0]
     _check_array("y", y, (num_rows, buf.hidden), (buf.dtype,))
-    if topk_weights is None:
-        combined, _ = _combine(buf, y, jnp.zeros((num_rows, 0), jnp.float32), handle)
-        return combined, None
-    _check_array("topk_weights", topk_weights, (num_rows, buf.num_topk), (jnp.float32,))
-    return _combine(buf, y, topk_weights, handle)
+    if topk_weights is not None:
+        _check_array("topk_weights", topk_weights, (num_rows, buf.num_topk), (jnp.float32,))
+    weights = jnp.zeros((num_rows, 0), jnp.float32) if topk_weights is None else topk_weights
+    y, weights, handle = _vma.align(buf.axis_name, (y, weights, handle))
+    combined, combined_weights = _combine(buf, y, weights, handle)
+    return combined, (None if topk_weights is None else combined_weights)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -212,6 +223,7 @@ def _combine_bwd(buf, handle, cotangents):
     ct_combined, ct_w = cotangents
     no_scales = jnp.zeros((ct_combined.shape[0], 0), jnp.float32)
     dy, _, dy_w = buf._impl.cached_dispatch(ct_combined, no_scales, ct_w, handle)
+    dy, dy_w = _like_primals(buf, handle, dy, dy_w)
     return dy, dy_w, None
 
 
@@ -244,6 +256,7 @@ def low_latency_dispatch(buf, x, topk_idx, use_fp8=True, round_scale=False):
     _check_array("x", x, (None, buf.hidden), (jnp.bfloat16,))
     _check_tokens(buf, "x", x.shape[0])
     _check_routing(buf, x.shape[0], topk_idx)
+    x, topk_idx = _vma.align(buf.axis_name, (x, topk_idx))
     if use_fp8:
         out = buf._impl.low_latency_dispatch(x, topk_idx, True, bool(round_scale))
         return _low_latency_result(out, with_scales=True)
@@ -274,6 +287,7 @@ def _ll_dispatch_bwd(buf, residuals, cotangent):
     ones = jnp.ones(topk_idx.shape, jnp.float32)
     dx = buf._impl.low_latency_combine(cotangent.recv_x.astype(jnp.bfloat16), topk_idx, ones,
                                        handle)
+    (dx,) = _like_primals(buf, handle, dx)
     return dx, None
 
 
@@ -304,6 +318,8 @@ def low_latency_combine(buf, y, topk_idx, topk_weights, handle):
     if not isinstance(handle, LowLatencyHandle):
         raise ValueError(f"handle must be the LowLatencyHandle of a low_latency_dispatch, got "
                          f"{type(handle).__name__}")
+    y, topk_idx, topk_weights, handle = _vma.align(buf.axis_name,
+                                                   (y, topk_idx, topk_weights, handle))
     return _ll_combine(buf, y, topk_idx, topk_weights, handle)
 
 
@@ -329,6 +345,7 @@ def _ll_combine_bwd(buf, residuals, ct_out):
     # d w[t,k] = <ct_out[t], y row of (t,k)>, computed where the row lives and sent back.
     row_dots = jnp.where(valid[..., 0], jnp.sum(row_ct * y.astype(jnp.float32), axis=-1), 0.0)
     dw = _ll_values_to_owners(buf, row_dots, handle, topk_idx.shape[0])
+    dy, dw = _like_primals(buf, handle, dy, dw)
     return dy, None, dw, None
 
 

@@ -187,7 +187,7 @@ class ReferenceBackend:
 
     # --------------------------------------------------------------------- low-latency mode
     def low_latency_dispatch(self, x, topk_idx, use_fp8, round_scale):
-        R, T, K = self.num_ranks, x.shape[0], topk_idx.shape[1]
+        R, T = self.num_ranks, x.shape[0]
         E, E_loc, T_max = self.num_experts, self.num_local_experts, self.buf.max_tokens_per_rank
         _, valid, invalid = self._expert_rank(topk_idx)
         self.buf._report_errors(invalid, jnp.int32(0))

@@ -1,0 +1,153 @@
+"""Kernel-level device times of jax_ep's ops from a profiler trace (CUPTI), per GPU.
+
+    python benchmarks/profile_ops.py [--tokens 4096] [--ll-tokens 128] [--iters 8] [--out DIR]
+
+Runs each op ``--iters`` times in one jitted program under ``jax.profiler.trace`` and prints,
+per op and device, every kernel's median duration and the median span of one op (first kernel
+start to last kernel end of each call). Unlike wall-clock differences this is pure device time:
+it shows what the GPU spends and where the gaps are. Writes ``profile.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.profiler import ProfileData
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import testing as oracle
+
+
+def _gpu_kernel_events(xspace_path):
+    """{device plane name: [(name, start_ns, duration_ns)]} for device-side activity."""
+    events = {}
+    for plane in ProfileData.from_file(xspace_path).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        rows = []
+        for line in plane.lines:
+            if "stream" not in line.name.lower():
+                continue
+            rows += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+        events[plane.name] = sorted(rows, key=lambda r: r[1])
+    return events
+
+
+def _summarise(events, marker, family, iters):
+    """Per kernel name: median us; and the median span of one op: a call starts at each kernel
+    whose name contains ``marker`` and covers the following kernels whose names contain one of
+    ``family`` (the op's own kernels and memsets), up to the next call."""
+    by_name = {}
+    for name, _, dur in events:
+        by_name.setdefault(name, []).append(dur / 1e3)
+    starts = [i for i, (name, _, _) in enumerate(events) if marker in name]
+    spans = []
+    for j, i in enumerate(starts):
+        end = starts[j + 1] if j + 1 < len(starts) else len(events)
+        span_events = [ev for ev in events[i:end] if any(f in ev[0] for f in family)]
+        spans.append((max(s + d for _, s, d in span_events) - span_events[0][1]) / 1e3)
+    kernels = {name: {"count": len(v), "median_us": statistics.median(v)}
+               for name, v in by_name.items() if len(v) >= iters}
+    return {"kernels": kernels, "op_span_us": statistics.median(spans) if spans else None}
+
+
+def _profile(fn, args, marker, family, iters, label):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp(prefix="jax_ep_trace_")
+    with jax.profiler.trace(trace_dir):
+        jax.block_until_ready(fn(*args))
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    result = {}
+    for device, events in sorted(_gpu_kernel_events(path).items()):
+        result[device] = _summarise(events, marker, family, iters)
+        span = result[device]["op_span_us"]
+        print(f"{label:<28}{device:<18} op span {span if span is None else round(span, 1)} us")
+        kernels = result[device]["kernels"]
+        for name, k in sorted(kernels.items(), key=lambda kv: -kv[1]["median_us"]):
+            print(f"    {k['median_us']:9.1f} us x{k['count']:<3} {name[:90]}")
+    return result
+
+
+def _program(mesh, buf, mode, op, num_inputs):
+    """One jitted program running ``op`` once per input ``x`` (distinct inputs: no CSE)."""
+
+    def body(idx, w, *xs):
+        outs = []
+        if mode == "normal":
+            first = jax_ep.dispatch(buf, xs[0], idx, w)
+        for x in xs:
+            if op == "dispatch_bf16":
+                outs.append(jax_ep.dispatch(buf, x, idx, w).recv_x)
+            elif op == "dispatch_fp8":
+                outs.append(jax_ep.dispatch(buf, jax_ep.per_token_cast_to_fp8(x), idx, w).recv_x)
+            elif op == "combine":
+                outs.append(jax_ep.combine(buf, first.recv_x, first.handle)[0])
+            elif op == "ll_dispatch_fp8":
+                outs.append(jax_ep.low_latency_dispatch(buf, x, idx).recv_x)
+            elif op == "ll_dispatch_bf16":
+                outs.append(jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False).recv_x)
+            elif op == "ll_combine":
+                ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+                outs.append(jax_ep.low_latency_combine(buf, ll.recv_x, idx, w, ll.handle))
+        return outs
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * (2 + num_inputs),
+                                 out_specs=P("ep"), check_vma=False))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--ll-tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args(argv)
+    devices = jax.devices()
+    R, H, E, K = len(devices), args.hidden, args.experts, args.topk
+    mesh = Mesh(np.array(devices), ("ep",))
+    sharding = NamedSharding(mesh, P("ep"))
+    results = {}
+
+    for mode, T in (("normal", args.tokens), ("low_latency", args.ll_tokens)):
+        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
+                            num_topk=K, low_latency=mode == "low_latency", backend="cuda")
+        rng = np.random.default_rng(0)
+        idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
+        xs = [jax.device_put(rng.standard_normal((R * T, H)).astype(np.float32), sharding)
+              .astype(jnp.bfloat16) for _ in range(args.iters)]
+        gidx = jax.device_put(idx.reshape(R * T, K), sharding)
+        gw = jax.device_put(w.reshape(R * T, K), sharding)
+
+        # op -> (kernel that starts a call, substrings of the call's kernels)
+        ops = ({"dispatch_bf16": ("dispatch_plan", ("dispatch_", "emset")),
+                "dispatch_fp8": ("dispatch_plan", ("dispatch_", "emset")),
+                "combine": ("combine_plan", ("combine_", "emset"))} if mode == "normal" else
+               {"ll_dispatch_fp8": ("low_latency_dispatch", ("low_latency_dispatch",)),
+                "ll_dispatch_bf16": ("low_latency_dispatch", ("low_latency_dispatch",)),
+                "ll_combine": ("low_latency_combine", ("low_latency_combine",))})
+        for op, (marker, family) in ops.items():
+            program = _program(mesh, buf, mode, op, len(xs))
+            results[op] = _profile(program, (gidx, gw, *xs), marker, family, args.iters,
+                                   f"{op} T={T}")
+        buf.close()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

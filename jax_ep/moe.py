@@ -1,0 +1,421 @@
+"""Mixture-of-Experts building blocks around `jax_ep.dispatch` / `jax_ep.combine`.
+
+Sharding model: the functions here work on one expert-parallel rank's *local* arrays. `router`,
+`permute` and `unpermute` are purely local (no communication) and may be used anywhere, inside or
+outside `jax.shard_map`; `moe_ffn` calls `jax_ep.dispatch` and `jax_ep.combine`, so it must run
+inside `jax.shard_map` that is manual over the Buffer's expert-parallel axis, under `jax.jit`.
+Each rank holds its `num_local_experts = num_experts // R` experts' weights; global expert `e`
+lives on rank `e // num_local_experts` (DESIGN.md section 1).
+
+One expert-parallel MoE feed-forward layer, per rank::
+
+    topk_idx, topk_weights, aux_loss = router(x @ w_router, num_topk)
+    d = jax_ep.dispatch(buf, x, topk_idx, topk_weights)               # [C, H] received rows
+    x_sorted, group_sizes, state = permute(d.recv_x, d.recv_topk_idx, E_loc)
+    y_sorted = swiglu_experts(x_sorted, group_sizes, w_gate, w_up, w_down)  # ragged_dot
+    y_recv = unpermute(y_sorted, state, d.recv_topk_weights)          # [C, H] weighted
+    y, _ = jax_ep.combine(buf, y_recv, d.handle)                      # [T, H]
+
+which `moe_ffn` packages for SwiGLU experts. Everything is jittable, has static shapes and is
+differentiable; `permute` / `unpermute` move rows with gathers only (their gradients are gathers
+too, no scatter-add), so forward and backward are deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep.ops import combine, dispatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jax_ep.buffer import Buffer
+
+__all__ = [
+    "PermuteState",
+    "Permuted",
+    "Routing",
+    "moe_ffn",
+    "permute",
+    "router",
+    "swiglu_experts",
+    "unpermute",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PermuteState:
+    """How `permute` reordered the (row, k) pairs of a received block; consumed by `unpermute`.
+
+    With `C` received rows and `K` top-k slots there are `C*K` pairs; pair `(r, k)` has flat
+    index `r*K + k`. Valid pairs (local expert id in `[0, num_local_experts)`) occupy sorted rows
+    `[0, sum(group_sizes))` of the `N` sorted rows in (expert, row, k) order; the remaining rows
+    hold invalid pairs (zero).
+
+    Attributes:
+        sorted_pair: `[N]` int32, the flat pair index held by each sorted row.
+        sorted_valid: `[N]` bool, whether each sorted row holds a valid pair.
+        pair_slot: `[C, K]` int32, the sorted row of each kept pair (0 where not kept).
+        pair_valid: `[C, K]` bool, whether each pair is valid and kept (its slot is `< N`).
+    """
+
+    sorted_pair: jax.Array
+    sorted_valid: jax.Array
+    pair_slot: jax.Array
+    pair_valid: jax.Array
+
+    @property
+    def num_topk(self) -> int:
+        return self.pair_slot.shape[1]
+
+
+class Permuted(NamedTuple):
+    """Result of `permute` (unpacks as `x_sorted, group_sizes, state`).
+
+    Attributes:
+        x_sorted: `[N, H]` (`N = num_rows`, default `C*K`), rows grouped by local expert; rows
+            after `sum(group_sizes)` are 0.
+        group_sizes: `[num_local_experts]` int32, rows per expert, for `jax.lax.ragged_dot`.
+        state: the `PermuteState` that `unpermute` needs.
+    """
+
+    x_sorted: jax.Array
+    group_sizes: jax.Array
+    state: PermuteState
+
+
+class Routing(NamedTuple):
+    """Result of `router` (unpacks as `topk_idx, topk_weights, aux_loss`).
+
+    Attributes:
+        topk_idx: `[T, K]` int32 global expert ids, `-1` for masked-out tokens.
+        topk_weights: `[T, K]` float32 gate weights, 0 where `topk_idx` is -1.
+        aux_loss: float32 scalar load-balancing loss (1.0 for perfectly uniform routing).
+    """
+
+    topk_idx: jax.Array
+    topk_weights: jax.Array
+    aux_loss: jax.Array
+
+
+# Row movement. `_expand` (pairs <- rows) and `_collect` (rows x K <- pairs) are linear and each
+# other's transpose, so each one's backward is the other one: gathers both ways.
+
+
+@jax.custom_vjp
+def _expand(x: jax.Array, state: PermuteState) -> jax.Array:
+    """`[C, H]` -> `[N, H]`: sorted row j = x[row of pair sorted_pair[j]], 0 if invalid."""
+    rows = state.sorted_pair // state.num_topk
+    return jnp.where(state.sorted_valid[:, None], x[rows], jnp.zeros((), x.dtype))
+
+
+def _expand_fwd(x, state):
+    return _expand(x, state), state
+
+
+def _expand_bwd(state, g):
+    # d x[r] = sum over valid k of g[pair_slot[r, k]].
+    return _collect(g, state).sum(axis=1), None
+
+
+_expand.defvjp(_expand_fwd, _expand_bwd)
+
+
+@jax.custom_vjp
+def _collect(y: jax.Array, state: PermuteState) -> jax.Array:
+    """`[N, H]` -> `[C, K, H]`: pair (r, k) = y[pair_slot[r, k]], 0 if not kept."""
+    return jnp.where(state.pair_valid[..., None], y[state.pair_slot], jnp.zeros((), y.dtype))
+
+
+def _collect_fwd(y, state):
+    return _collect(y, state), state
+
+
+def _collect_bwd(state, g):
+    # pair_slot maps the kept pairs one-to-one onto the valid sorted rows:
+    # d y[j] = g[pair sorted_pair[j]] if row j is valid.
+    c, k, h = g.shape
+    flat = g.reshape(c * k, h)
+    dy = jnp.where(state.sorted_valid[:, None], flat[state.sorted_pair], jnp.zeros((), g.dtype))
+    return dy, None
+
+
+_collect.defvjp(_collect_fwd, _collect_bwd)
+
+
+def permute(
+    recv_x: jax.Array,
+    recv_topk_idx: jax.Array,
+    num_local_experts: int,
+    *,
+    num_rows: int | None = None,
+) -> Permuted:
+    """Groups the received (row, k) pairs by local expert, for `jax.lax.ragged_dot`.
+
+    Jittable and differentiable w.r.t. `recv_x` (the gradient is a gather, deterministic).
+
+    Args:
+        recv_x: `[C, H]` received rows (`Dispatched.recv_x`), any float dtype.
+        recv_topk_idx: `[C, K]` int32 local expert ids (`Dispatched.recv_topk_idx`); ids outside
+            `[0, num_local_experts)` (`-1` = expert not on this rank, padding rows) are skipped.
+        num_local_experts: static number of experts on this rank (`Buffer.num_local_experts`).
+        num_rows: static number of sorted rows `N` (default `C*K`). Since the ids of one row are
+            distinct (top-k), a row has at most `min(K, num_local_experts)` valid pairs, so
+            `N = C * min(K, num_local_experts)` is lossless and saves expert compute when
+            `num_local_experts < K`. A smaller `N` drops the valid pairs past row `N` (the
+            highest experts' last rows), like a capacity limit: they contribute 0.
+
+    Returns:
+        `Permuted(x_sorted, group_sizes, state)`: `x_sorted` `[N, H]` (dtype of `recv_x`) holds
+        one copy of row r per valid pair (r, k), stably ordered by expert, then r, then k; the
+        rows after `sum(group_sizes)` (padding) are zero and belong to no group.
+        `group_sizes` `[num_local_experts]` int32; `sum(group_sizes) <= N`.
+
+    Raises:
+        ValueError: on mismatched shapes, a non-positive `num_local_experts` or `num_rows`
+            outside `[1, C*K]`.
+    """
+    if recv_x.ndim != 2 or recv_topk_idx.ndim != 2 or recv_x.shape[0] != recv_topk_idx.shape[0]:
+        raise ValueError(
+            "permute: expected recv_x [C, H] and recv_topk_idx [C, K] with the same C, got "
+            f"recv_x {recv_x.shape} and recv_topk_idx {recv_topk_idx.shape}"
+        )
+    if not jnp.issubdtype(recv_topk_idx.dtype, jnp.integer):
+        raise ValueError(f"permute: recv_topk_idx must be int32, got {recv_topk_idx.dtype}")
+    if int(num_local_experts) <= 0:
+        raise ValueError(f"permute: num_local_experts must be positive, got {num_local_experts}")
+    num_local_experts = int(num_local_experts)
+    c, k = recv_topk_idx.shape
+    num_rows = c * k if num_rows is None else num_rows
+    if isinstance(num_rows, int) and isinstance(c, int) and not 0 < num_rows <= c * k:
+        raise ValueError(f"permute: num_rows must be in [1, C*K = {c * k}], got {num_rows}")
+
+    pair_expert = recv_topk_idx.astype(jnp.int32).reshape(c * k)
+    pair_valid = (pair_expert >= 0) & (pair_expert < num_local_experts)
+    # Invalid pairs get key E_loc, so they sort after every group. The stable sort keeps the flat
+    # (r*K + k) order within a key: expert, then row, then k.
+    key = jnp.where(pair_valid, pair_expert, num_local_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    positions = jnp.arange(c * k, dtype=jnp.int32)
+    pair_slot = jnp.zeros((c * k,), jnp.int32).at[order].set(positions)
+    kept = pair_valid & (pair_slot < num_rows)  # valid pairs that fit in num_rows
+    counts = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)
+    group_ends = jnp.minimum(jnp.cumsum(counts[:num_local_experts]), num_rows)
+    group_sizes = jnp.diff(group_ends, prepend=0).astype(jnp.int32)
+
+    sorted_pair = order[:num_rows]
+    state = PermuteState(
+        sorted_pair=sorted_pair,
+        sorted_valid=pair_valid[sorted_pair],
+        pair_slot=jnp.where(kept, pair_slot, 0).reshape(c, k),
+        pair_valid=kept.reshape(c, k),
+    )
+    return Permuted(_expand(recv_x, state), group_sizes, state)
+
+
+def unpermute(y_sorted: jax.Array, state: PermuteState, recv_topk_weights: jax.Array) -> jax.Array:
+    """Weights and sums the expert outputs of each received row: the inverse of `permute`.
+
+    `out[r] = sum over valid k of recv_topk_weights[r, k] * y_sorted[row of pair (r, k)]`,
+    accumulated in float32 and cast to the dtype of `y_sorted`. Rows with no valid pair are 0.
+    Jittable and differentiable w.r.t. `y_sorted` and `recv_topk_weights` (gathers only).
+
+    Args:
+        y_sorted: `[N, H_out]` expert outputs in `permute`'s order (rows after
+            `sum(group_sizes)` are ignored).
+        state: the `PermuteState` returned by `permute`.
+        recv_topk_weights: `[C, K]` float gate weights (`Dispatched.recv_topk_weights`).
+
+    Returns:
+        `[C, H_out]` in the dtype of `y_sorted`: the value to pass to `jax_ep.combine`.
+
+    Raises:
+        ValueError: on shapes that do not match `state`.
+    """
+    c, k = state.pair_slot.shape
+    num_rows = state.sorted_pair.shape[0]
+    if y_sorted.ndim != 2 or y_sorted.shape[0] != num_rows:
+        raise ValueError(f"unpermute: expected y_sorted [{num_rows}, H_out], got {y_sorted.shape}")
+    if recv_topk_weights.shape != (c, k):
+        raise ValueError(
+            f"unpermute: expected recv_topk_weights [{c}, {k}], got {recv_topk_weights.shape}"
+        )
+    pairs = _collect(y_sorted, state)  # [C, K, H_out], invalid pairs zero
+    weights = jnp.where(state.pair_valid, recv_topk_weights.astype(jnp.float32), 0.0)
+    # An elementwise product and a reduction over k (not a dot): exact float32 on every platform
+    # (no TF32), and XLA can fuse the gather into the reduction instead of materialising pairs.
+    out = jnp.sum(weights[:, :, None] * pairs.astype(jnp.float32), axis=1)
+    return out.astype(y_sorted.dtype)
+
+
+def router(
+    logits: jax.Array,
+    num_topk: int,
+    *,
+    normalize_weights: bool = True,
+    token_mask: jax.Array | None = None,
+) -> Routing:
+    """Top-k softmax router with the Switch/GShard load-balancing auxiliary loss.
+
+    Scores are `p = softmax(logits)` in float32; each token picks its `num_topk` highest-scoring
+    experts (distinct ids, as `jax_ep.dispatch` requires), whose scores are its gate weights,
+    renormalised to sum to 1 when `normalize_weights` (with `num_topk=1` that makes every
+    weight 1 and leaves the router no gradient from the task loss: use `normalize_weights=False`
+    there, as Switch Transformer does).
+
+    The auxiliary loss is `aux = E * sum_e f_e * P_e` where `f_e` is the fraction of (token, k)
+    assignments that went to expert e (not differentiable) and `P_e` is the mean router
+    probability of expert e over the tokens. It is 1.0 when routing is perfectly uniform and
+    grows with imbalance; its gradient pushes probability away from overloaded experts
+    (Switch Transformer eq. 4, generalised to top-k by counting every assignment). Inside
+    `shard_map` it is computed over the rank's own tokens; take `jax.lax.pmean` over the data
+    axes for the global-batch value, or call `router` outside `shard_map` on the global logits.
+
+    Args:
+        logits: `[T, E]` router logits (any float dtype; computed in float32).
+        num_topk: static K, `1 <= K <= E`.
+        normalize_weights: renormalise each token's top-k weights to sum to 1.
+        token_mask: optional `[T]` bool, False for padding tokens: they are routed nowhere
+            (`topk_idx` -1, weights 0) and do not count in the auxiliary loss.
+
+    Returns:
+        `Routing(topk_idx [T, K] int32, topk_weights [T, K] float32, aux_loss float32 scalar)`.
+
+    Raises:
+        ValueError: on a bad `logits` rank or `num_topk`.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"router: expected logits [T, E], got shape {logits.shape}")
+    num_tokens, num_experts = logits.shape
+    if not 1 <= int(num_topk) <= num_experts:
+        raise ValueError(f"router: num_topk must be in [1, {num_experts}], got {num_topk}")
+    num_topk = int(num_topk)
+
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    topk_weights, topk_idx = jax.lax.top_k(probs, num_topk)
+    topk_idx = topk_idx.astype(jnp.int32)
+    if normalize_weights:
+        topk_weights = topk_weights / jnp.sum(topk_weights, axis=-1, keepdims=True)
+
+    if token_mask is None:
+        mask = jnp.ones((num_tokens,), jnp.float32)
+    else:
+        if token_mask.shape != (num_tokens,):
+            raise ValueError(f"router: token_mask must be [{num_tokens}], got {token_mask.shape}")
+        mask = token_mask.astype(jnp.float32)
+        keep = token_mask.astype(bool)[:, None]
+        topk_idx = jnp.where(keep, topk_idx, -1)
+        topk_weights = jnp.where(keep, topk_weights, 0.0)
+
+    num_valid = jnp.maximum(jnp.sum(mask), 1.0)
+    assignments = jax.nn.one_hot(topk_idx, num_experts, dtype=jnp.float32).sum(axis=1)  # [T, E]
+    frac_assigned = jax.lax.stop_gradient(assignments.sum(axis=0) / (num_valid * num_topk))
+    mean_prob = jnp.sum(probs * mask[:, None], axis=0) / num_valid
+    aux_loss = num_experts * jnp.sum(frac_assigned * mean_prob)
+    return Routing(topk_idx, topk_weights, aux_loss)
+
+
+def swiglu_experts(
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
+    """Applies expert e's gated MLP to its group of rows: `(act(x Wg_e) * (x Wu_e)) Wd_e`.
+
+    Args:
+        x_sorted: `[N, H]` rows grouped by expert (`permute`'s output).
+        group_sizes: `[E_loc]` int32 rows per expert; rows after the groups give 0.
+        w_gate: `[E_loc, H, F]`; w_up: `[E_loc, H, F]`; w_down: `[E_loc, F, H_out]`.
+        activation: elementwise activation of the gate (SiLU for SwiGLU).
+        precision: `jax.lax.ragged_dot` precision (e.g. `"highest"` to avoid TF32 on GPUs
+            for float32).
+
+    Returns:
+        `[N, H_out]` float32 (matmuls take `x_sorted`'s dtype, accumulate in float32).
+    """
+    dtype = x_sorted.dtype
+
+    def grouped_matmul(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes, precision=precision,
+                                  preferred_element_type=jnp.float32)
+
+    hidden = (activation(grouped_matmul(x_sorted, w_gate)) * grouped_matmul(x_sorted, w_up))
+    return grouped_matmul(hidden.astype(dtype), w_down)
+
+
+def moe_ffn(
+    buf: Buffer,
+    x: jax.Array,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
+    """Expert-parallel MoE feed-forward with SwiGLU experts, for one rank inside `shard_map`.
+
+    `y[t] = sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t])` with
+    `expert_e(v) = (act(v Wg_e) * (v Wu_e)) Wd_e`, where each rank holds the weights of its own
+    `E_loc` experts: dispatch -> `permute` -> `swiglu_experts` -> `unpermute` -> combine.
+
+    Must be called inside `jax.shard_map` manual over `buf`'s expert-parallel axis, under
+    `jax.jit`. Differentiable w.r.t. `x`, `topk_weights` and the three weights (through the
+    custom VJPs of `jax_ep.dispatch` / `jax_ep.combine`).
+
+    Args:
+        buf: the `jax_ep.Buffer` (its `dtype`, `hidden`, `num_topk`, `num_local_experts`).
+        x: `[T, H]` this rank's tokens, dtype `buf.dtype`.
+        topk_idx: `[T, K]` int32 global expert ids, `-1` = no expert.
+        topk_weights: `[T, K]` float32 gate weights.
+        w_gate: `[E_loc, H, F]` this rank's gate projections.
+        w_up: `[E_loc, H, F]` this rank's up projections.
+        w_down: `[E_loc, F, H]` this rank's down projections.
+        activation: gate activation (default SiLU).
+        precision: precision of the expert matmuls (see `swiglu_experts`).
+
+    Returns:
+        `[T, H]` in `x`'s dtype; tokens routed nowhere give 0.
+
+    Raises:
+        ValueError: when the weights do not have `E_loc = buf.num_local_experts` experts or do
+            not match `H`.
+    """
+    num_local = buf.num_local_experts
+    hidden = x.shape[-1]
+    if w_gate.ndim != 3 or w_gate.shape[:2] != (num_local, hidden):
+        raise ValueError(
+            f"moe_ffn: w_gate must be [num_local_experts={num_local}, hidden={hidden}, F], "
+            f"got {w_gate.shape}"
+        )
+    ffn = w_gate.shape[2]
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"moe_ffn: w_up must be {w_gate.shape} like w_gate, got {w_up.shape}")
+    if w_down.shape != (num_local, ffn, hidden):
+        raise ValueError(
+            f"moe_ffn: w_down must be [{num_local}, {ffn}, {hidden}], got {w_down.shape}"
+        )
+    d = dispatch(buf, x, topk_idx, topk_weights)
+    # A received row has at most min(K, E_loc) local experts: no more sorted rows are needed.
+    num_rows = d.recv_x.shape[0] * min(buf.num_topk, num_local)
+    x_sorted, group_sizes, state = permute(
+        d.recv_x, d.recv_topk_idx, num_local, num_rows=num_rows
+    )
+    y_sorted = swiglu_experts(
+        x_sorted, group_sizes, w_gate, w_up, w_down, activation=activation, precision=precision
+    )
+    y_recv = unpermute(y_sorted, state, d.recv_topk_weights).astype(x.dtype)
+    y, _ = combine(buf, y_recv, d.handle)
+    return y

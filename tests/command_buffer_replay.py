@@ -1,0 +1,45 @@
+"""Runs N low-latency dispatch+combine steps with changing inputs on every GPU, checking each
+step against the oracle. test_gpu.py runs it under XLA command buffers (CUDA graphs); by hand:
+``python tests/command_buffer_replay.py N``."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import testing as oracle
+
+
+def main(num_steps):
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    R, T, H, E, K = mesh.shape["ep"], 32, 512, 32, 4
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
+                        num_topk=K, dtype=jnp.bfloat16, low_latency=True, backend="cuda")
+
+    def step(x, idx, w):
+        ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+        return ll.recv_count, jax_ep.low_latency_combine(buf, ll.recv_x, idx, w, ll.handle)
+
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    rng = np.random.default_rng(7)
+    for i in range(num_steps):
+        idx, w = oracle.make_routing(oracle.ROUTINGS[i % 5], rng, R, T, E, K)
+        x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+        count, out = run(x.reshape(R * T, H), idx.reshape(R * T, K), w.reshape(R * T, K))
+        expected = oracle.low_latency_dispatch(x, idx, E, T)
+        assert np.array_equal(np.asarray(count).reshape(R, -1),
+                              np.stack([e["recv_count"] for e in expected])), i
+        want = (np.where((idx >= 0)[..., None], w[..., None], 0.0)
+                * x.astype(np.float64)[:, :, None]).sum(2)
+        np.testing.assert_allclose(np.asarray(out, np.float64).reshape(R, T, H), want,
+                                   rtol=0.02, atol=0.02 * np.abs(want).max())
+    print("steps ok", num_steps)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

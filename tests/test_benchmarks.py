@@ -1,0 +1,232 @@
+"""The benchmark scripts run end to end on CPU (8 host devices, reference backend), write the
+result schema, and their peers (all_to_all, ragged_all_to_all) move the right rows.
+
+The scripts run as subprocesses with small shapes (``--quick``); jax_ep's CUDA backend and
+ragged_all_to_all are skipped there (no GPU; XLA:CPU has no ragged_all_to_all), so the records
+are the reference backend's and all_to_all's. ragged_all_to_all's offsets are checked in-process
+against an all_gather emulation of the collective.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(REPO, "benchmarks")
+sys.path.insert(0, BENCH_DIR)
+import bench_common as bc  # noqa: E402
+
+RECORD_KEYS = {"op": str, "impl": str, "dtype": str, "ranks": int, "tokens": int, "hidden": int,
+               "topk": int, "experts": int, "time_us": float}
+OPS = {"layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine"}
+IMPLS = {"jax_ep", "reference", "all_to_all", "ragged_all_to_all",
+         "ragged_all_to_all_decomposer"}
+SCRIPT_TIMEOUT_S = 600
+
+
+def _jax_ep_importable():
+    module, _ = bc.import_jax_ep()
+    return module is not None
+
+
+def _run(script, out_dir, *extra):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, os.path.join(BENCH_DIR, script), "--quick", "--out", str(out_dir),
+           *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=SCRIPT_TIMEOUT_S)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _load(out_dir, pattern):
+    files = glob.glob(os.path.join(str(out_dir), pattern))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        payload = json.load(f)
+    for key in ("machine", "date", "commit", "command", "results"):
+        assert key in payload, key
+    assert payload["machine"] == "8xcpu"
+    assert len(payload["date"]) == 10 and payload["date"][4] == "-"
+    assert isinstance(payload["commit"], str) and payload["commit"]
+    return payload
+
+
+def _positive(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def test_bench_ep_quick(tmp_path):
+    stdout = _run("bench_ep.py", tmp_path)
+    payload = _load(tmp_path, "8xcpu-*[0-9].json")
+    results = payload["results"]
+    assert results, payload
+    assert payload["errors"] == [], payload["errors"]
+    for rec in results:
+        for key, kind in RECORD_KEYS.items():
+            assert isinstance(rec[key], kind), (key, rec)
+        assert rec["op"] in OPS and rec["impl"] in IMPLS, rec
+        assert rec["dtype"] in ("bf16", "fp8"), rec
+        assert rec["ranks"] == 8 and rec["topk"] == 8 and rec["experts"] == 32, rec
+        assert _positive(rec["time_us"]), rec
+        if rec["op"] == "layout":
+            assert rec["gbps"] is None, rec
+        else:
+            assert _positive(rec["gbps"]) and _positive(rec["nvlink_share"]), rec
+            assert _positive(rec["bytes_per_rank"]), rec
+    impls = {r["impl"] for r in results}
+    # No GPU: jax_ep's kernels and ragged_all_to_all are skipped, saying why.
+    assert "jax_ep" in payload["skipped"] and "ragged_all_to_all" in payload["skipped"]
+    assert "all_to_all" in impls
+    cases = {(r["op"], r["dtype"], r["tokens"]) for r in results if r["impl"] == "all_to_all"}
+    assert cases == {("dispatch", "bf16", 128), ("dispatch", "fp8", 128),
+                     ("combine", "bf16", 128)} | {
+        (op, dt, t) for t in (1, 8) for op, dt in [
+            ("low_latency_dispatch", "fp8"), ("low_latency_dispatch", "bf16"),
+            ("low_latency_combine", "bf16")]}
+    if _jax_ep_importable():
+        ref = {(r["op"], r["dtype"], r["tokens"]) for r in results if r["impl"] == "reference"}
+        assert ref == cases | {("layout", "bf16", 128)}
+    # Same shape, same routing -> the same byte count for every impl.
+    by_case = {}
+    for r in results:
+        by_case.setdefault((r["op"], r["dtype"], r["tokens"]), set()).add(r["bytes_per_rank"])
+    assert all(len(v) == 1 for v in by_case.values()), by_case
+    # The table is printed last.
+    assert "x best peer" in stdout.strip().splitlines()[-1]
+
+
+def test_bench_ep_sweep_writes_plots(tmp_path):
+    _run("bench_ep.py", tmp_path, "--sweep", "--impls", "all_to_all", "--ops",
+         "dispatch,low_latency_dispatch", "--sweep-tokens", "32,64", "--ll-tokens", "1,2",
+         "--tokens", "64", "--tag", "sweep")
+    payload = _load(tmp_path, "8xcpu-*-sweep.json")
+    tokens = {r["tokens"] for r in payload["results"] if r["op"] == "dispatch"}
+    assert tokens == {32, 64}
+    for plot in payload["plots"]:
+        path = os.path.join(str(tmp_path), plot)
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+    assert len(payload["plots"]) == 2
+
+
+def test_first_call_quick(tmp_path):
+    _run("first_call.py", tmp_path)
+    payload = _load(tmp_path, "8xcpu-*-first_call.json")
+    assert payload["errors"] == [], payload["errors"]
+    results = payload["results"]
+    seen = set()
+    for rec in results:
+        assert rec["op"] == "first_call" and rec["mode"] in ("normal", "low_latency"), rec
+        seen.add((rec["mode"], rec["impl"]))
+        for key in ("cold_us", "aot_first_us", "steady_us", "aot_ratio"):
+            assert _positive(rec[key]), (key, rec)
+        if rec["impl"] == "all_to_all":
+            assert rec["warm_first_us"] is None and rec["ratio"] is None, rec
+        else:
+            assert _positive(rec["warm_first_us"]) and _positive(rec["ratio"]), rec
+            assert rec["ratio"] == pytest.approx(rec["warm_first_us"] / rec["steady_us"],
+                                                 rel=1e-3)
+    expected = {("normal", "all_to_all"), ("low_latency", "all_to_all")}
+    if _jax_ep_importable():
+        expected |= {("normal", "reference"), ("low_latency", "reference")}
+    assert seen == expected
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name, axis_index_groups=None):
+    """lax.ragged_all_to_all's documented semantics, built from all_gather (runs on CPU)."""
+    del recv_sizes, axis_index_groups
+    me = lax.axis_index(axis_name)
+    operands = lax.all_gather(operand, axis_name)
+    starts = lax.all_gather(input_offsets, axis_name)
+    sizes = lax.all_gather(send_sizes, axis_name)
+    dests = lax.all_gather(output_offsets, axis_name)
+    rows = jnp.arange(operand.shape[0])
+    for src in range(operands.shape[0]):
+        block = jnp.take(operands[src], starts[src, me] + rows, axis=0, mode="clip")
+        where = jnp.where(rows < sizes[src, me], dests[src, me] + rows, output.shape[0])
+        output = output.at[where].set(block, mode="drop")
+    return output
+
+
+@pytest.mark.parametrize("peer_name", ["all_to_all", "ragged_all_to_all"])
+def test_peers_match_routing(peer_name, monkeypatch):
+    """Each peer delivers exactly the rows DESIGN section 2 routes (grouped by source rank,
+    ascending tokens), with local expert ids and weights, and combine sums them back."""
+    if peer_name == "ragged_all_to_all":
+        monkeypatch.setattr(bc.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    devices = jax.devices("cpu")[:8]
+    num_ranks, tokens, hidden, experts, topk = len(devices), 16, 256, 32, 4
+    mesh = Mesh(np.array(devices), (bc.AXIS,))
+    idx, w = bc.random_routing(mesh, 3, tokens, experts, topk)
+    x = bc.random_rows(mesh, 4, (num_ranks * tokens, hidden))
+    peer = bc.PEER_CLASSES[peer_name](num_ranks, experts, topk)
+
+    def step(x, idx, w):
+        recv_x, recv_idx, recv_w = peer.dispatch([x], idx, w)
+        return recv_x, recv_idx, recv_w, peer.combine(recv_x, peer.plan(idx))
+
+    recv_x, recv_idx, recv_w, combined = bc.shard_mapped(mesh, step, 3)(x, idx, w)
+    xs = np.asarray(x.astype(jnp.float32)).reshape(num_ranks, tokens, hidden)
+    ids = np.asarray(idx).reshape(num_ranks, tokens, topk)
+    ws = np.asarray(w).reshape(num_ranks, tokens, topk)
+    per_rank = experts // num_ranks
+    got_x = np.asarray(recv_x.astype(jnp.float32)).reshape(num_ranks, -1, hidden)
+    got_idx = np.asarray(recv_idx).reshape(num_ranks, -1, topk)
+    got_w = np.asarray(recv_w).reshape(num_ranks, -1, topk)
+    for r in range(num_ranks):
+        want = [(s, t) for s in range(num_ranks) for t in range(tokens)
+                if (ids[s, t] // per_rank == r).any()]
+        valid = (got_idx[r] >= 0).any(-1)
+        assert valid.sum() == len(want)
+        if peer_name == "ragged_all_to_all":  # compacted: the valid rows come first
+            assert valid[: len(want)].all()
+        rows = np.nonzero(valid)[0]
+        for row, (s, t) in zip(rows, want, strict=True):
+            np.testing.assert_array_equal(got_x[r, row], xs[s, t])
+            here = ids[s, t] // per_rank == r
+            np.testing.assert_array_equal(got_idx[r, row], np.where(here, ids[s, t] % per_rank,
+                                                                    -1))
+            np.testing.assert_array_equal(got_w[r, row], np.where(here, ws[s, t], 0.0))
+    copies = np.stack([(ids // per_rank == r).any(-1) for r in range(num_ranks)], -1).sum(-1)
+    want_combined = xs * copies[..., None]
+    np.testing.assert_allclose(
+        np.asarray(combined.astype(jnp.float32)).reshape(want_combined.shape), want_combined,
+        rtol=1e-2, atol=1e-2)
+
+
+def test_byte_counts_follow_deepep():
+    """Normal: received rows x 2H (fp8: x (1 + 4/128) / 2); low latency: selections x
+    (H + H/32 + 16) for fp8, x 2H for bf16 and combine."""
+    # 2 ranks, 2 experts each, 2 tokens per rank, top-2.
+    idx = np.array([[0, 1], [0, 2],      # rank 0: t0 -> rank 0 only, t1 -> ranks 0 and 1
+                    [3, -1], [2, 3]])    # rank 1: t0 -> rank 1, t1 -> rank 1
+    stats = bc.routing_stats(idx, 2, 4)
+    # received rows: rank 0 gets 2 (both from itself), rank 1 gets 3 (1 remote).
+    assert stats["recv_rows"] == 2.5 and stats["remote_recv_rows"] == 0.5
+    # selections: rank 0 has 4 (1 remote), rank 1 has 3 (0 remote).
+    assert stats["selections"] == 3.5 and stats["remote_selections"] == 0.5
+    hidden = 1024
+    assert bc.bytes_per_rank("dispatch", "bf16", hidden, stats) == (2.5 * 2048, 0.5 * 2048)
+    assert bc.bytes_per_rank("dispatch", "fp8", hidden, stats)[0] == 2.5 * (1024 + 32)
+    assert bc.bytes_per_rank("combine", "bf16", hidden, stats)[0] == 2.5 * 2048
+    assert bc.bytes_per_rank("low_latency_dispatch", "fp8", hidden, stats)[0] == 3.5 * (
+        1024 + 32 + 16)
+    assert bc.bytes_per_rank("low_latency_dispatch", "bf16", hidden, stats)[0] == 3.5 * 2048
+    assert bc.bytes_per_rank("low_latency_combine", "bf16", hidden, stats)[0] == 3.5 * 2048
+    assert bc.bytes_per_rank("layout", "bf16", hidden, stats) == (None, None)

@@ -1,0 +1,305 @@
+"""Tests of jax_ep.moe (permute / unpermute / router / moe_ffn) and of the Flax MoE example.
+
+CPU, reference backend, 8 host devices (tests/conftest.py sets XLA_FLAGS before jax is
+imported). The expert-parallel layer is checked against the same layer evaluated densely on one
+device: forward output and gradients w.r.t. the tokens, the router and the expert weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_ep
+from jax_ep import moe
+
+NUM_DEVICES = 8
+EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "flax_moe"
+
+
+def _require_devices(n=NUM_DEVICES):
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices (XLA_FLAGS=--xla_force_host_platform_device_count={n}), "
+                    f"have {len(jax.devices())}")
+
+
+def _random_topk(rng, num_rows, num_topk, num_experts, p_missing=0.3):
+    """Distinct expert ids per row, each slot -1 with probability p_missing."""
+    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(num_rows)])
+    idx = np.where(rng.random(idx.shape) < p_missing, -1, idx)
+    return idx.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------- NumPy oracles
+def _np_permute(x, idx, num_local_experts, num_rows=None):
+    c, k = idx.shape
+    num_rows = c * k if num_rows is None else num_rows
+    pairs = [(e, r, j) for r in range(c) for j in range(k)
+             if 0 <= (e := idx[r, j]) < num_local_experts]
+    pairs = sorted(pairs)[:num_rows]  # pairs past num_rows are dropped
+    x_sorted = np.zeros((num_rows, x.shape[1]), x.dtype)
+    for slot, (_, r, _) in enumerate(pairs):
+        x_sorted[slot] = x[r]
+    sizes = np.array([sum(1 for p in pairs if p[0] == e) for e in range(num_local_experts)])
+    return x_sorted, sizes, pairs
+
+
+def _np_unpermute(y_sorted, pairs, weights):
+    out = np.zeros((weights.shape[0], y_sorted.shape[1]), np.float64)
+    for slot, (_, r, j) in enumerate(pairs):
+        out[r] += weights[r, j] * y_sorted[slot].astype(np.float64)
+    return out
+
+
+# ---------------------------------------------------------------------------- permute / unpermute
+@pytest.mark.parametrize(
+    "rows,topk,local_experts,num_rows",
+    [(13, 3, 4, None), (8, 1, 1, None), (20, 4, 7, None), (5, 2, 3, None),
+     (16, 4, 2, 32),  # C * min(K, E_loc): lossless
+     (16, 3, 4, 9)],  # smaller: the last pairs are dropped
+)
+def test_permute_matches_numpy(rows, topk, local_experts, num_rows):
+    rng = np.random.default_rng(rows * 100 + topk * 10 + local_experts)
+    x = rng.normal(size=(rows, 16)).astype(np.float32)
+    idx = _random_topk(rng, rows, topk, local_experts + 2)  # ids >= E_loc are skipped
+    idx[-1] = -1  # a padding row
+    permute = jax.jit(functools.partial(moe.permute, num_rows=num_rows), static_argnums=2)
+    out = permute(x, idx, local_experts)
+    want_x, want_sizes, pairs = _np_permute(x, idx, local_experts, num_rows)
+    np.testing.assert_array_equal(np.asarray(out.x_sorted), want_x)
+    np.testing.assert_array_equal(np.asarray(out.group_sizes), want_sizes)
+    assert out.group_sizes.dtype == jnp.int32
+    assert out.x_sorted.shape == (num_rows or rows * topk, 16)
+
+    y_sorted = rng.normal(size=(num_rows or rows * topk, 24)).astype(np.float32)
+    weights = rng.random((rows, topk)).astype(np.float32)
+    got = jax.jit(moe.unpermute)(y_sorted, out.state, weights)
+    np.testing.assert_allclose(np.asarray(got), _np_unpermute(y_sorted, pairs, weights),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_permute_all_invalid_and_bfloat16():
+    x = jnp.arange(6 * 128, dtype=jnp.float32).reshape(6, 128).astype(jnp.bfloat16)
+    idx = -jnp.ones((6, 2), jnp.int32)
+    x_sorted, sizes, state = moe.permute(x, idx, 3)
+    assert x_sorted.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(sizes), [0, 0, 0])
+    assert not np.asarray(x_sorted, np.float32).any()
+    y = moe.unpermute(x_sorted, state, jnp.ones((6, 2), jnp.float32))
+    assert y.dtype == jnp.bfloat16 and not np.asarray(y, np.float32).any()
+
+
+def test_permute_unpermute_gradients():
+    rng = np.random.default_rng(7)
+    rows, topk, local_experts = 9, 3, 4
+    x = jnp.asarray(rng.normal(size=(rows, 8)), jnp.float32)
+    idx = jnp.asarray(_random_topk(rng, rows, topk, local_experts + 1))
+    weights = jnp.asarray(rng.random((rows, topk)), jnp.float32)
+    scale = jnp.asarray(rng.normal(size=(rows * topk, 8)), jnp.float32)
+
+    def via_permute(x, weights):
+        x_sorted, _, state = moe.permute(x, idx, local_experts)
+        return moe.unpermute(jnp.tanh(x_sorted * scale), state, weights)
+
+    # Same function written with a one-hot pair matrix (autodiff through plain matmuls).
+    _, _, pairs = _np_permute(np.asarray(x), np.asarray(idx), local_experts)
+    onehot = np.zeros((rows * topk, rows, topk), np.float32)
+    for slot, (_, r, j) in enumerate(pairs):
+        onehot[slot, r, j] = 1.0
+
+    def via_onehot(x, weights):
+        x_sorted = jnp.einsum("srk,rh->sh", onehot, x)
+        y = jnp.tanh(x_sorted * scale)
+        return jnp.einsum("srk,rk,sh->rh", onehot, weights, y)
+
+    ct = jnp.asarray(rng.normal(size=(rows, 8)), jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)
+    got = jax.grad(loss(via_permute), argnums=(0, 1))(x, weights)
+    want = jax.grad(loss(via_onehot), argnums=(0, 1))(x, weights)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    check_grads(via_permute, (x, weights), order=2, modes=["rev"])
+
+
+def test_permute_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="recv_topk_idx"):
+        moe.permute(jnp.zeros((4, 8)), jnp.zeros((5, 2), jnp.int32), 2)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        moe.permute(jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32), 0)
+    with pytest.raises(ValueError, match="num_rows"):
+        moe.permute(jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32), 2, num_rows=9)
+    _, _, state = moe.permute(jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32), 2)
+    with pytest.raises(ValueError, match="y_sorted"):
+        moe.unpermute(jnp.zeros((7, 8)), state, jnp.zeros((4, 2)))
+
+
+# ---------------------------------------------------------------------------- router
+def test_router_matches_numpy():
+    rng = np.random.default_rng(3)
+    tokens, experts, topk = 32, 6, 2
+    logits = rng.normal(size=(tokens, experts)).astype(np.float32)
+    mask = rng.random(tokens) < 0.8
+    idx, weights, aux = moe.router(jnp.asarray(logits), topk, token_mask=jnp.asarray(mask))
+
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    want_idx = np.argsort(-probs, axis=1, kind="stable")[:, :topk]
+    want_w = np.take_along_axis(probs, want_idx, 1)
+    want_w /= want_w.sum(1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(idx), np.where(mask[:, None], want_idx, -1))
+    np.testing.assert_allclose(np.asarray(weights), np.where(mask[:, None], want_w, 0),
+                               rtol=1e-5, atol=1e-6)
+    counts = np.zeros(experts)
+    for t in np.flatnonzero(mask):
+        counts[want_idx[t]] += 1
+    frac = counts / (mask.sum() * topk)
+    mean_prob = probs[mask].mean(0)
+    np.testing.assert_allclose(float(aux), experts * np.sum(frac * mean_prob), rtol=1e-5)
+
+    _, raw_w, _ = moe.router(jnp.asarray(logits), topk, normalize_weights=False)
+    np.testing.assert_allclose(np.asarray(raw_w), np.take_along_axis(probs, want_idx, 1),
+                               rtol=1e-5)
+
+
+def test_router_aux_loss_is_one_when_balanced():
+    # Every expert gets the same number of assignments and the mean probabilities are equal.
+    experts = 4
+    logits = jnp.asarray(np.roll(np.diag(np.full(experts, 3.0)), 0, 1), jnp.float32)
+    _, _, aux = moe.router(logits, 1)
+    np.testing.assert_allclose(float(aux), 1.0, rtol=1e-6)
+    # Gradient exists w.r.t. the logits (through the mean probabilities).
+    g = jax.grad(lambda z: moe.router(z, 2).aux_loss)(logits)
+    assert np.isfinite(np.asarray(g)).all()
+
+
+# ---------------------------------------------------------------------------- MoE layer vs dense
+def _dense_moe_layer(x, w_router, w_gate, w_up, w_down, topk):
+    """All experts on one device, every token through every expert, gated by its top-k."""
+    probs = jax.nn.softmax(x @ w_router, axis=-1)
+    vals, idx = jax.lax.top_k(probs, topk)
+    vals = vals / vals.sum(-1, keepdims=True)
+    gates = jnp.einsum("tk,tke->te", vals, jax.nn.one_hot(idx, w_router.shape[1]))
+    h = jax.nn.silu(jnp.einsum("th,ehf->tef", x, w_gate)) * jnp.einsum("th,ehf->tef", x, w_up)
+    y_all = jnp.einsum("tef,efh->teh", h, w_down)
+    return jnp.einsum("te,teh->th", gates, y_all)
+
+
+def _ep_moe_layer(buf, x, w_router, w_gate, w_up, w_down):
+    """One rank's tokens and experts: route, then moe_ffn (dispatch ... combine)."""
+    topk_idx, topk_weights, _ = moe.router(x @ w_router, buf.num_topk)
+    return moe.moe_ffn(buf, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+
+
+def _layer_params(rng, tokens, hidden, experts, ffn):
+    def normal(shape, scale):
+        return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+    return dict(
+        x=normal((tokens, hidden), 1.0),
+        w_router=normal((hidden, experts), 0.3),
+        w_gate=normal((experts, hidden, ffn), hidden ** -0.5),
+        w_up=normal((experts, hidden, ffn), hidden ** -0.5),
+        w_down=normal((experts, ffn, hidden), ffn ** -0.5),
+    )
+
+
+@pytest.mark.parametrize("mesh_shape,experts,topk", [((1, 8), 16, 3), ((2, 4), 8, 2)])
+def test_moe_layer_matches_dense(mesh_shape, experts, topk):
+    _require_devices()
+    mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]).reshape(mesh_shape), ("data", "ep"))
+    tokens_per_rank, hidden, ffn = 12, 128, 32
+    num_tokens = tokens_per_rank * NUM_DEVICES
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
+                        max_tokens_per_rank=tokens_per_rank, num_topk=topk,
+                        dtype=jnp.float32, backend="xla")
+    rng = np.random.default_rng(11)
+    params = _layer_params(rng, num_tokens, hidden, experts, ffn)
+    ct = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.float32)
+
+    tokens, experts_spec = P(("data", "ep")), P("ep")
+    ep_layer = jax.shard_map(
+        functools.partial(_ep_moe_layer, buf), mesh=mesh,
+        in_specs=(tokens, P(), experts_spec, experts_spec, experts_spec), out_specs=tokens)
+    dense_layer = functools.partial(_dense_moe_layer, topk=topk)
+
+    def value_and_grads(layer):
+        def loss(p):
+            y = layer(p["x"], p["w_router"], p["w_gate"], p["w_up"], p["w_down"])
+            return jnp.sum(y * ct), y
+        return jax.jit(jax.grad(loss, has_aux=True))(params)
+
+    grads_ep, y_ep = value_and_grads(ep_layer)
+    grads_dense, y_dense = value_and_grads(dense_layer)
+    assert float(jnp.abs(y_dense).max()) > 0.1  # the layer does something
+    np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y_dense), rtol=1e-4, atol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(np.asarray(grads_ep[name]), np.asarray(grads_dense[name]),
+                                   rtol=1e-4, atol=1e-5, err_msg=f"gradient w.r.t. {name}")
+
+
+def test_moe_ffn_bfloat16_forward():
+    _require_devices()
+    mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("ep",))
+    tokens_per_rank, hidden, ffn, experts, topk = 8, 128, 32, 8, 2
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
+                        max_tokens_per_rank=tokens_per_rank, num_topk=topk,
+                        dtype=jnp.bfloat16, backend="xla")
+    p = _layer_params(np.random.default_rng(5), tokens_per_rank * NUM_DEVICES, hidden,
+                      experts, ffn)
+
+    def layer(x, w_router, w_gate, w_up, w_down):
+        topk_idx, topk_weights, _ = moe.router(x.astype(jnp.float32) @ w_router, topk)
+        return moe.moe_ffn(buf, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+
+    ep = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"), P(), P("ep"), P("ep"),
+                                                           P("ep")), out_specs=P("ep")))
+    y = ep(p["x"].astype(jnp.bfloat16), p["w_router"], p["w_gate"], p["w_up"], p["w_down"])
+    assert y.dtype == jnp.bfloat16
+    want = _dense_moe_layer(p["x"], p["w_router"], p["w_gate"], p["w_up"], p["w_down"], topk)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=0.05, atol=0.05)
+
+
+def test_moe_ffn_rejects_wrong_expert_count():
+    _require_devices()
+    mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("ep",))
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=16, hidden=128, max_tokens_per_rank=4,
+                        num_topk=2, dtype=jnp.float32, backend="xla")
+
+    def layer(x, idx, w, wg):
+        return moe.moe_ffn(buf, x, idx, w, wg, wg, jnp.swapaxes(wg, 1, 2))
+
+    f = jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()),
+                      out_specs=P("ep"))
+    args = (jnp.zeros((32, 128)), jnp.zeros((32, 2), jnp.int32), jnp.zeros((32, 2)),
+            jnp.zeros((16, 128, 8)))  # all 16 experts on every rank: wrong, E_loc = 2
+    with pytest.raises(ValueError, match="num_local_experts=2"):
+        jax.jit(f)(*args)
+
+
+# ---------------------------------------------------------------------------- the Flax example
+def test_flax_example_loss_decreases(tmp_path):
+    _require_devices()
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    spec = importlib.util.spec_from_file_location("flax_moe_train", EXAMPLE_DIR / "train.py")
+    train = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)  # puts examples/flax_moe on sys.path for data.py, model.py
+    cfg = train.Config(steps=40, batch=16, seq=16, experts=8, topk=2, hidden=128, ffn=64,
+                       layers=1, heads=2, symbols=12, lr=1e-2, backend="xla", log_every=10,
+                       plot=str(tmp_path / "loss.png"), progress=False)
+    result = train.train(cfg)
+    losses = result["losses"]
+    assert losses.shape == (40,) and np.isfinite(losses).all()
+    print("first 5 steps", losses[:5].mean(), "last 10 steps", losses[-10:].mean())
+    assert losses[-10:].mean() < losses[:5].mean() - 0.3, losses
+    assert (tmp_path / "loss.png").stat().st_size > 0
