@@ -17,6 +17,7 @@ import os
 import statistics
 import tempfile
 
+import bench_common  # benchmarks/ is sys.path[0] when run as a script
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +59,11 @@ def _summarise(events, marker, family, iters):
         spans.append((max(s + d for _, s, d in span_events) - span_events[0][1]) / 1e3)
     kernels = {name: {"count": len(v), "median_us": statistics.median(v)}
                for name, v in by_name.items() if len(v) >= iters}
-    return {"kernels": kernels, "op_span_us": statistics.median(spans) if spans else None}
+    # Everything the GPU did for the program, gaps included, per iteration (slightly high: the
+    # program's prologue is in it): comparable between jax_ep and the peers.
+    period = (max(s + d for _, s, d in events) - events[0][1]) / 1e3 / iters if events else None
+    return {"kernels": kernels, "op_span_us": statistics.median(spans) if spans else None,
+            "period_us": period}
 
 
 def _profile(fn, args, marker, family, iters, label):
@@ -71,8 +76,9 @@ def _profile(fn, args, marker, family, iters, label):
     result = {}
     for device, events in sorted(_gpu_kernel_events(path).items()):
         result[device] = _summarise(events, marker, family, iters)
-        span = result[device]["op_span_us"]
-        print(f"{label:<28}{device:<18} op span {span if span is None else round(span, 1)} us")
+        span, period = result[device]["op_span_us"], result[device]["period_us"]
+        print(f"{label:<28}{device:<18} op span "
+              f"{'-' if span is None else round(span, 1)} us, period {period:.1f} us/iteration")
         kernels = result[device]["kernels"]
         for name, k in sorted(kernels.items(), key=lambda kv: -kv[1]["median_us"]):
             print(f"    {k['median_us']:9.1f} us x{k['count']:<3} {name[:90]}")
@@ -81,13 +87,18 @@ def _profile(fn, args, marker, family, iters, label):
 
 def _program(mesh, buf, mode, op, num_inputs):
     """One jitted program running ``op`` once per input ``x`` (distinct inputs: no CSE)."""
+    peer = bench_common.AllToAllPeer(mesh.shape["ep"], buf.num_experts, buf.num_topk)
 
     def body(idx, w, *xs):
         outs = []
         if mode == "normal":
             first = jax_ep.dispatch(buf, xs[0], idx, w)
         for x in xs:
-            if op == "dispatch_bf16":
+            if op == "all_to_all_dispatch_bf16":
+                outs.append(peer.dispatch([x], idx, w)[0])
+            elif op == "all_to_all_combine":
+                outs.append(peer.combine(first.recv_x, peer.plan(idx)))
+            elif op == "dispatch_bf16":
                 outs.append(jax_ep.dispatch(buf, x, idx, w).recv_x)
             elif op == "dispatch_fp8":
                 outs.append(jax_ep.dispatch(buf, jax_ep.per_token_cast_to_fp8(x), idx, w).recv_x)
@@ -135,7 +146,9 @@ def main(argv=None):
         # op -> (kernel that starts a call, substrings of the call's kernels)
         ops = ({"dispatch_bf16": ("dispatch_plan", ("dispatch_", "emset")),
                 "dispatch_fp8": ("dispatch_plan", ("dispatch_", "emset")),
-                "combine": ("combine_plan", ("combine_", "emset"))} if mode == "normal" else
+                "combine": ("combine_plan", ("combine_", "emset")),
+                "all_to_all_dispatch_bf16": ("-", ()), "all_to_all_combine": ("-", ())}
+               if mode == "normal" else
                {"ll_dispatch_fp8": ("low_latency_dispatch", ("low_latency_dispatch",)),
                 "ll_dispatch_bf16": ("low_latency_dispatch", ("low_latency_dispatch",)),
                 "ll_combine": ("low_latency_combine", ("low_latency_combine",))})

@@ -13,6 +13,7 @@ from jax_ep._types import (
     LowLatencyDispatched,
     LowLatencyHandle,
 )
+from jax_ep.aot import aot_compile
 from jax_ep.buffer import Buffer
 from jax_ep.fp8 import per_token_cast_from_fp8, per_token_cast_to_fp8
 from jax_ep.ops import (
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Buffer",
+    "aot_compile",
     "Dispatched",
     "DispatchHandle",
     "Layout",

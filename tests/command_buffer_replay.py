@@ -38,7 +38,11 @@ def main(num_steps):
                 * x.astype(np.float64)[:, :, None]).sum(2)
         np.testing.assert_allclose(np.asarray(out, np.float64).reshape(R, T, H), want,
                                    rtol=0.02, atol=0.02 * np.abs(want).max())
+    from jax_ep import _C
+
+    counts = _C.handler_call_counts()
     print("steps ok", num_steps)
+    print(f"handler calls {counts['calls']} captured {counts['captured']}")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,14 @@ inline const char* wait_phase_name(int32_t phase) {
   return "unknown";
 }
 
+// Counts this handler execution, noting whether XLA is capturing `stream` into a CUDA graph.
+inline void note_handler_call(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const bool capturing = cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+                         status == cudaStreamCaptureStatusActive;
+  record_handler_call(capturing);
+}
+
 // The RankContext of (buffer_id, device). Fails when the Buffer is unknown on this device, or
 // when a previous call on it timed out (the kernel trapped, the device context is lost).
 inline ffi::Error get_rank_context(const char* op, int64_t buffer_id, int32_t device,

@@ -70,6 +70,7 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
                       ffi::Result<ffi::AnyBuffer> is_token_in_rank) {
   const char* op = kLayoutOp;
   const RankContext* ctx = nullptr;
+  note_handler_call(stream);
   FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   const int64_t num_tokens = topk_idx.dimensions().size() == 2 ? topk_idx.dimensions()[0] : 0;
@@ -107,6 +108,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, 
                         ffi::Result<ffi::AnyBuffer> recv_src) {
   const char* op = kDispatchOp;
   const RankContext* ctx = nullptr;
+  note_handler_call(stream);
   FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   const int64_t hidden = config.hidden;
@@ -179,6 +181,7 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffe
                               ffi::Result<ffi::AnyBuffer> recv_w) {
   const char* op = kCachedDispatchOp;
   const RankContext* ctx = nullptr;
+  note_handler_call(stream);
   FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   const int64_t num_ranks = config.num_ranks;
@@ -254,6 +257,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, f
                        ffi::Result<ffi::AnyBuffer> combined_w) {
   const char* op = kCombineOp;
   const RankContext* ctx = nullptr;
+  note_handler_call(stream);
   FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   const int64_t hidden = config.hidden;

@@ -213,6 +213,17 @@ void add_runtime_functions(nb::module_& m) {
       nb::arg("dtype_bytes"), nb::arg("low_latency"),
       "Bytes of device memory create_buffer allocates per device for this configuration "
       "(the workspace; plus a few hundred bytes of counters and tables).");
+
+  m.def(
+      "handler_call_counts",
+      []() {
+        const HandlerCallCounts counts = handler_call_counts();
+        nb::dict out;
+        out["calls"] = counts.calls;
+        out["captured"] = counts.captured;
+        return out;
+      },
+      "Process-wide FFI handler executions, and how many ran under CUDA-graph stream capture.");
 }
 
 }  // namespace jax_ep

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -326,6 +327,21 @@ std::vector<const RankContext*> rank_contexts(int64_t buffer_id) {
   if (it == buffers.end()) return result;
   for (const auto& ctx : it->second.contexts) result.push_back(ctx.get());
   return result;
+}
+
+namespace {
+std::atomic<uint64_t> g_handler_calls{0};
+std::atomic<uint64_t> g_captured_handler_calls{0};
+}  // namespace
+
+void record_handler_call(bool stream_capturing) {
+  g_handler_calls.fetch_add(1, std::memory_order_relaxed);
+  if (stream_capturing) g_captured_handler_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+HandlerCallCounts handler_call_counts() {
+  return {g_handler_calls.load(std::memory_order_relaxed),
+          g_captured_handler_calls.load(std::memory_order_relaxed)};
 }
 
 }  // namespace jax_ep

@@ -31,4 +31,14 @@ const RankContext* find_rank_context(int64_t buffer_id, int device);
 // The pointers stay valid until destroy_buffer(buffer_id).
 std::vector<const RankContext*> rank_contexts(int64_t buffer_id);
 
+// Process-wide counts of FFI handler executions, and of those that ran while their stream was
+// being captured into a CUDA graph (XLA command buffers). A test reads them to prove that the
+// calls it checked really went through graph capture.
+struct HandlerCallCounts {
+  uint64_t calls;
+  uint64_t captured;
+};
+void record_handler_call(bool stream_capturing);
+HandlerCallCounts handler_call_counts();
+
 }  // namespace jax_ep
