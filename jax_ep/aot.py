@@ -1,25 +1,44 @@
-"""Ahead-of-time compilation of a user's step, so its first call compiles nothing.
+"""Ahead-of-time compilation of a user's step, so its first real call pays nothing extra.
 
-Together with ``Buffer.warmup()`` (which runs every op once: memory touched, ranks lined up,
-kernels already preloaded at Buffer creation) this leaves no one-time cost for the first real
-step. See benchmarks/first_call.py for the measured effect.
+Together with ``Buffer.warmup()`` (which runs every jax_ep op once: communication memory touched,
+ranks lined up; kernels are already preloaded at Buffer creation) this leaves no one-time cost
+for the first real step. One-time costs and where they go: tracing and XLA compilation ->
+``lower().compile()`` here; loading the compiled program's own GPU kernels and first use of its
+buffers -> the warm-up execution here; jax_ep's kernels -> preloaded by the Buffer.
+See benchmarks/first_call.py for the measured effect.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
-def aot_compile(step, *example_args, **example_kwargs):
-    """Compiles ``step`` for the shapes/shardings of the example arguments, now.
+def _zeros_like(example):
+    sharding = getattr(example, "sharding", None)
+    return jnp.zeros(example.shape, example.dtype, device=sharding)
+
+
+def aot_compile(step, *example_args, warmup=True, warmup_args=None):
+    """Compiles ``step`` for the shapes/shardings of ``example_args`` now, and runs it once.
 
     Args:
       step: a function (jitted or not) that calls jax_ep ops inside ``jax.shard_map``.
       *example_args: arrays or ``jax.ShapeDtypeStruct``s (with shardings) like the real inputs.
+      warmup: execute the compiled step once (outputs discarded) so that XLA loads its kernels
+        and allocates its buffers before the first real call. The step must be free of side
+        effects other than jax_ep's communication (true of a pure jitted function).
+      warmup_args: inputs for that execution; default zeros shaped like ``example_args``
+        (zero expert ids route everything to expert 0: valid, if skewed).
 
     Returns:
       The compiled executable: call it with arrays of exactly those shapes, dtypes and
       shardings; it never retraces or recompiles.
     """
     jitted = step if hasattr(step, "lower") else jax.jit(step)
-    return jitted.lower(*example_args, **example_kwargs).compile()
+    compiled = jitted.lower(*example_args).compile()
+    if warmup:
+        args = warmup_args if warmup_args is not None else jax.tree.map(_zeros_like,
+                                                                        example_args)
+        jax.block_until_ready(compiled(*args))
+    return compiled

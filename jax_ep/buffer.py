@@ -278,17 +278,26 @@ class Buffer:
         self._check_open()
         if self.backend == "cuda" and self._allocated:
             module, _ = _cuda.load_extension()
+            # Timeout records live in host memory: read them first, without a CUDA call, since
+            # a device whose kernel trapped has lost its context.
+            stuck = [r for r in module.read_timeouts(self.buffer_id) if r["timed_out"]]
+            if stuck:
+                return {"invalid_expert_ids": 0, "overflow_rows": 0,
+                        "timeouts": [self._describe_timeout(r) for r in stuck]}
             records = module.read_errors(self.buffer_id)
-            timeouts = [
-                f"rank {r['rank']} (device {r['device']}) waited for rank {r['timeout_peer']} "
-                f"in {_cuda.WAIT_PHASES.get(r['timeout_phase'], r['timeout_phase'])}"
-                for r in records if r["timed_out"]]
             return {"invalid_expert_ids": sum(r["invalid_expert_ids"] for r in records),
                     "overflow_rows": sum(r["overflow_rows"] for r in records),
-                    "timeouts": timeouts}
+                    "timeouts": []}
         jax.effects_barrier()
         with self._errors_lock:
             return dict(self._host_errors, timeouts=[])
+
+    @staticmethod
+    def _describe_timeout(record):
+        phase = _cuda.WAIT_PHASES.get(record["timeout_phase"], record["timeout_phase"])
+        return (f"rank {record['rank']} (device {record['device']}) waited for rank "
+                f"{record['timeout_peer']} in {phase} (call {record['seq']}) longer than the "
+                f"timeout; the GPU context of that device is lost: restart the process")
 
     def check(self) -> None:
         """Raises RuntimeError if any call so far met bad input or a timeout, then resets.
@@ -304,7 +313,8 @@ class Buffer:
             problems.append(f"receive capacity {self.capacity} overflowed: "
                             f"{errors['overflow_rows']} rows were dropped (raise capacity)")
         problems += [f"timeout: {t}" for t in errors["timeouts"]]
-        self._reset_errors()
+        if not errors["timeouts"]:  # a device that timed out cannot be reset
+            self._reset_errors()
         if problems:
             raise RuntimeError(f"jax_ep {self!r}: " + "; ".join(problems))
 

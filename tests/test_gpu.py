@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -102,7 +103,8 @@ def _run_script(args, env_extra=None, timeout=300):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **(env_extra or {}))
     result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                             timeout=timeout)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, (result.stdout[-2000:] + result.stderr[:3000] + "\n...\n"
+                                    + result.stderr[-3000:])
     return result.stdout
 
 
@@ -127,3 +129,16 @@ def test_persistent_compilation_cache_second_process(tmp_path):
     assert "steps ok 3" in _run_script([script, "3"], cache)
     assert any((tmp_path / "cache").iterdir()), "nothing was written to the cache"
     assert "steps ok 3" in _run_script([script, "3"], cache)
+
+
+@pytest.mark.parametrize("mode,phase", [("normal", "dispatch count exchange"),
+                                        ("low_latency", "low-latency dispatch receive")])
+def test_missing_peer_times_out_with_a_named_phase(mode, phase):
+    """Rank 1 never runs its program: rank 0's wait ends after the timeout (2 s) with an error
+    naming the phase and the missing peer, instead of hanging."""
+    require_gpus(2)
+    script = os.path.join(os.path.dirname(__file__), "fault_missing_peer.py")
+    start = time.perf_counter()
+    out = _run_script([script, mode], timeout=120)
+    assert time.perf_counter() - start < 90
+    assert "waited for rank 1" in out and phase in out, out

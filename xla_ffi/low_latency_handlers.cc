@@ -61,6 +61,7 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t b
                                   ffi::Result<ffi::AnyBuffer> recv_k) {
   const char* op = kLowLatencyDispatchOp;
   const RankContext* ctx = nullptr;
+  note_handler_call(stream);
   FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   FFI_RETURN_IF_ERROR(check_low_latency_config(op, config));
@@ -107,6 +108,7 @@ ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t device, int64_t bu
                                  ffi::Result<ffi::AnyBuffer> out) {
   const char* op = kLowLatencyCombineOp;
   const RankContext* ctx = nullptr;
+  note_handler_call(stream);
   FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   FFI_RETURN_IF_ERROR(check_low_latency_config(op, config));

@@ -143,6 +143,27 @@ void add_runtime_functions(nb::module_& m) {
       "Synchronises the Buffer's devices and frees its memory. Unknown ids are ignored.");
 
   m.def(
+      "read_timeouts",
+      [](int64_t buffer_id) {
+        nb::list result;
+        for (const RankContext* ctx : contexts_or_raise(buffer_id)) {
+          const volatile TimeoutRecord* record = ctx->timeout_record_host;
+          nb::dict entry;
+          entry["device"] = ctx->device;
+          entry["rank"] = ctx->rank;
+          entry["timed_out"] = record->timed_out != 0;
+          entry["timeout_peer"] = static_cast<int>(record->peer);
+          entry["timeout_phase"] = static_cast<int>(record->phase);
+          entry["seq"] = static_cast<int64_t>(record->seq);
+          result.append(entry);
+        }
+        return result;
+      },
+      nb::arg("buffer_id"),
+      "The host-mapped timeout record of every device (no CUDA call: safe after a kernel "
+      "trapped): device, rank, timed_out, timeout_peer, timeout_phase, seq.");
+
+  m.def(
       "read_errors",
       [](int64_t buffer_id) {
         const std::vector<const RankContext*> contexts = contexts_or_raise(buffer_id);

@@ -8,21 +8,22 @@
 // by (recv_src, recv_k), so a warp-wide search over recv_src/recv_k finds it in two rounds).
 //
 // Phases of every block (W = all warps of the grid):
-//   1. Warp 0: prefix over experts of the valid rows min(recv_count[e], R*T_max).
-//   2. Send: warp units (valid row, chunk of <= 1024 channels) over the grid; rows whose source
-//      rank is a peer are copied from y to the peer's region (16-byte loads, kSendVecsPerLane in
-//      flight per lane). Rows of this rank's own tokens are skipped.
-//   3. Owner, first token of the block (t = block, block + grid, ...): one warp per k resolves
+//   1. Send: warps w = e (mod E_loc) share local expert e; its units (valid row, chunk of <= 1024
+//      channels) are spread over them. recv_count[e], recv_src and recv_k of a unit's row are
+//      loaded together (no grid-wide prefix, no barrier before the first store); rows whose
+//      source rank is a peer are copied from y to the peer's region (16-byte loads,
+//      kSendVecsPerLane in flight per lane). Rows of this rank's own tokens are skipped.
+//   2. Owner, first token of the block (t = block, block + grid, ...): one warp per k resolves
 //      (t, k) to a row of y (own expert) or of the local region (peer expert); the block sums
 //      the own rows into float32 registers while the pushed rows are still in flight.
-//   4. Every thread fences, the block arrives on the "sent" counter; the last block
+//   3. Every thread fences, the block arrives on the "sent" counter; the last block
 //      release-stores the combine flag word [parity][me] = tag at every peer. Then the block
 //      waits for the flag word of every peer (every block, even without tokens: see below).
-//   5. The block adds the peer rows, rounds to bf16 and stores out[t]; further tokens likewise.
-//   6. The last block to finish advances the combine sequence word.
+//   4. The block adds the peer rows, rounds to bf16 and stores out[t]; further tokens likewise.
+//   5. The last block to finish advances the combine sequence word.
 //
 // Parity safety: as for dispatch (low_latency_dispatch.cu), with the combine sequence word and
-// the flag words of phase 4 as the words every rank waits for from every other rank in every
+// the flag words of phase 3 as the words every rank waits for from every other rank in every
 // call: a rank starts combine n only after its combine n-1 saw every peer's flag of n-1, which a
 // peer publishes only after its combine n-2 ended, the last reader of the parity n % 2 region.
 #include <cuda_bf16.h>
@@ -99,58 +100,62 @@ __device__ __forceinline__ int warp_find_row(const int32_t* src_col, const int32
   return found < count && key(found) == target ? found : -1;
 }
 
-// Phase 2 (see the file comment). A warp takes its units 32 at a time: lane l resolves the
-// metadata of the l-th one (one round of loads for all), then the warp copies the remote ones.
-__device__ __forceinline__ void send_rows(const CombineArgs& args, const int* row_prefix,
-                                          int parity) {
+// Input loads issued in program order (asm volatile), so the compiler cannot sink them below a
+// use of an earlier load: the metadata loads of phase 1 then fly together.
+__device__ __forceinline__ int ld_nc_s32(const int32_t* ptr) {
+  int v;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
+  return v;
+}
+
+// Phase 1 for local expert `expert`, shared by `num_sharers` warps of which this is number
+// `sharer`. Units (valid row j, chunk c), numbered j * chunks + c; the warp takes units
+// sharer + i * num_sharers, 32 per round (lane l resolves the l-th one). The row index of a unit
+// is known without recv_count (any row < R*T_max is in bounds), so recv_count, recv_src and
+// recv_k are loaded together; then the warp copies the remote units of the round from y to the
+// owners' regions (16-byte loads, kSendVecsPerLane in flight per lane). Rows of this rank's own
+// tokens are skipped.
+__device__ __forceinline__ void send_expert_rows(const CombineArgs& args, int expert, int sharer,
+                                                 int num_sharers, int parity) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
-  const int warp =
-      static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
-  const int num_local = layout.num_local_experts;
   const int max_tokens = layout.max_tokens;
   const int rows_per_expert = layout.num_ranks * max_tokens;
   const int vecs = layout.hidden / kBf16PerVector;
   const int num_chunks = ceil_div(vecs, kWarpSize * kSendVecsPerLane);
   const int chunk_vecs = ceil_div(vecs, num_chunks);
-  const int units = row_prefix[num_local] * num_chunks;
+  const size_t expert_row0 = static_cast<size_t>(expert) * rows_per_expert;
+  const int units_in_bounds = rows_per_expert * num_chunks;
 
-  for (int unit_base = warp; unit_base < units; unit_base += num_warps * kWarpSize) {
-    const int unit = unit_base + lane * num_warps;
-    unsigned long long row_index = 0;
-    int chunk = 0, dst = -1, slot_offset = 0;
-    if (unit < units) {
-      const int row = unit / num_chunks;
-      chunk = unit - row * num_chunks;
-      int lo = 0, hi = num_local;  // last expert whose first row is <= row
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (row_prefix[mid] <= row) {
-          lo = mid;
-        } else {
-          hi = mid;
-        }
-      }
-      row_index = static_cast<unsigned long long>(lo) * rows_per_expert + (row - row_prefix[lo]);
-      const int src_key = __ldg(args.recv_src + row_index);
-      const int k = __ldg(args.recv_k + row_index);
-      const int owner = src_key / max_tokens;
-      if (src_key >= 0 && k >= 0 && k < layout.num_topk && owner < layout.num_ranks &&
-          owner != rk.rank) {
-        dst = owner;
-        slot_offset = (src_key - owner * max_tokens) * layout.num_topk + k;  // token * K + k
-      }
+  const int count_raw = ld_nc_s32(args.recv_count + expert);
+  for (int round_base = sharer;; round_base += kWarpSize * num_sharers) {
+    const int unit = round_base + lane * num_sharers;
+    const int row = unit / num_chunks;
+    int src_key = -1, k = -1;
+    if (unit < units_in_bounds) {
+      src_key = ld_nc_s32(args.recv_src + expert_row0 + row);
+      k = ld_nc_s32(args.recv_k + expert_row0 + row);
+    }
+    const int units = min(max(count_raw, 0), rows_per_expert) * num_chunks;
+    if (round_base >= units) break;  // warp-uniform
+    const int chunk = unit - row * num_chunks;
+    const int owner = src_key / max_tokens;
+    int dst = -1, slot_offset = 0;
+    if (unit < units && src_key >= 0 && k >= 0 && k < layout.num_topk &&
+        owner < layout.num_ranks && owner != rk.rank) {
+      dst = owner;
+      slot_offset = (src_key - owner * max_tokens) * layout.num_topk + k;  // token * K + k
     }
     for (uint32_t todo = __ballot_sync(kFullMask, dst >= 0); todo != 0; todo &= todo - 1) {
       const int from = __ffs(todo) - 1;
-      const unsigned long long src_row = __shfl_sync(kFullMask, row_index, from);
+      const int src_row = __shfl_sync(kFullMask, row, from);
       const int to = __shfl_sync(kFullMask, dst, from);
       const int to_slot = __shfl_sync(kFullMask, slot_offset, from);
       const int vec0 = __shfl_sync(kFullMask, chunk, from) * chunk_vecs;
       const int vec_end = min(vecs, vec0 + chunk_vecs);
-      const int4* src = reinterpret_cast<const int4*>(args.y + src_row * layout.hidden);
+      const int4* src =
+          reinterpret_cast<const int4*>(args.y + (expert_row0 + src_row) * layout.hidden);
       int4* dst_row = reinterpret_cast<int4*>(
           rk.peers[to] +
           layout.combine_row_offset(parity, to_slot / layout.num_topk, to_slot % layout.num_topk));
@@ -170,7 +175,25 @@ __device__ __forceinline__ void send_rows(const CombineArgs& args, const int* ro
   }
 }
 
-// Phase 3 setup: where the K rows of `token` are read from. Warp w resolves k = w, w + 16, ...;
+// Phase 1 for every expert of this warp: warps w = e (mod E_loc) share expert e; with fewer warps
+// than experts each warp takes experts w, w + W, ...
+__device__ __forceinline__ void send_rows(const CombineArgs& args, int parity) {
+  const int num_local = args.rank.layout.num_local_experts;
+  const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
+  const int warp =
+      static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
+  if (num_warps >= num_local) {
+    const int expert = warp % num_local;
+    const int sharers = (num_warps - 1 - expert) / num_local + 1;
+    send_expert_rows(args, expert, warp / num_local, sharers, parity);
+  } else {
+    for (int expert = warp; expert < num_local; expert += num_warps) {
+      send_expert_rows(args, expert, 0, 1, parity);
+    }
+  }
+}
+
+// Phase 2 setup: where the K rows of `token` are read from. Warp w resolves k = w, w + 16, ...;
 // warp 0 then compacts them into own / peer lists (k order kept). Block-wide, ends synchronised.
 __device__ __forceinline__ void find_token_sources(const CombineArgs& args, int token, int parity,
                                                    TokenSources& sources) {
@@ -269,50 +292,25 @@ __device__ __forceinline__ void accumulate_rows(float (&acc)[kOwnerVecsPerThread
   }
 }
 
-// Grid: one block per SM (cooperative), kLowLatencyThreads threads. Dynamic shared memory:
-// row_prefix [E_loc + 1].
+// Grid: one block per SM (cooperative), kLowLatencyThreads threads. No dynamic shared memory.
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     low_latency_combine_kernel(const __grid_constant__ CombineArgs args) {
-  extern __shared__ int row_prefix[];
   __shared__ TokenSources sources;
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int num_ranks = layout.num_ranks;
-  const int num_local = layout.num_local_experts;
   const int me = rk.rank;
   const int tid = static_cast<int>(threadIdx.x);
-  const int lane = tid % kWarpSize;
 
   LowLatencyControl* control = low_latency_control(rk);
   const uint64_t seq = ld_volatile_u64(&control->combine_seq);
   const uint64_t tag = seq + 1;
   const int parity = static_cast<int>(seq & 1);
 
-  // Phase 1: counts into row_prefix[1..E_loc] in parallel, then warp 0 scans them in place.
-  const int rows_per_expert = num_ranks * layout.max_tokens;
-  for (int expert = tid; expert < num_local; expert += blockDim.x) {
-    row_prefix[expert + 1] = min(max(__ldg(args.recv_count + expert), 0), rows_per_expert);
-  }
-  __syncthreads();
-  if (tid < kWarpSize) {
-    int running = 0;
-    for (int e0 = 0; e0 < num_local; e0 += kWarpSize) {
-      const int expert = e0 + lane;
-      const int count = expert < num_local ? row_prefix[expert + 1] : 0;
-      const int inclusive = warp_inclusive_sum(count, lane);
-      __syncwarp();
-      if (expert < num_local) row_prefix[expert] = running + inclusive - count;
-      running += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
-    }
-    __syncwarp();
-    if (lane == 0) row_prefix[num_local] = running;
-  }
-  __syncthreads();
+  // Phase 1.
+  send_rows(args, parity);
 
-  // Phase 2.
-  send_rows(args, row_prefix, parity);
-
-  // Phase 4 (run inside the first owner pass, after the own rows are summed).
+  // Phase 3 (run inside the first owner pass, after the own rows are summed).
   auto arrive_and_wait_peers = [&]() {
     if (arrive_and_check_last(&control->combine_blocks_sent)) {
       if (tid < num_ranks && tid != me) {
@@ -330,7 +328,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     __syncthreads();
   };
 
-  // Phases 3 and 5.
+  // Phases 2 and 4.
   const int hidden = layout.hidden;
   const int vecs = hidden / kBf16PerVector;
   bool peers_arrived = false;
@@ -366,7 +364,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // to observe every peer's flag before it ends.
   if (!peers_arrived) arrive_and_wait_peers();
 
-  // Phase 6.
+  // Phase 5.
   finish_launch(&control->combine_blocks_done, &control->combine_seq, seq, nullptr);
 }
 
@@ -390,9 +388,7 @@ cudaError_t launch_low_latency_combine(const RankContext& ctx,
   args.num_tokens = params.num_tokens;
   args.num_experts = ctx.config.num_experts;
 
-  const size_t smem_bytes = (static_cast<size_t>(ctx.config.num_local_experts()) + 1) * sizeof(int);
-  return launch_low_latency_kernel(low_latency_combine_kernel, num_blocks, smem_bytes, stream,
-                                   args);
+  return launch_low_latency_kernel(low_latency_combine_kernel, num_blocks, 0, stream, args);
 }
 
 cudaError_t preload_low_latency_combine_kernels() {

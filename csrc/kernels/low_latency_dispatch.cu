@@ -6,39 +6,49 @@
 //   count word  [parity][e][s]  (tag << 32) | rows source s sends to local expert e. Published by
 //               the last block of s at the very start of its launch (counts need only topk_idx),
 //               so receivers know every output row position before any data arrives.
-//   flag word   [parity][s]     tag once all rows and meta from source s are written here.
 //   meta        [parity][e][s][slot] (token, k) of each row; a rank's own rows carry meta only:
 //               its receiver reads them from x directly (no round trip through the region).
+//   row flag    [parity][e][s][slot] (s remote) tag once that row, its scales and its meta landed.
 //
 // Phases of every block (W = all warps of the grid):
+//   0. Every thread issues the loads of its first send piece of x (they fly during phases 1-2).
 //   1. Block grid-1 histograms all of topk_idx and stores the count words at every rank.
 //      Each block with tokens (a contiguous range [t0, t1)) histograms the ids of tokens < t0.
 //   2. Warp 0 walks its tokens in order: slot of (t, k) = rows of expert g from tokens < t
-//      (histogram + running count; deterministic, no global atomics). It writes the meta of every
-//      (t, k) (own rank: local meta; peers: their region) and remembers the destination row of
-//      remote pairs. Slots >= T_max (only possible with duplicate ids) are dropped. Then the block
-//      arrives on the local "meta written" counter.
-//   3. Send: the block's threads read their tokens' 16-channel pieces once, cast to e4m3 (scale
-//      per 128 channels via 8-lane shuffles) and store them to every remote destination row.
-//   4. Receive own rows: warps w = e (mod E_loc) share local expert e. They wait for the count
-//      words of e from all R sources, compute the output row of every source, and (after the
-//      meta counter reaches the grid size) copy this rank's own rows from x, casting in place.
-//      This overlaps with the remote data still in flight.
-//   5. Every thread fences (its remote stores are then visible), the block arrives on the "sent"
-//      counter; the last block release-stores the flag word at every peer.
-//   6. Receive peer rows: per source, wait for its flag word once, then copy rows and scales from
-//      the region into the outputs; fill recv_src/recv_k of rows past recv_count with -1.
-//   7. The last block to finish advances the dispatch sequence word and clears the counters.
+//      (histogram + running count; deterministic, no global atomics). It writes the local meta of
+//      own-rank pairs and remembers the destination row, meta and flag of remote pairs. Slots
+//      >= T_max (only possible with duplicate ids) are dropped. After the block barrier, warp 0
+//      alone fences (local stores only: cheap) and arrives on the local "meta written" counter.
+//   3. Send: the block's threads cast their pieces to e4m3 (scale per 128 channels via 8-lane
+//      shuffles; bf16: plain 16-byte vectors, lane-contiguous so every warp store is 512
+//      contiguous bytes) and store them to every remote destination row.
+//   4. Release: block barrier; the thread of each remote pair stores its meta at the peer, fences
+//      (.sys: every store of the block, ordered before it by the barrier, is then visible at the
+//      peer) and stores the pair's row flag = tag there. No grid-wide counter, no last block.
+//   5. Receive: warps w = e (mod E_loc) share local expert e. They wait for the count words of e
+//      from all R sources and compute the output row of every source. Units (row, chunk) go own
+//      rows first (after the meta counter reaches the grid size, copied from x and cast), then
+//      peer rows: per row, wait for its flag, then copy rows, scales and meta from the region to
+//      the outputs — so a row is copied out as soon as it lands, overlapping the transfer.
+//      Then recv_count and the -1 fill of recv_src/recv_k past it.
+//   6. The last block to finish advances the dispatch sequence word and clears the meta counter.
+//
+// Memory ordering of a remote row: data stores (weak, every thread of the sending block) ->
+// bar.sync -> the releasing thread's meta store -> fence.acq_rel.sys -> st.relaxed.sys flag
+// (a release pattern; cumulative over the block's stores ordered before it by the barrier).
+// Receiver: lane 0 ld.acquire.sys of the flag until it is >= tag -> __syncwarp -> ld.cg of the
+// meta and the row (L2, never a stale L1 line).
 //
 // Parity safety: call n (per rank, counted by the sequence word, identical on all ranks because
-// every rank runs the same calls in the same order) writes peers' words, meta and rows of parity
-// n % 2. Every call makes every rank wait for a count word that every other rank writes in that
-// same call (phase 4 waits for all (e, s) words). So when a rank starts call n, its call n-1 has
-// seen every peer's call n-1 count words, which each peer writes only after its call n-2 ended
-// (launches on one stream are serialised): all ranks have finished call n-2, the last user of
-// parity n % 2. Tags grow by one per call, so a stale word of call n-2 (tag n-2 < n) never
-// satisfies a wait of call n, and no rank can already hold a word of call n+2 (count words are
-// compared on the low 32 bits of the tag, which is safe for the same reason).
+// every rank runs the same calls in the same order) writes peers' words, meta, flags and rows of
+// parity n % 2. Every call makes every rank wait for a count word that every other rank writes in
+// that same call (phase 5 waits for all (e, s) words, every expert has at least one warp). So
+// when a rank starts call n, its call n-1 has seen every peer's call n-1 count words, which each
+// peer writes only after its call n-2 ended (launches on one stream are serialised): all ranks
+// have finished call n-2, the last user of parity n % 2. Row flags hold the full 64-bit tag and
+// are waited with >=: a stale flag of call n-2 (or older: a slot may stay unused for many calls)
+// is < n, and no rank can already hold a flag of call n+2. Count words are rewritten every call,
+// so comparing their low 32 bits is safe for the same reason.
 // Dispatch and combine keep separate sequence words and separate regions: the argument above
 // then involves only the op's own call history, whatever the interleaving of dispatches and
 // combines (forward, backward, dispatch-only programs).
@@ -60,9 +70,10 @@ namespace jax_ep {
 namespace {
 
 // A receive work unit is one warp moving at most kRecvPiecesPerLane 16-channel pieces per lane
-// of one row (bf16 source: 2 loads per piece in flight per lane).
+// of one row (bf16: 2 vectors per piece, all 2 * kRecvPiecesPerLane loads in flight per lane).
 constexpr int kRecvPiecesPerLane = 4;
 constexpr int kRecvPiecesPerUnit = kWarpSize * kRecvPiecesPerLane;
+constexpr int kBf16PerVector = kBytesPerVector / 2;
 
 constexpr uint32_t kFullMask = 0xffffffffu;
 
@@ -81,94 +92,165 @@ struct DispatchArgs {
   bool round_scale;
 };
 
-// Phase 3: writes this block's tokens to every remote destination row in `row_of`
-// ([n_tok][K], nullptr = not sent to a peer). Thread f of the flattened (token, piece) space
-// handles 16 channels; the 8 lanes of a scale group hold the same token (H/16 % 8 == 0).
+// Where the pair (local token, k) of a block goes when its expert is on a peer (all nullptr
+// otherwise). Shared memory, written by warp 0 in phase 2.
+struct RemotePair {
+  char* row;       // destination row in the peer's region
+  int2* meta;      // its meta entry there
+  uint64_t* flag;  // its row flag there
+  int2 value;      // (token, k)
+};
+
+// Send inputs of one iteration for this thread, from the block's rows x_block ([n_tok][H], 16-byte
+// vectors). fp8: the two vectors of piece `base + tid`; bf16: vectors `base + tid` and
+// `base + tid + blockDim`. Zeros past `total` (pieces resp. vectors of the block).
 template <bool kUseFp8>
-__device__ __forceinline__ void send_rows(const DispatchArgs& args, char* const* row_of, int t0,
-                                          int n_tok) {
+__device__ __forceinline__ void load_send_inputs(const int4* x_block, int total, int base, int4& a,
+                                                 int4& b) {
+  const int f = base + static_cast<int>(threadIdx.x);
+  a = b = make_int4(0, 0, 0, 0);
+  if constexpr (kUseFp8) {
+    if (f < total) {
+      a = ld_nc_v4(x_block + 2 * f);
+      b = ld_nc_v4(x_block + 2 * f + 1);
+    }
+  } else {
+    if (f < total) a = ld_nc_v4(x_block + f);
+    if (f + static_cast<int>(blockDim.x) < total) b = ld_nc_v4(x_block + f + blockDim.x);
+  }
+}
+
+// Phase 3: writes this block's tokens to every remote destination row (pairs[t * K + k].row,
+// nullptr = not sent to a peer). (a, b): this thread's inputs of the first iteration, loaded in
+// phase 0. fp8: thread f of the flattened (token, piece) space handles 16 channels; the 8 lanes of
+// a scale group hold the same token (H/16 % 8 == 0). bf16: thread f handles vector f (and f +
+// blockDim) of the flattened (token, vector) space, so lanes store consecutive 16-byte vectors.
+template <bool kUseFp8>
+__device__ __forceinline__ void send_rows(const DispatchArgs& args, const RemotePair* pairs,
+                                          const int4* x_block, int n_tok, int4 a, int4 b) {
   const int hidden = args.rank.layout.hidden;
   const int num_topk = args.rank.layout.num_topk;
-  const int pieces = hidden / kFp8ChannelsPerPiece;
-  const int total = n_tok * pieces;
-  for (int base = 0; base < total; base += blockDim.x) {  // uniform trip count: shuffles below
-    const int f = base + static_cast<int>(threadIdx.x);
-    const bool active = f < total;
-    const int local_token = active ? f / pieces : 0;
-    const int piece = f - local_token * pieces;
-    int4 lo = make_int4(0, 0, 0, 0), hi = lo;
-    if (active) {
-      const int4* src =
-          reinterpret_cast<const int4*>(args.x + static_cast<size_t>(t0 + local_token) * hidden) +
-          2 * piece;
-      lo = ld_nc_v4(src);
-      hi = ld_nc_v4(src + 1);
-    }
-    char* const* rows = row_of + local_token * num_topk;
-    if constexpr (kUseFp8) {
-      const float amax = fp8_group_amax(active ? bf16_piece_amax(lo, hi) : 0.0f);
+  const int tid = static_cast<int>(threadIdx.x);
+  if constexpr (kUseFp8) {
+    const int pieces = hidden / kFp8ChannelsPerPiece;
+    const int total = n_tok * pieces;
+    for (int base = 0; base < total; base += blockDim.x) {  // uniform trip count: shuffles below
+      if (base > 0) load_send_inputs<true>(x_block, total, base, a, b);
+      const int f = base + tid;
+      const bool active = f < total;
+      const int local_token = active ? f / pieces : 0;
+      const int piece = f - local_token * pieces;
+      const float amax = fp8_group_amax(active ? bf16_piece_amax(a, b) : 0.0f);
       const float scale = fp8_scale_from_amax(amax, args.round_scale);
-      const int4 packed = bf16_piece_to_e4m3(lo, hi, 1.0f / scale);
+      const int4 packed = bf16_piece_to_e4m3(a, b, 1.0f / scale);
       if (!active) continue;
+      const RemotePair* token_pairs = pairs + local_token * num_topk;
       for (int k = 0; k < num_topk; ++k) {
-        char* row = rows[k];
+        char* row = token_pairs[k].row;
         if (row == nullptr) continue;
         st_v4(reinterpret_cast<int4*>(row) + piece, packed);
         if (piece % kFp8PiecesPerScale == 0) {
           reinterpret_cast<float*>(row + hidden)[piece / kFp8PiecesPerScale] = scale;
         }
       }
-    } else {
-      if (!active) continue;
-      for (int k = 0; k < num_topk; ++k) {
-        char* row = rows[k];
-        if (row == nullptr) continue;
-        st_v4(reinterpret_cast<int4*>(row) + 2 * piece, lo);
-        st_v4(reinterpret_cast<int4*>(row) + 2 * piece + 1, hi);
+    }
+  } else {
+    const int vecs = hidden / kBf16PerVector;
+    const int total = n_tok * vecs;
+    const int step = 2 * static_cast<int>(blockDim.x);
+    for (int base = 0; base < total; base += step) {
+      if (base > 0) load_send_inputs<false>(x_block, total, base, a, b);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int f = base + tid + half * static_cast<int>(blockDim.x);
+        if (f >= total) break;
+        const int local_token = f / vecs;
+        const int vec = f - local_token * vecs;
+        const int4 v = half == 0 ? a : b;
+        const RemotePair* token_pairs = pairs + local_token * num_topk;
+        for (int k = 0; k < num_topk; ++k) {
+          char* row = token_pairs[k].row;
+          if (row != nullptr) st_v4(reinterpret_cast<int4*>(row) + vec, v);
+        }
       }
     }
   }
 }
 
+// Phase 4: after the block barrier that follows phase 3, publishes every remote pair of the
+// block: meta, then (one fence per thread) the row flag. Threads without a pair do nothing.
+__device__ __forceinline__ void release_remote_pairs(const RemotePair* pairs, int num_pairs,
+                                                     uint64_t tag) {
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid >= num_pairs) return;
+  for (int i = tid; i < num_pairs; i += blockDim.x) {
+    if (pairs[i].row != nullptr) *pairs[i].meta = pairs[i].value;
+  }
+  // Release: every data store of the block precedes this fence (bar.sync before the call), and
+  // so do this thread's meta stores; the flag stores below come after it.
+  fence_acq_rel_sys();
+  for (int i = tid; i < num_pairs; i += blockDim.x) {
+    if (pairs[i].row != nullptr) st_relaxed_sys(pairs[i].flag, tag);
+  }
+}
+
+// Moves vectors [v0, v_end) (lane-strided, at most 2 * kRecvPiecesPerLane per lane) from src to
+// dst. kSourceIsInput: src is an XLA operand (x), else the region a peer wrote (ld.cg).
+template <bool kSourceIsInput>
+__device__ __forceinline__ void copy_unit_vectors(int4* dst, const int4* src, int v0, int v_end,
+                                                  int lane) {
+  constexpr int kVecsPerLane = 2 * kRecvPiecesPerLane;
+  int4 v[kVecsPerLane];
+#pragma unroll
+  for (int m = 0; m < kVecsPerLane; ++m) {
+    const int idx = v0 + m * kWarpSize + lane;
+    v[m] = make_int4(0, 0, 0, 0);
+    if (idx < v_end) v[m] = kSourceIsInput ? ld_nc_v4(src + idx) : ld_cg_v4(src + idx);
+  }
+#pragma unroll
+  for (int m = 0; m < kVecsPerLane; ++m) {
+    const int idx = v0 + m * kWarpSize + lane;
+    if (idx < v_end) st_v4(dst + idx, v[m]);
+  }
+}
+
 // Own row: read token `token` of x and write it (cast) to output row `row_index`, pieces
-// [piece0, piece_end) — at most kRecvPiecesPerUnit, lane-strided. Whole warp, uniform arguments.
+// [piece0, piece_end) — at most kRecvPiecesPerUnit. Whole warp, uniform arguments.
 template <bool kUseFp8>
 __device__ __forceinline__ void copy_own_row(const DispatchArgs& args, int token, size_t row_index,
                                              int piece0, int piece_end, int lane) {
   const int hidden = args.rank.layout.hidden;
   const int4* src = reinterpret_cast<const int4*>(args.x + static_cast<size_t>(token) * hidden);
-  int4 lo[kRecvPiecesPerLane], hi[kRecvPiecesPerLane];
+  if constexpr (kUseFp8) {
+    int4 lo[kRecvPiecesPerLane], hi[kRecvPiecesPerLane];
 #pragma unroll
-  for (int m = 0; m < kRecvPiecesPerLane; ++m) {
-    const int piece = piece0 + m * kWarpSize + lane;
-    lo[m] = hi[m] = make_int4(0, 0, 0, 0);
-    if (piece < piece_end) {
-      lo[m] = ld_nc_v4(src + 2 * piece);
-      hi[m] = ld_nc_v4(src + 2 * piece + 1);
+    for (int m = 0; m < kRecvPiecesPerLane; ++m) {
+      const int piece = piece0 + m * kWarpSize + lane;
+      lo[m] = hi[m] = make_int4(0, 0, 0, 0);
+      if (piece < piece_end) {
+        lo[m] = ld_nc_v4(src + 2 * piece);
+        hi[m] = ld_nc_v4(src + 2 * piece + 1);
+      }
     }
-  }
+    auto* dst = reinterpret_cast<int4*>(static_cast<uint8_t*>(args.recv_x) + row_index * hidden);
+    float* dst_scales = args.recv_scales + row_index * (hidden / kChannelsPerScale);
 #pragma unroll
-  for (int m = 0; m < kRecvPiecesPerLane; ++m) {
-    if (piece0 + m * kWarpSize >= piece_end) break;  // warp-uniform
-    const int piece = piece0 + m * kWarpSize + lane;
-    const bool active = piece < piece_end;
-    if constexpr (kUseFp8) {
+    for (int m = 0; m < kRecvPiecesPerLane; ++m) {
+      if (piece0 + m * kWarpSize >= piece_end) break;  // warp-uniform
+      const int piece = piece0 + m * kWarpSize + lane;
+      const bool active = piece < piece_end;
       const float amax = fp8_group_amax(active ? bf16_piece_amax(lo[m], hi[m]) : 0.0f);
       const float scale = fp8_scale_from_amax(amax, args.round_scale);
       const int4 packed = bf16_piece_to_e4m3(lo[m], hi[m], 1.0f / scale);
       if (active) {
-        auto* dst = static_cast<uint8_t*>(args.recv_x) + row_index * hidden;
-        st_v4(reinterpret_cast<int4*>(dst) + piece, packed);
-        if (piece % kFp8PiecesPerScale == 0) {
-          args.recv_scales[row_index * (hidden / kChannelsPerScale) + piece / kFp8PiecesPerScale] =
-              scale;
-        }
+        st_v4(dst + piece, packed);
+        if (piece % kFp8PiecesPerScale == 0) dst_scales[piece / kFp8PiecesPerScale] = scale;
       }
-    } else if (active) {
-      auto* dst = static_cast<__nv_bfloat16*>(args.recv_x) + row_index * hidden;
-      st_v4(reinterpret_cast<int4*>(dst) + 2 * piece, lo[m]);
-      st_v4(reinterpret_cast<int4*>(dst) + 2 * piece + 1, hi[m]);
     }
+  } else {
+    auto* dst =
+        reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(args.recv_x) + row_index * hidden);
+    copy_unit_vectors<true>(dst, src, 2 * piece0, 2 * piece_end, lane);
   }
 }
 
@@ -205,39 +287,21 @@ __device__ __forceinline__ void copy_peer_row(const DispatchArgs& args, const ch
       }
     }
   } else {
-    const int4* src = reinterpret_cast<const int4*>(src_row);
-    int4 lo[kRecvPiecesPerLane], hi[kRecvPiecesPerLane];
-#pragma unroll
-    for (int m = 0; m < kRecvPiecesPerLane; ++m) {
-      const int piece = piece0 + m * kWarpSize + lane;
-      lo[m] = hi[m] = make_int4(0, 0, 0, 0);
-      if (piece < piece_end) {
-        lo[m] = ld_cg_v4(src + 2 * piece);
-        hi[m] = ld_cg_v4(src + 2 * piece + 1);
-      }
-    }
     auto* dst =
         reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(args.recv_x) + row_index * hidden);
-#pragma unroll
-    for (int m = 0; m < kRecvPiecesPerLane; ++m) {
-      const int piece = piece0 + m * kWarpSize + lane;
-      if (piece < piece_end) {
-        st_v4(dst + 2 * piece, lo[m]);
-        st_v4(dst + 2 * piece + 1, hi[m]);
-      }
-    }
+    copy_unit_vectors<false>(dst, reinterpret_cast<const int4*>(src_row), 2 * piece0,
+                             2 * piece_end, lane);
   }
 }
 
-// Phases 4 and 6 for local expert `expert`, shared by `num_sharers` warps of which this is number
+// Phase 5 for local expert `expert`, shared by `num_sharers` warps of which this is number
 // `sharer`. Work units (row, chunk of <= kRecvPiecesPerUnit pieces) are numbered in the order:
-// own rows first, then sources rank+1, rank+2, ... (mod R); the own pass takes the own rows, the
-// peer pass the rest plus recv_count and the -1 fill. `waited` (bit s) remembers which arrival
-// this warp has already observed.
+// own rows first, then sources rank+1, rank+2, ... (mod R). `own_meta_ready` remembers whether
+// this warp has already seen the meta counter complete.
 template <bool kUseFp8>
 __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int expert, int sharer,
-                                               int num_sharers, bool peer_pass, uint64_t tag,
-                                               int parity, uint32_t& waited) {
+                                               int num_sharers, uint64_t tag, int parity,
+                                               bool& own_meta_ready) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -263,20 +327,17 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
   const int order_count = __shfl_sync(kFullMask, count, order_src);
   const int order_first_row = __shfl_sync(kFullMask, first_row, order_src);
   const int order_begin = warp_inclusive_sum(order_count, lane) - order_count;
-  const int own_count = __shfl_sync(kFullMask, order_count, 0);
 
   const int pieces = layout.hidden / kFp8ChannelsPerPiece;
   const int num_chunks = ceil_div(pieces, kRecvPiecesPerUnit);
   const int chunk_pieces =
       ceil_div(ceil_div(pieces, num_chunks), kFp8PiecesPerScale) * kFp8PiecesPerScale;
-  const int unit_begin = peer_pass ? own_count * num_chunks : 0;
-  const int unit_end = (peer_pass ? total : own_count) * num_chunks;
+  const int unit_end = total * num_chunks;
   LowLatencyControl* control = low_latency_control(rk);
-  const uint64_t* flags = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_flags);
   const int2* meta_base = reinterpret_cast<const int2*>(rk.local + layout.dispatch_meta);
+  const uint64_t* flag_base = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
 
-  for (int unit = unit_begin + ((sharer - unit_begin % num_sharers) + num_sharers) % num_sharers;
-       unit < unit_end; unit += num_sharers) {
+  for (int unit = sharer; unit < unit_end; unit += num_sharers) {
     const int order_row = unit / num_chunks;
     const int chunk = unit - order_row * num_chunks;
     const int pos =
@@ -284,81 +345,88 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
     const int src = (me + pos) % num_ranks;
     const int slot = order_row - __shfl_sync(kFullMask, order_begin, pos);
     const int out_row = __shfl_sync(kFullMask, order_first_row, pos) + slot;
-    if (!(waited & (1u << src))) {
-      if (lane == 0) {
-        if (src == me) {  // own meta: written by every block of this launch in phase 2
-          wait_flag_at_least(reinterpret_cast<const uint64_t*>(&control->dispatch_blocks_meta),
-                             gridDim.x, rk.timeout_ns, rk.timeout_record, me, me,
-                             WaitPhase::kLowLatencyDispatchRecv);
-        } else {
-          wait_flag_at_least(flags + layout.flag_index(parity, src), tag, rk.timeout_ns,
-                             rk.timeout_record, me, src, WaitPhase::kLowLatencyDispatchRecv);
-        }
-      }
-      __syncwarp();
-      waited |= 1u << src;
-    }
-    const int2* meta = meta_base + layout.dispatch_meta_index(parity, expert, src, slot);
-    const int token = ld_cg_s32(&meta->x);
-    const int k = ld_cg_s32(&meta->y);
+    const size_t meta_index = layout.dispatch_meta_index(parity, expert, src, slot);
+    const int2* meta = meta_base + meta_index;
     const size_t row_index = static_cast<size_t>(expert) * rows_per_expert + out_row;
-    if (chunk == 0 && lane == 0) {
-      args.recv_src[row_index] = src * max_tokens + token;
-      args.recv_k[row_index] = k;
-    }
     const int piece0 = chunk * chunk_pieces;
     const int piece_end = min(pieces, piece0 + chunk_pieces);
     if (src == me) {
+      if (!own_meta_ready) {  // own meta: written by every block of this launch in phase 2
+        if (lane == 0) {
+          wait_flag_at_least(reinterpret_cast<const uint64_t*>(&control->dispatch_blocks_meta),
+                             gridDim.x, rk.timeout_ns, rk.timeout_record, me, me,
+                             WaitPhase::kLowLatencyDispatchRecv);
+        }
+        __syncwarp();
+        own_meta_ready = true;
+      }
+      const int token = ld_cg_s32(&meta->x);
+      const int k = ld_cg_s32(&meta->y);
+      if (chunk == 0 && lane == 0) {
+        args.recv_src[row_index] = src * max_tokens + token;
+        args.recv_k[row_index] = k;
+      }
       if (token < 0 || token >= args.num_tokens) continue;  // guards x; not for well-formed meta
       copy_own_row<kUseFp8>(args, token, row_index, piece0, piece_end, lane);
     } else {
+      if (lane == 0) {
+        wait_flag_at_least(flag_base + meta_index, tag, rk.timeout_ns, rk.timeout_record, me, src,
+                           WaitPhase::kLowLatencyDispatchRecv);
+      }
+      __syncwarp();  // lane 0's acquire orders the whole warp's loads below
+      int token = 0, k = 0;
+      if (chunk == 0 && lane == 0) {  // issued before the row loads, consumed after them
+        token = ld_cg_s32(&meta->x);
+        k = ld_cg_s32(&meta->y);
+      }
       const char* src_row = rk.local + layout.dispatch_row_offset(parity, expert, src, me, slot);
       copy_peer_row<kUseFp8>(args, src_row, row_index, piece0, piece_end, lane);
+      if (chunk == 0 && lane == 0) {
+        args.recv_src[row_index] = src * max_tokens + token;
+        args.recv_k[row_index] = k;
+      }
     }
   }
 
-  if (peer_pass) {
-    if (sharer == 0 && lane == 0) args.recv_count[expert] = total;
-    const size_t expert_row0 = static_cast<size_t>(expert) * rows_per_expert;
-    for (int row = total + sharer * kWarpSize + lane; row < rows_per_expert;
-         row += num_sharers * kWarpSize) {
-      args.recv_src[expert_row0 + row] = -1;
-      args.recv_k[expert_row0 + row] = -1;
-    }
+  if (sharer == 0 && lane == 0) args.recv_count[expert] = total;
+  const size_t expert_row0 = static_cast<size_t>(expert) * rows_per_expert;
+  for (int row = total + sharer * kWarpSize + lane; row < rows_per_expert;
+       row += num_sharers * kWarpSize) {
+    args.recv_src[expert_row0 + row] = -1;
+    args.recv_k[expert_row0 + row] = -1;
   }
 }
 
-// Phases 4 / 6 for every expert of this warp: warps w = e (mod E_loc) share expert e; with fewer
+// Phase 5 for every expert of this warp: warps w = e (mod E_loc) share expert e; with fewer
 // warps than experts each warp takes experts w, w + W, ...
 template <bool kUseFp8>
-__device__ __forceinline__ void receive_pass(const DispatchArgs& args, bool peer_pass, uint64_t tag,
-                                             int parity, uint32_t& waited) {
+__device__ __forceinline__ void receive_pass(const DispatchArgs& args, uint64_t tag, int parity) {
   const int num_experts_local = args.rank.layout.num_local_experts;
   const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
   const int warp =
       static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
+  bool own_meta_ready = false;
   if (num_warps >= num_experts_local) {
     const int expert = warp % num_experts_local;
     const int sharers = (num_warps - 1 - expert) / num_experts_local + 1;
-    receive_expert<kUseFp8>(args, expert, warp / num_experts_local, sharers, peer_pass, tag, parity,
-                            waited);
+    receive_expert<kUseFp8>(args, expert, warp / num_experts_local, sharers, tag, parity,
+                            own_meta_ready);
   } else {
     for (int expert = warp; expert < num_experts_local; expert += num_warps) {
-      receive_expert<kUseFp8>(args, expert, 0, 1, peer_pass, tag, parity, waited);
+      receive_expert<kUseFp8>(args, expert, 0, 1, tag, parity, own_meta_ready);
     }
   }
 }
 
 // Grid: one block per SM (cooperative), kLowLatencyThreads threads. Dynamic shared memory:
-// row_of [tokens_per_block][K] pointers, the block's ids [tokens_per_block][K], then two int
-// histograms of E entries.
+// pairs [tokens_per_block][K], the block's ids [tokens_per_block][K], then two int histograms of
+// E entries.
 template <bool kUseFp8>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     low_latency_dispatch_kernel(const __grid_constant__ DispatchArgs args) {
   extern __shared__ __align__(16) unsigned char smem[];
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
-  const int num_ranks = layout.num_ranks;
   const int num_local = layout.num_local_experts;
   const int max_tokens = layout.max_tokens;
   const int num_topk = layout.num_topk;
@@ -372,8 +440,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const uint64_t tag = seq + 1;
   const int parity = static_cast<int>(seq & 1);
 
-  char** row_of = reinterpret_cast<char**>(smem);
-  int* block_ids = reinterpret_cast<int*>(row_of + args.tokens_per_block * num_topk);
+  RemotePair* pairs = reinterpret_cast<RemotePair*>(smem);
+  int* block_ids = reinterpret_cast<int*>(pairs + args.tokens_per_block * num_topk);
   int* hist_before = block_ids + args.tokens_per_block * num_topk;
   int* hist_total = hist_before + num_experts;
 
@@ -381,6 +449,13 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const int t1 = min(args.num_tokens, t0 + args.tokens_per_block);
   const int n_tok = t1 - t0;
   const bool is_publisher = blockIdx.x == gridDim.x - 1;
+
+  // Phase 0: this thread's first send inputs (x does not depend on the routing).
+  const int4* x_block = reinterpret_cast<const int4*>(args.x + static_cast<size_t>(t0) * layout.hidden);
+  const int send_total =
+      n_tok * layout.hidden / (kUseFp8 ? kFp8ChannelsPerPiece : kBf16PerVector);
+  int4 send_a, send_b;
+  load_send_inputs<kUseFp8>(x_block, send_total, 0, send_a, send_b);
 
   // Phase 1: histograms; the publisher releases the count words at every rank.
   if (n_tok > 0 || is_publisher) {
@@ -413,11 +488,11 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
   }
 
-  // Phase 2: slots, meta and destination rows of this block's tokens (warp 0, token order).
+  // Phase 2: slots, own meta and remote destinations of this block's tokens (warp 0, in order).
   if (tid < kWarpSize && n_tok > 0) {
     unsigned long long invalid_ids = 0;
     for (int t = t0; t < t1; ++t) {
-      char* row = nullptr;
+      RemotePair pair = {nullptr, nullptr, nullptr, make_int2(t, lane)};
       if (lane < num_topk) {
         const int g = block_ids[(t - t0) * num_topk + lane];
         if (g >= 0 && g < num_experts) {
@@ -425,16 +500,20 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
           if (slot < max_tokens) {
             const int dst = g / num_local;
             const int expert = g - dst * num_local;
-            int2* meta = reinterpret_cast<int2*>(rk.peers[dst] + layout.dispatch_meta) +
-                         layout.dispatch_meta_index(parity, expert, me, slot);
-            *meta = make_int2(t, lane);
-            if (dst != me)
-              row = rk.peers[dst] + layout.dispatch_row_offset(parity, expert, me, dst, slot);
+            const size_t meta_index = layout.dispatch_meta_index(parity, expert, me, slot);
+            if (dst == me) {
+              reinterpret_cast<int2*>(rk.local + layout.dispatch_meta)[meta_index] = pair.value;
+            } else {
+              pair.row = rk.peers[dst] + layout.dispatch_row_offset(parity, expert, me, dst, slot);
+              pair.meta = reinterpret_cast<int2*>(rk.peers[dst] + layout.dispatch_meta) + meta_index;
+              pair.flag =
+                  reinterpret_cast<uint64_t*>(rk.peers[dst] + layout.dispatch_row_flags) + meta_index;
+            }
           }
         } else if (g != -1) {
           ++invalid_ids;
         }
-        row_of[(t - t0) * num_topk + lane] = row;
+        pairs[(t - t0) * num_topk + lane] = pair;
       }
       __syncwarp();  // token t's slots are taken before token t + 1's
     }
@@ -445,31 +524,26 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     if (lane == 0 && invalid_ids > 0 && rk.errors != nullptr) {
       atomicAdd(&rk.errors->invalid_expert_ids, invalid_ids);
     }
-    __threadfence();  // own meta visible before the block's arrival below
   }
   __syncthreads();
-  if (tid == 0) atomicAdd(&control->dispatch_blocks_meta, 1ull);
-
-  // Phase 3: send remote rows.
-  send_rows<kUseFp8>(args, row_of, t0, n_tok);
-
-  // Phase 4: own rows, while the remote rows travel.
-  uint32_t waited = 0;
-  receive_pass<kUseFp8>(args, /*peer_pass=*/false, tag, parity, waited);
-
-  // Phase 5: after every block's remote stores are visible, tell every peer.
-  if (arrive_and_check_last(&control->dispatch_blocks_sent)) {
-    if (tid < num_ranks && tid != me) {
-      uint64_t* flag = reinterpret_cast<uint64_t*>(rk.peers[tid] + layout.dispatch_flags) +
-                       layout.flag_index(parity, me);
-      st_release_sys(flag, tag);
-    }
+  // Own meta visible before the block's arrival. Only warp 0 wrote any, and only locally (remote
+  // meta waits for phase 4), so this fence is short and stalls warp 0 alone.
+  if (tid < kWarpSize) {
+    __threadfence();
+    if (tid == 0) atomicAdd(&control->dispatch_blocks_meta, 1ull);
   }
 
-  // Phase 6: peer rows, recv_count, -1 fill.
-  receive_pass<kUseFp8>(args, /*peer_pass=*/true, tag, parity, waited);
+  // Phase 3: send remote rows.
+  send_rows<kUseFp8>(args, pairs, x_block, n_tok, send_a, send_b);
 
-  // Phase 7.
+  // Phase 4: publish this block's remote rows.
+  __syncthreads();
+  release_remote_pairs(pairs, n_tok * num_topk, tag);
+
+  // Phase 5: own rows, then peer rows as they land; recv_count, -1 fill.
+  receive_pass<kUseFp8>(args, tag, parity);
+
+  // Phase 6.
   finish_launch(&control->dispatch_blocks_done, &control->dispatch_seq, seq,
                 &control->dispatch_blocks_meta);
 }
@@ -506,7 +580,7 @@ cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
   args.round_scale = params.round_scale;
 
   const size_t smem_bytes = static_cast<size_t>(args.tokens_per_block) * ctx.config.num_topk *
-                                (sizeof(char*) + sizeof(int)) +
+                                (sizeof(RemotePair) + sizeof(int)) +
                             2 * static_cast<size_t>(ctx.config.num_experts) * sizeof(int);
   return params.use_fp8 ? launch_low_latency_kernel(low_latency_dispatch_kernel<true>, num_blocks,
                                                     smem_bytes, stream, args)

@@ -7,9 +7,10 @@
 //
 //   control          LowLatencyControl: sequence words and block counters (local use only)
 //   dispatch_counts  u64 [2][E_loc][R]      (tag << 32) | rows from source s for local expert e
-//   dispatch_flags   u64 [2][R]             tag once every row (and meta) from source s landed
 //   combine_flags    u64 [2][R]             tag once every combine row from source s landed
 //   dispatch_meta    int2 [2][E_loc][R][T_max]   (source token, k) of slot j; s == rank included
+//   dispatch_row_flags u64 [2][E_loc][R][T_max]  tag once row (and meta) of slot j from remote
+//                    source s landed (entries of s == rank unused: same index as dispatch_meta)
 //   dispatch_rows    [2][E_loc][R-1][T_max] rows of 2H bytes, remote sources only (a rank never
 //                    sends rows to itself: its receiver reads x directly). fp8 rows hold H bytes of
 //                    e4m3 then H/128 float scales; bf16 rows hold H bf16.
@@ -43,7 +44,6 @@ constexpr int kLowLatencyNumParities = 2;
 struct LowLatencyControl {
   uint64_t dispatch_seq;                    // completed low-latency dispatch calls
   uint64_t combine_seq;                     // completed low-latency combine calls
-  unsigned long long dispatch_blocks_sent;  // dispatch blocks whose remote rows are all written
   unsigned long long dispatch_blocks_meta;  // dispatch blocks whose self-destined meta is written
   unsigned long long dispatch_blocks_done;  // dispatch blocks that finished
   unsigned long long combine_blocks_sent;   // combine blocks whose remote rows are all written
@@ -61,9 +61,9 @@ struct LowLatencyLayout {
 
   size_t control = 0;
   size_t dispatch_counts = 0;
-  size_t dispatch_flags = 0;
   size_t combine_flags = 0;
   size_t dispatch_meta = 0;
+  size_t dispatch_row_flags = 0;
   size_t dispatch_rows = 0;
   size_t combine_rows = 0;
   size_t total_bytes = 0;
@@ -119,9 +119,9 @@ inline LowLatencyLayout make_low_latency_layout(const BufferConfig& config) {
   };
   layout.control = carve(sizeof(LowLatencyControl));
   layout.dispatch_counts = carve(num_parities * experts * ranks * sizeof(uint64_t));
-  layout.dispatch_flags = carve(num_parities * ranks * sizeof(uint64_t));
   layout.combine_flags = carve(num_parities * ranks * sizeof(uint64_t));
   layout.dispatch_meta = carve(num_parities * experts * ranks * tokens * 2 * sizeof(int32_t));
+  layout.dispatch_row_flags = carve(num_parities * experts * ranks * tokens * sizeof(uint64_t));
   layout.dispatch_rows =
       carve(num_parities * experts * remote_ranks * tokens * layout.dispatch_row_bytes());
   layout.combine_rows = carve(num_parities * tokens * static_cast<size_t>(layout.num_topk) *
