@@ -2,6 +2,7 @@
 
     python tests/export_roundtrip.py export FILE   # serialise the exported step to FILE
     python tests/export_roundtrip.py run FILE      # deserialise, run for T=64 and T=4096, check
+    (a third argument T exports and runs one fixed token count instead of a symbolic one)
 
 Run by test_gpu.py on a GPU machine; each command in its own fresh process.
 """
@@ -27,7 +28,7 @@ def make_buffer(mesh):
                          num_topk=K, dtype=jnp.bfloat16, backend="cuda")
 
 
-def main(command, path):
+def main(command, path, tokens=None):
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     R = mesh.shape["ep"]
     buf = make_buffer(mesh)
@@ -38,7 +39,8 @@ def main(command, path):
             return d.recv_x, d.handle.recv_src, y
 
         sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-        (t,) = jax.export.symbolic_shape("t")
+        # A symbolic token count, or (tokens given) one fixed bucket.
+        (t,) = jax.export.symbolic_shape("t") if tokens is None else (tokens,)
         args = (jax.ShapeDtypeStruct((R * t, H), jnp.bfloat16),
                 jax.ShapeDtypeStruct((R * t, K), jnp.int32),
                 jax.ShapeDtypeStruct((R * t, K), jnp.float32))
@@ -52,7 +54,7 @@ def main(command, path):
         exported = jax.export.deserialize(bytearray(f.read()))
     rng = np.random.default_rng(3)
     sharding = NamedSharding(mesh, P("ep"))
-    for T in (64, 4096):
+    for T in (64, 4096) if tokens is None else (tokens,):
         idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
         x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
         args = [jax.device_put(a.reshape(R * T, *a.shape[2:]), sharding) for a in (x, idx, w)]
@@ -69,4 +71,4 @@ def main(command, path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)

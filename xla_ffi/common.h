@@ -152,6 +152,16 @@ inline const char* wait_phase_name(int32_t phase) {
   return "unknown";
 }
 
+// T (the leading extent of argument `arg`) must not exceed max_tokens_per_rank.
+inline ffi::Error check_num_tokens(const char* op, const char* arg, int64_t num_tokens,
+                                   const BufferConfig& config) {
+  if (num_tokens <= config.max_tokens_per_rank) return ffi::Error::Success();
+  std::ostringstream message;
+  message << op << ": argument '" << arg << "' has " << num_tokens
+          << " tokens, more than the Buffer's max_tokens_per_rank=" << config.max_tokens_per_rank;
+  return ffi::Error::InvalidArgument(message.str());
+}
+
 // Counts this handler execution, noting whether XLA is capturing `stream` into a CUDA graph.
 inline void note_handler_call(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;

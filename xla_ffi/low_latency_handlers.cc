@@ -42,16 +42,6 @@ ffi::Error check_low_latency_config(const char* op, const BufferConfig& config) 
   return ffi::Error::InvalidArgument(message.str());
 }
 
-// T (leading extent of `arg`) must not exceed max_tokens_per_rank.
-ffi::Error check_low_latency_tokens(const char* op, const char* arg, int64_t num_tokens,
-                                    const BufferConfig& config) {
-  if (num_tokens <= config.max_tokens_per_rank) return ffi::Error::Success();
-  std::ostringstream message;
-  message << op << ": argument '" << arg << "' has " << num_tokens
-          << " tokens, more than the Buffer's max_tokens_per_rank=" << config.max_tokens_per_rank;
-  return ffi::Error::InvalidArgument(message.str());
-}
-
 ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
                                   bool use_fp8, bool round_scale, ffi::AnyBuffer x,
                                   ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> recv_x,
@@ -68,7 +58,7 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t b
 
   FFI_RETURN_IF_ERROR(check_array(op, "x", x, {ffi::DataType::BF16}, {kAnyDim, config.hidden}));
   const int64_t num_tokens = x.dimensions()[0];
-  FFI_RETURN_IF_ERROR(check_low_latency_tokens(op, "x", num_tokens, config));
+  FFI_RETURN_IF_ERROR(check_num_tokens(op, "x", num_tokens, config));
   FFI_RETURN_IF_ERROR(
       check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32}, {num_tokens, config.num_topk}));
 
@@ -120,7 +110,7 @@ ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t device, int64_t bu
   FFI_RETURN_IF_ERROR(
       check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32}, {kAnyDim, config.num_topk}));
   const int64_t num_tokens = topk_idx.dimensions()[0];
-  FFI_RETURN_IF_ERROR(check_low_latency_tokens(op, "topk_idx", num_tokens, config));
+  FFI_RETURN_IF_ERROR(check_num_tokens(op, "topk_idx", num_tokens, config));
   FFI_RETURN_IF_ERROR(check_array(op, "topk_weights", topk_weights, {ffi::DataType::F32},
                                   {num_tokens, config.num_topk}));
   FFI_RETURN_IF_ERROR(

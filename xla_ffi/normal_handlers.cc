@@ -29,16 +29,6 @@ ffi::DataType buffer_dtype(const BufferConfig& config) {
   return config.dtype_bytes == 4 ? ffi::DataType::F32 : ffi::DataType::BF16;
 }
 
-// T (leading extent of `tokens_arg`) must not exceed max_tokens_per_rank.
-ffi::Error check_num_tokens(const char* op, const char* arg, int64_t num_tokens,
-                            const BufferConfig& config) {
-  if (num_tokens <= config.max_tokens_per_rank) return ffi::Error::Success();
-  std::ostringstream message;
-  message << op << ": argument '" << arg << "' has " << num_tokens
-          << " tokens, more than the Buffer's max_tokens_per_rank=" << config.max_tokens_per_rank;
-  return ffi::Error::InvalidArgument(message.str());
-}
-
 // C (leading extent of `capacity_arg`) must not exceed the Buffer's capacity.
 ffi::Error check_capacity(const char* op, const char* arg, int64_t capacity,
                           const BufferConfig& config) {
