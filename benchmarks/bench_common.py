@@ -100,14 +100,17 @@ def machine_name() -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit; ``$JAX_EP_COMMIT`` where the tree travelled without ``.git``
+    (e.g. to a GPU machine): set it to ``git rev-parse --short HEAD`` before copying."""
+    fallback = os.environ.get("JAX_EP_COMMIT", "unknown")
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
             capture_output=True, text=True, timeout=30,
         )
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else fallback
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return fallback
 
 
 def today() -> str:

@@ -1,0 +1,149 @@
+"""benchmarks/bench_moe_layer.py on CPU: the --quick run writes the result schema, and the three
+transports (jax_ep reference backend, all_to_all, ragged_all_to_all) compute the same MoE layer,
+forward and gradients.
+
+XLA:CPU has no ragged_all_to_all, so the in-process checks replace it with an all_gather
+emulation of its documented semantics (the script itself skips that impl on CPU).
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(REPO, "benchmarks")
+sys.path.insert(0, BENCH_DIR)
+import bench_common as bc  # noqa: E402
+import bench_moe_layer as bml  # noqa: E402
+
+SCRIPT_TIMEOUT_S = 600
+RECORD_KEYS = {"op": str, "impl": str, "dtype": str, "ranks": int, "tokens": int, "hidden": int,
+               "ffn": int, "topk": int, "experts": int, "time_us": float}
+
+
+def _jax_ep_importable():
+    module, _ = bc.import_jax_ep()
+    return module is not None
+
+
+def test_bench_moe_layer_quick(tmp_path):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, os.path.join(BENCH_DIR, "bench_moe_layer.py"), "--quick", "--out",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=SCRIPT_TIMEOUT_S)
+    assert proc.returncode == 0, f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    files = glob.glob(os.path.join(str(tmp_path), "8xcpu-*-moe_layer.json"))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        payload = json.load(f)
+    for key in ("machine", "date", "commit", "command", "results"):
+        assert key in payload, key
+    assert payload["machine"] == "8xcpu" and "partial" not in payload
+    assert payload["errors"] == [], payload["errors"]
+    assert "ragged_all_to_all" in payload["skipped"]  # no GPU: skipped, saying why
+    impls = {r["impl"] for r in payload["results"]}
+    assert impls == ({"jax_ep", "all_to_all"} if _jax_ep_importable() else {"all_to_all"})
+    for rec in payload["results"]:
+        for key, kind in RECORD_KEYS.items():
+            assert isinstance(rec[key], kind), (key, rec)
+        assert rec["op"] == "moe_layer_fwd_bwd" and rec["dtype"] == "bf16", rec
+        assert (rec["ranks"], rec["tokens"], rec["hidden"], rec["ffn"], rec["experts"],
+                rec["topk"]) == (8, 64, 256, 128, 16, 2), rec
+        assert rec["time_us"] > 0 and rec["speedup_vs_best_peer"] > 0, rec
+    # The forward check ran for every timed impl and passed.
+    assert set(payload["checks"]) == impls
+    assert all(c["ok"] for c in payload["checks"].values()), payload["checks"]
+    lines = proc.stdout.strip().splitlines()
+    assert "x best peer" in lines[-1]  # the table is printed last
+    assert any(line.startswith("impl") and "time_us" in line for line in lines[-6:])
+
+
+# ----------------------------------------------------------------------------- same function
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name, axis_index_groups=None):
+    """``lax.ragged_all_to_all`` semantics from all_gather: source s's rows
+    ``[input_offsets_s[me], + send_sizes_s[me])`` land at ``output[output_offsets_s[me] + i]``."""
+    del recv_sizes, axis_index_groups
+    me = lax.axis_index(axis_name)
+    operands = lax.all_gather(operand, axis_name)
+    starts = lax.all_gather(input_offsets, axis_name)
+    sizes = lax.all_gather(send_sizes, axis_name)
+    dests = lax.all_gather(output_offsets, axis_name)
+    rows = jnp.arange(operand.shape[0])
+    for src in range(operands.shape[0]):
+        block = jnp.take(operands[src], starts[src, me] + rows, axis=0, mode="clip")
+        where = jnp.where(rows < sizes[src, me], dests[src, me] + rows, output.shape[0])
+        output = output.at[where].set(block, mode="drop")
+    return output
+
+
+def _setup(num_ranks=8, tokens=16, hidden=128, ffn=64, experts=16, topk=4):
+    args = bml.parse_args(["--quick", "--tokens", str(tokens), "--hidden", str(hidden),
+                           "--ffn", str(ffn), "--experts", str(experts), "--topk", str(topk),
+                           "--n-short", "1", "--n-long", "2"])
+    mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), (bc.AXIS,))
+    return args, mesh, bml.Inputs(mesh, args)
+
+
+def _grads(mesh, layer, inputs):
+    step = bml.fwd_bwd(layer)
+    x, idx, w, ct = inputs.sets[0]
+
+    def fn(w_gate, w_up, w_down, x, idx, w, ct):
+        loss, grads = step((w_gate, w_up, w_down), x, idx, w, ct)
+        return loss[None], *grads
+
+    out = bc.shard_mapped(mesh, fn, 7)(*inputs.weights, x, idx, w, ct)
+    return [np.asarray(a.astype(jnp.float32)) for a in out]
+
+
+@pytest.mark.skipif(not _jax_ep_importable(), reason="jax_ep not importable")
+@pytest.mark.parametrize("impl", ["all_to_all", "ragged_all_to_all"])
+def test_transports_compute_the_same_layer(impl, monkeypatch):
+    if impl == "ragged_all_to_all":
+        monkeypatch.setattr(bc.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    import jax_ep
+
+    args, mesh, inputs = _setup()
+    num_ranks = mesh.shape[bc.AXIS]
+    buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+                        max_tokens_per_rank=args.tokens, num_topk=args.topk, backend="xla",
+                        report_errors=False)
+    ref = bml.make_layer("jax_ep", num_ranks, args.experts, args.topk, buf)
+    layer = bml.make_layer(impl, num_ranks, args.experts, args.topk)
+    want = bml.forward(mesh, ref, inputs)
+    got = bml.forward(mesh, layer, inputs)
+    assert np.max(np.abs(want)) > 0.1  # a real signal, not zeros
+    err, ok = bml.compare(got, want)
+    assert ok, err
+    # Gradients w.r.t. x and the three expert weights agree too (same loss, same function).
+    for name, g, w in zip(("loss", "dx", "dw_gate", "dw_up", "dw_down"),
+                          _grads(mesh, layer, inputs), _grads(mesh, ref, inputs), strict=True):
+        assert np.all(np.isfinite(g)), name
+        scale = max(float(np.max(np.abs(w))), 1e-6)
+        np.testing.assert_allclose(g, w, rtol=3e-2, atol=3e-2 * scale, err_msg=name)
+    buf.close()
+
+
+def test_compare_flags_a_different_function():
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal((64, 32)).astype(np.float32)
+    assert bml.compare(want + 1e-3, want)[1]
+    wrong = want.copy()
+    wrong[3, 5] += 0.5  # one row of one token off: must be caught
+    assert not bml.compare(wrong, want)[1]
+    assert not bml.compare(want * np.nan, want)[1]
