@@ -290,7 +290,16 @@ class Buffer:
                     "timeouts": []}
         jax.effects_barrier()
         with self._errors_lock:
-            return dict(self._host_errors, timeouts=[])
+            counts = dict(self._host_errors)
+        if any(d.process_index != jax.process_index() for d in self.mesh.devices.flat):
+            # Each process hears only its own ranks' callbacks: sum over processes (a
+            # collective, so every process calls errors()/check() at the same point).
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            local = np.array([counts["invalid_expert_ids"], counts["overflow_rows"]], np.int64)
+            total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 2).sum(0)
+            counts = {"invalid_expert_ids": int(total[0]), "overflow_rows": int(total[1])}
+        return dict(counts, timeouts=[])
 
     @staticmethod
     def _describe_timeout(record):

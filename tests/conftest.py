@@ -1,4 +1,8 @@
-"""Test set-up: 8 host CPU devices (before jax is imported) and the backend fixture."""
+"""Test set-up: 8 host CPU devices (before jax is imported) and the backend fixture.
+
+Under ``python -m jax_ep.launch`` (``JAX_EP_NUM_PROCESSES`` set) the launcher chose the devices
+per process and this joins ``jax.distributed`` before anything touches a device.
+"""
 
 import os
 import zlib
@@ -14,6 +18,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+
+if os.environ.get("JAX_EP_NUM_PROCESSES"):
+    from jax_ep import launch  # noqa: E402
+
+    launch.initialize_from_env()
 
 
 def gpu_devices():

@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
@@ -11,10 +13,18 @@ def shard_spec(mesh, axis="ep"):
     return P((*others, axis))
 
 
+def spans_processes(mesh):
+    """True when some device of ``mesh`` belongs to another process (``jax.distributed``)."""
+    return any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+
+
 def run_sharded(mesh, fn, *arrays, axis="ep"):
     """``arrays`` are ``[S, ...]`` (S = number of devices in the mesh, EP axis fastest);
     ``fn`` gets the per-rank ``[...]`` slices and returns a pytree of per-rank arrays
-    (scalars allowed). Returns the pytree with a leading ``[S]`` axis, as NumPy arrays."""
+    (scalars allowed). Returns the pytree with a leading ``[S]`` axis, as NumPy arrays.
+
+    When the mesh spans processes every process passes the same full ``arrays`` (deterministic
+    seeds), places its own shards of them, and gets the full gathered result back."""
     spec = shard_spec(mesh, axis)
     num_shards = mesh.devices.size
 
@@ -22,8 +32,23 @@ def run_sharded(mesh, fn, *arrays, axis="ep"):
         out = fn(*(x[0] for x in xs))
         return jax.tree.map(lambda a: a[None], out)
 
-    flat = [jnp.asarray(a) for a in arrays]
-    wrapped = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * len(flat),
+    wrapped = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * len(arrays),
                                     out_specs=spec))
-    assert all(a.shape[0] == num_shards for a in flat), [a.shape for a in flat]
-    return jax.tree.map(np.asarray, wrapped(*flat))
+    if not spans_processes(mesh):
+        flat = [jnp.asarray(a) for a in arrays]
+        assert all(a.shape[0] == num_shards for a in flat), [a.shape for a in flat]
+        return jax.tree.map(np.asarray, wrapped(*flat))
+    sharding = NamedSharding(mesh, spec)
+    full = [np.asarray(a) for a in arrays]
+    assert all(a.shape[0] == num_shards for a in full), [a.shape for a in full]
+    flat = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+            for a in full]
+    return jax.tree.map(fetch, wrapped(*flat))
+
+
+def fetch(a):
+    """``a`` as one NumPy array, gathered from every process when it is sharded across them (a
+    collective: every process runs the same tests in the same order)."""
+    if getattr(a, "is_fully_addressable", True) or a.is_fully_replicated:
+        return np.asarray(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from conftest import ep_mesh
-from harness import shard_spec
+from harness import fetch, shard_spec
 
 import jax_ep
 from jax_ep import testing as oracle
@@ -56,7 +56,7 @@ def test_dispatch_combine_gradients(backend, rng):
         return jnp.sum(out * c) + jnp.sum(out_w * cw)
 
     loss = sharded_loss(mesh, per_rank)
-    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, idx, a_local, c, cw)
+    gx, gw = map(fetch, jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, idx, a_local, c, cw))
 
     def dense(x, w):
         valid = idx >= 0
@@ -82,7 +82,7 @@ def test_cached_dispatch_gradient(backend, rng):
         again = jax_ep.dispatch(buf, x, handle=d.handle)
         return jnp.sum(again.recv_x * c)
 
-    gx = jax.jit(jax.grad(sharded_loss(mesh, per_rank)))(x, idx, w, c)
+    gx = fetch(jax.jit(jax.grad(sharded_loss(mesh, per_rank)))(x, idx, w, c))
     expected = oracle.dispatch(x, idx, w, E)
     want = oracle.combine(c, np.stack([e["recv_src"] for e in expected]), T)
     np.testing.assert_allclose(gx, want, rtol=1e-5, atol=1e-5)
@@ -105,8 +105,8 @@ def test_low_latency_gradients(backend, rng):
         out = jax_ep.low_latency_combine(buf, y, idx, w, ll.handle)
         return jnp.sum(out.astype(jnp.float32) * c)
 
-    gx, gw = jax.jit(jax.grad(sharded_loss(mesh, per_rank), argnums=(0, 1)))(
-        x, w, idx, a_local, c)
+    gx, gw = map(fetch, jax.jit(jax.grad(sharded_loss(mesh, per_rank), argnums=(0, 1)))(
+        x, w, idx, a_local, c))
 
     def dense(x, w):
         return jnp.sum(dense_layer(x, idx, w, a) * c)

@@ -1,0 +1,145 @@
+"""The launcher (``python -m jax_ep.launch``) and the reference backend across processes (CPU).
+
+Each test runs the launcher in a subprocess; the children are fresh interpreters. Under the
+launcher itself (``JAX_EP_NUM_PROCESSES`` set) these tests skip: they start launchers.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jax_ep import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_PARENT = Path(launch.__file__).resolve().parents[1]  # children import this jax_ep
+
+pytestmark = pytest.mark.skipif(bool(os.environ.get(launch.ENV_NUM_PROCESSES)),
+                                reason="starts launchers; not run inside one")
+
+
+def run_launcher(*args, timeout=300, extra_env=None):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JAX_EP_") and k not in ("XLA_FLAGS", "CUDA_VISIBLE_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PACKAGE_PARENT), env.get("PYTHONPATH")) if p)
+    env.update(extra_env or {})
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "jax_ep.launch", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def lines_of(text, rank):
+    prefix = f"[{rank}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_children_get_the_documented_environment():
+    script = textwrap.dedent("""
+        import os
+        for k in ("JAX_EP_COORDINATOR", "JAX_EP_NUM_PROCESSES", "JAX_EP_PROCESS_ID",
+                  "JAX_EP_DEVICES_PER_PROCESS", "XLA_FLAGS"):
+            print(f"{k}={os.environ.get(k)}")
+        import sys; print("to stderr", file=sys.stderr)
+    """)
+    proc, _ = run_launcher("-n", "3", "--devices-per-process", "2", "--platform", "cpu",
+                           "--coordinator", "127.0.0.1:12345", "--", sys.executable, "-c", script,
+                           timeout=60, extra_env={"XLA_FLAGS": "--xla_dump_to=/tmp/x "
+                                                  "--xla_force_host_platform_device_count=8"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(3):
+        got = dict(line.split("=", 1) for line in lines_of(proc.stdout, rank))
+        assert got["JAX_EP_COORDINATOR"] == "127.0.0.1:12345"
+        assert got["JAX_EP_NUM_PROCESSES"] == "3"
+        assert got["JAX_EP_PROCESS_ID"] == str(rank)
+        assert got["JAX_EP_DEVICES_PER_PROCESS"] == "2"
+        # the launcher's device count replaces the inherited one; other flags stay
+        assert got["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+        assert lines_of(proc.stderr, rank) == ["to stderr"]
+
+
+def test_gpu_slices_and_default_coordinator():
+    envs = launch.child_environments(2, "h:1", 2, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4,5", "6,7"]
+    assert "xla_force_host_platform_device_count" not in envs[0].get("XLA_FLAGS", "")
+    envs = launch.child_environments(4, "h:1", environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2", "3"]
+    with pytest.raises(ValueError, match="need 6 GPUs, 4 visible"):
+        launch.child_environments(3, "h:1", 2, environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    envs = launch.child_environments(2, "h:1", 4, platform="cpu",
+                                     environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert envs[1]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    assert envs[1]["CUDA_VISIBLE_DEVICES"] == "0,1"  # untouched: JAX_PLATFORMS=cpu rules
+    assert envs[1]["JAX_PLATFORMS"] == "cpu"
+    host, port = f"127.0.0.1:{launch.free_port()}".rsplit(":", 1)
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+
+
+def test_initialize_from_env_without_variables(monkeypatch):
+    monkeypatch.delenv(launch.ENV_NUM_PROCESSES, raising=False)
+    assert launch.initialize_from_env() is False
+    monkeypatch.setenv(launch.ENV_NUM_PROCESSES, "2")
+    monkeypatch.delenv(launch.ENV_COORDINATOR, raising=False)
+    with pytest.raises(ValueError, match="JAX_EP_COORDINATOR"):
+        launch.initialize_from_env()
+
+
+def test_failure_propagates_and_terminates_the_others(tmp_path):
+    pid_file = tmp_path / "sleeper.pid"
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        if os.environ["JAX_EP_PROCESS_ID"] == "1":
+            time.sleep(0.5)
+            print("failing", flush=True)
+            sys.exit(3)
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(120)
+    """)
+    proc, elapsed = run_launcher("-n", "2", "--grace", "1", "--platform", "cpu", "--",
+                                 sys.executable, "-c", script, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert elapsed < 30, elapsed
+    assert "[1] failing" in proc.stdout
+    assert "process 1 exited with 3" in proc.stderr
+    sleeper = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(sleeper, 0)
+
+
+def test_timeout_terminates_everything():
+    proc, elapsed = run_launcher("-n", "2", "--timeout", "2", "--grace", "1", "--platform",
+                                 "cpu", "--", sys.executable, "-c", "import time; time.sleep(60)",
+                                 timeout=60)
+    assert proc.returncode == launch.TIMEOUT_EXIT_CODE, proc.stderr
+    assert elapsed < 30, elapsed
+    assert "timeout after 2 s" in proc.stderr
+
+
+def test_reference_backend_across_two_processes():
+    """2 processes x 4 CPU devices, one mesh of 8: normal ops and every gradient vs the oracle."""
+    script = textwrap.dedent("""
+        import sys
+        import jax, pytest
+        from jax_ep import launch
+        assert launch.initialize_from_env()
+        print("devices:", jax.process_count(), jax.device_count(), jax.local_device_count())
+        sys.exit(pytest.main(sys.argv[1:]))  # conftest's initialize_from_env is then a no-op
+    """)
+    proc, _ = run_launcher(
+        "-n", "2", "--devices-per-process", "4", "--platform", "cpu", "--timeout", "240", "--",
+        sys.executable, "-c", script, "-q", "-p", "no:cacheprovider", "tests/test_normal.py",
+        "tests/test_gradients.py", "-k", "(uniform and float32) or gradient", timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for rank in range(2):
+        lines = lines_of(proc.stdout, rank)
+        assert "devices: 2 8 4" in lines, out[-6000:]  # one mesh of 8 spans both processes
+        summary = [line for line in lines if " passed" in line]
+        assert summary and "failed" not in summary[-1] and "error" not in summary[-1], out[-6000:]
+        assert "4 passed" in summary[-1], summary  # 1 normal + 3 gradient tests, no skips
