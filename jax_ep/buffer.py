@@ -52,10 +52,12 @@ class Buffer:
     """Communication memory and configuration for dispatch/combine over one mesh axis.
 
     Built eagerly on the host, outside jit. With the CUDA backend it allocates on every device
-    of ``mesh`` one workspace (``workspace_bytes`` per device: for the normal mode about
-    ``2 * R * max_tokens_per_rank * (hidden * itemsize + hidden / 32 + 8 * num_topk + 4)``, for
-    the low-latency mode about ``2 * num_experts * max_tokens_per_rank * (2.03 * hidden + 16)``
-    more) with cudaMalloc beside XLA's pool, exchanges peer addresses and preloads every kernel.
+    of ``mesh`` one workspace with cudaMalloc beside XLA's pool (``workspace_bytes`` per device),
+    exchanges peer addresses and preloads every kernel. Its size, with ``b`` the dtype's bytes:
+    normal mode ``max(C * (H*b + H/32 + 8K + 4), R * T_max * (H*b + 4K))`` plus ~``12 R T_max``
+    bytes of flags (``C`` = ``capacity``; bf16, EP2, T_max=4096, H=7168: 120 MB); low-latency mode
+    adds ``2 * E_loc * (R-1) * T_max * 2H + 2 * T_max * K * 2H`` plus ``32 E_loc R T_max`` bytes of
+    metadata and flags (EP2, T_max=128, E=256: 0.5 GB). See docs/scaling.md for larger R.
 
     Args:
       mesh: a ``jax.sharding.Mesh`` containing ``axis_name``.
