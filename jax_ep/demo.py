@@ -27,7 +27,7 @@ import jax_ep  # noqa: E402
 from jax_ep import testing as oracle  # noqa: E402
 
 
-def _time_per_call(make_fn, args, counts=(1, 6), repeats=5):
+def _time_per_call(make_fn, args, counts, repeats=7):
     """Device time of one op: the difference between programs with two unrolled counts, so the
     host dispatch of the jitted call cancels out."""
     medians = []
@@ -40,7 +40,7 @@ def _time_per_call(make_fn, args, counts=(1, 6), repeats=5):
             jax.block_until_ready(fn(*args))
             samples.append(time.perf_counter() - start)
         medians.append(statistics.median(samples))
-    return max(medians[1] - medians[0], 0.0) / (counts[1] - counts[0])
+    return (medians[1] - medians[0]) / (counts[1] - counts[0])
 
 
 def main(argv=None):
@@ -89,22 +89,36 @@ def main(argv=None):
     rows = int(np.mean([e["num_recv_tokens"] for e in expected]))
     row_bytes = H * jnp.dtype(dtype).itemsize
 
+    counts = (2, 10)
+    # Distinct inputs for every repetition: identical calls could be merged by XLA.
+    xs = [jax.device_put(rng.standard_normal((R * T, H)).astype(np.float32), sharding)
+          .astype(dtype) for _ in range(counts[1])]
+    ys = [jax.device_put(rng.standard_normal((R * R * T, H)).astype(np.float32), sharding)
+          .astype(dtype) for _ in range(counts[1])]
+
     def repeated(op, count):
-        def body(x, idx, w):
-            d = jax_ep.dispatch(buf, x, idx, w)
+        def body(x, idx, w, *inputs):
+            # combine needs a handle: one dispatch first (its time cancels in the difference)
+            d = jax_ep.dispatch(buf, x, idx, w) if op == "combine" else None
             outs = []
-            for _ in range(count):
+            for v in inputs[:count]:
                 if op == "dispatch":
-                    outs.append(jax_ep.dispatch(buf, x, idx, w).recv_x[:1])
+                    outs.append(jax_ep.dispatch(buf, v, idx, w).recv_x[:1])
                 else:
-                    outs.append(jax_ep.combine(buf, d.recv_x, d.handle)[0][:1])
+                    outs.append(jax_ep.combine(buf, v, d.handle)[0][:1])
             return jnp.concatenate(outs)
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        n = 3 + counts[1]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * n,
+                                     out_specs=P("ep")))
 
     print(f"\n{'op':<10}{'backend':<9}{'time/call (us)':>16}{'GB/s per rank':>15}")
     for op in ("dispatch", "combine"):
-        seconds = _time_per_call(lambda n, op=op: repeated(op, n), (gx, gidx, gw))
-        gbps = rows * row_bytes / 1e9 / seconds if seconds > 0 else float("nan")
+        inputs = (gx, gidx, gw, *(xs if op == "dispatch" else ys))
+        seconds = _time_per_call(lambda n, op=op: repeated(op, n), inputs, counts)
+        if seconds <= 0:  # a busy host: the difference drowned in timer noise
+            print(f"{op:<10}{buf.backend:<9}{'below noise':>16}{'-':>15}")
+            continue
+        gbps = rows * row_bytes / 1e9 / seconds
         print(f"{op:<10}{buf.backend:<9}{seconds * 1e6:>16.1f}{gbps:>15.1f}")
     buf.close()
 
