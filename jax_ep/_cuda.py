@@ -76,7 +76,9 @@ class CudaBackend:
     def _call(self, op, operands, results, **attrs):
         operands = _vma.align(self.buf.axis_name, list(operands))
         template = jax.typeof(operands[0])
-        result_types = [_result_type(template, shape, dtype) for shape, dtype in results]
+        # Results are typed like the operands (same varying axes) with their own shape/dtype.
+        result_types = [template.update(shape=tuple(shape), dtype=jnp.dtype(dtype))
+                        for shape, dtype in results]
         call = jax.ffi.ffi_call(target_name(op), result_types, has_side_effect=True)
         return call(*operands, buffer_id=np.int64(self.buf.buffer_id), **attrs)
 
@@ -138,10 +140,3 @@ class CudaBackend:
             [((T, H), jnp.bfloat16)])
         return out
 
-
-def _result_type(template, shape, dtype):
-    """An abstract value like ``template`` (same varying axes) with another shape and dtype."""
-    try:
-        return template.update(shape=tuple(shape), dtype=jnp.dtype(dtype))
-    except Exception:  # noqa: BLE001 - older avals: a plain ShapeDtypeStruct
-        return jax.ShapeDtypeStruct(tuple(shape), dtype)

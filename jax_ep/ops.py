@@ -352,6 +352,15 @@ def _ll_combine_bwd(buf, residuals, ct_out):
 _ll_combine.defvjp(_ll_combine_fwd, _ll_combine_bwd)
 
 
+def _ll_row_origins(buf, handle, invalid_rank):
+    """Per received row ``[E_loc, R*T_max]``: (valid, source rank, source token, k); invalid
+    rows get rank ``invalid_rank`` and token/k 0."""
+    T_max = buf.max_tokens_per_rank
+    valid = handle.recv_src >= 0
+    return (valid, jnp.where(valid, handle.recv_src // T_max, invalid_rank),
+            jnp.where(valid, handle.recv_src % T_max, 0), jnp.where(valid, handle.recv_k, 0))
+
+
 def _ll_values_to_experts(buf, values, topk_idx, handle):
     """Per-selection scalars ``values [T, K]`` -> per received row ``[E_loc, R*T_max]``.
 
@@ -364,20 +373,14 @@ def _ll_values_to_experts(buf, values, topk_idx, handle):
     dense = dense.at[dest, jnp.arange(T)[:, None], jnp.arange(K)[None, :]].set(
         values.astype(jnp.float32), mode="drop")
     got = jax.lax.all_to_all(dense, buf.axis_name, split_axis=0, concat_axis=0)
-    valid_row = handle.recv_src >= 0
-    source = jnp.where(valid_row, handle.recv_src // T_max, 0)
-    token = jnp.where(valid_row, handle.recv_src % T_max, 0)
-    k = jnp.where(valid_row, handle.recv_k, 0)
+    valid_row, source, token, k = _ll_row_origins(buf, handle, invalid_rank=0)
     return jnp.where(valid_row, got[source, token, k], 0.0)
 
 
 def _ll_values_to_owners(buf, row_values, handle, num_tokens):
     """Per received row scalars ``[E_loc, R*T_max]`` -> ``[T, K]`` at the tokens' owners."""
     R, T_max, K = buf.num_ranks, buf.max_tokens_per_rank, buf.num_topk
-    valid_row = handle.recv_src >= 0
-    owner = jnp.where(valid_row, handle.recv_src // T_max, R)  # R: dropped
-    token = jnp.where(valid_row, handle.recv_src % T_max, 0)
-    k = jnp.where(valid_row, handle.recv_k, 0)
+    _, owner, token, k = _ll_row_origins(buf, handle, invalid_rank=R)  # R: dropped below
     dense = jnp.zeros((R, T_max, K), jnp.float32).at[owner, token, k].set(row_values,
                                                                          mode="drop")
     got = jax.lax.all_to_all(dense, buf.axis_name, split_axis=0, concat_axis=0)

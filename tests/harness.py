@@ -52,3 +52,22 @@ def fetch(a):
     if getattr(a, "is_fully_addressable", True) or a.is_fully_replicated:
         return np.asarray(a)
     return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name, axis_index_groups=None):
+    """``lax.ragged_all_to_all``'s documented semantics built from all_gather (XLA:CPU has no
+    ragged_all_to_all): source s's rows ``[input_offsets_s[me], + send_sizes_s[me])`` land at
+    ``output[output_offsets_s[me] + i]``."""
+    del recv_sizes, axis_index_groups
+    me = jax.lax.axis_index(axis_name)
+    operands = jax.lax.all_gather(operand, axis_name)
+    starts = jax.lax.all_gather(input_offsets, axis_name)
+    sizes = jax.lax.all_gather(send_sizes, axis_name)
+    dests = jax.lax.all_gather(output_offsets, axis_name)
+    rows = jnp.arange(operand.shape[0])
+    for src in range(operands.shape[0]):
+        block = jnp.take(operands[src], starts[src, me] + rows, axis=0, mode="clip")
+        where = jnp.where(rows < sizes[src, me], dests[src, me] + rows, output.shape[0])
+        output = output.at[where].set(block, mode="drop")
+    return output

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from harness import emulated_ragged_all_to_all
 from jax.sharding import Mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,24 +73,6 @@ def test_bench_moe_layer_quick(tmp_path):
 # ----------------------------------------------------------------------------- same function
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                                recv_sizes, *, axis_name, axis_index_groups=None):
-    """``lax.ragged_all_to_all`` semantics from all_gather: source s's rows
-    ``[input_offsets_s[me], + send_sizes_s[me])`` land at ``output[output_offsets_s[me] + i]``."""
-    del recv_sizes, axis_index_groups
-    me = lax.axis_index(axis_name)
-    operands = lax.all_gather(operand, axis_name)
-    starts = lax.all_gather(input_offsets, axis_name)
-    sizes = lax.all_gather(send_sizes, axis_name)
-    dests = lax.all_gather(output_offsets, axis_name)
-    rows = jnp.arange(operand.shape[0])
-    for src in range(operands.shape[0]):
-        block = jnp.take(operands[src], starts[src, me] + rows, axis=0, mode="clip")
-        where = jnp.where(rows < sizes[src, me], dests[src, me] + rows, output.shape[0])
-        output = output.at[where].set(block, mode="drop")
-    return output
-
-
 def _setup(num_ranks=8, tokens=16, hidden=128, ffn=64, experts=16, topk=4):
     args = bml.parse_args(["--quick", "--tokens", str(tokens), "--hidden", str(hidden),
                            "--ffn", str(ffn), "--experts", str(experts), "--topk", str(topk),
@@ -115,7 +97,7 @@ def _grads(mesh, layer, inputs):
 @pytest.mark.parametrize("impl", ["all_to_all", "ragged_all_to_all"])
 def test_transports_compute_the_same_layer(impl, monkeypatch):
     if impl == "ragged_all_to_all":
-        monkeypatch.setattr(bc.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+        monkeypatch.setattr(bc.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     import jax_ep
 
     args, mesh, inputs = _setup()

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from harness import emulated_ragged_all_to_all
 from jax.sharding import Mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,29 +152,12 @@ def test_first_call_quick(tmp_path):
 # ----------------------------------------------------------------------------- peers
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                                recv_sizes, *, axis_name, axis_index_groups=None):
-    """lax.ragged_all_to_all's documented semantics, built from all_gather (runs on CPU)."""
-    del recv_sizes, axis_index_groups
-    me = lax.axis_index(axis_name)
-    operands = lax.all_gather(operand, axis_name)
-    starts = lax.all_gather(input_offsets, axis_name)
-    sizes = lax.all_gather(send_sizes, axis_name)
-    dests = lax.all_gather(output_offsets, axis_name)
-    rows = jnp.arange(operand.shape[0])
-    for src in range(operands.shape[0]):
-        block = jnp.take(operands[src], starts[src, me] + rows, axis=0, mode="clip")
-        where = jnp.where(rows < sizes[src, me], dests[src, me] + rows, output.shape[0])
-        output = output.at[where].set(block, mode="drop")
-    return output
-
-
 @pytest.mark.parametrize("peer_name", ["all_to_all", "ragged_all_to_all"])
 def test_peers_match_routing(peer_name, monkeypatch):
     """Each peer delivers exactly the rows DESIGN section 2 routes (grouped by source rank,
     ascending tokens), with local expert ids and weights, and combine sums them back."""
     if peer_name == "ragged_all_to_all":
-        monkeypatch.setattr(bc.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+        monkeypatch.setattr(bc.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     devices = jax.devices("cpu")[:8]
     num_ranks, tokens, hidden, experts, topk = len(devices), 16, 256, 32, 4
     mesh = Mesh(np.array(devices), (bc.AXIS,))
