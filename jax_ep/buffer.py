@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _cuda
+from jax_ep import _cuda, _ipc
 from jax_ep.reference import ReferenceBackend
 
 BACKENDS = ("auto", "cuda", "xla")
@@ -180,9 +180,12 @@ class Buffer:
         module, reason = _cuda.load_extension()
         if backend == "auto":
             if not all_gpus or module is None:
-                return "xla"
-            choice, self.backend_reasons = env.auto_backend(devices,
-                                                            ep_groups=self._ep_group_devices())
+                choice, self.backend_reasons = "xla", []
+            else:
+                choice, self.backend_reasons = env.auto_backend(
+                    devices, ep_groups=self._ep_group_devices())
+            if _ipc.spans_processes(devices):
+                choice = self._agree_across_processes(choice)
             return choice
         if not all_gpus:
             raise ValueError(f"backend='cuda' needs every mesh device to be a CUDA GPU, got "
@@ -192,12 +195,38 @@ class Buffer:
         if self.num_ranks > MAX_CUDA_RANKS:
             raise ValueError(f"backend='cuda' supports at most {MAX_CUDA_RANKS} ranks along "
                              f"{self.axis_name!r}, got {self.num_ranks}")
-        if any(d.process_index != jax.process_index() for d in devices):
-            raise ValueError("backend='cuda' currently needs every mesh device in this process "
-                             "(one process driving all local GPUs)")
         env.check_cuda_backend(devices, module.workspace_bytes(*self._runtime_config()[:-1]),
                                ep_groups=self._ep_group_devices())
+        if _ipc.spans_processes(devices):
+            problem = self._other_hosts()
+            if problem:
+                raise ValueError(f"backend='cuda': {problem}; use backend='xla'")
         return "cuda"
+
+    def _other_hosts(self):
+        """Why the EP groups cannot use CUDA IPC (a group spans hosts), or ""."""
+        hosts = _ipc.hosts(self)
+        for g, group in enumerate(self._ep_group_devices()):
+            names = sorted({hosts[d.process_index] for d in group})
+            if len(names) > 1:
+                return (f"EP group {g} spans hosts {names}: the cuda backend reaches peers over "
+                        f"NVLink within one host (ranks on other hosts need the NVSHMEM "
+                        f"transport, not built yet)")
+        return ""
+
+    def _agree_across_processes(self, choice):
+        """backend="auto" on a mesh of several processes: "cuda" only where every process
+        chose it (all processes must run the same programs)."""
+        problem = self._other_hosts() if choice == "cuda" else ""
+        if problem:
+            choice, self.backend_reasons = "xla", [problem]
+        choices = _ipc.all_gather(self, "backend", choice)
+        others = sorted(p for p, c in choices.items() if c != "cuda")
+        if choice == "cuda" and others:
+            self.backend_reasons = [f"processes {others} cannot use the cuda backend (their "
+                                    f"Buffer.backend_reasons say why)"]
+            return "xla"
+        return choice
 
     def _ep_group_devices(self):
         """The devices of every EP group, in rank order."""
@@ -206,8 +235,10 @@ class Buffer:
                 np.moveaxis(self.mesh.devices, axis, -1).reshape(-1, self.num_ranks)]
 
     def _ep_groups(self):
-        """Device ordinals of every EP group, in rank order."""
-        return [[int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
+        """Device ordinals of every EP group, in rank order (-1: a device of another process)."""
+        me = jax.process_index()
+        return [[-1 if d.process_index != me else
+                 int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
                  for d in group] for group in self._ep_group_devices()]
 
     def _runtime_config(self):
@@ -219,8 +250,18 @@ class Buffer:
         if self.backend == "cuda":
             _cuda.register_targets()
             module, _ = _cuda.load_extension()
+            multiprocess = _ipc.spans_processes(self.mesh.devices.flat)
+            if multiprocess:
+                _ipc.check_same_configuration(self)
             module.create_buffer(self.buffer_id, self._ep_groups(), *self._runtime_config())
             self._allocated = True
+            if multiprocess:
+                try:
+                    _ipc.exchange_workspaces(self, module)
+                except BaseException:
+                    self._allocated = False
+                    module.destroy_buffer(self.buffer_id)
+                    raise
 
     # -------------------------------------------------------------------------- lifecycle
     def _check_open(self):
@@ -228,14 +269,21 @@ class Buffer:
             raise ValueError(f"{self!r} is closed")
 
     def close(self) -> None:
-        """Frees the device memory. Later calls with this Buffer raise. Idempotent."""
+        """Frees the device memory. Later calls with this Buffer raise. Idempotent.
+
+        On a mesh of several processes this is collective: every process closes the Buffer (a
+        bounded barrier orders the unmapping of peers' memory before anyone frees its own).
+        """
         if self._closed:
             return
         self._closed = True
         if self._allocated:
             module, _ = _cuda.load_extension()
-            module.destroy_buffer(self.buffer_id)
             self._allocated = False
+            if _ipc.spans_processes(self.mesh.devices.flat):
+                _ipc.release_workspaces(self, module)  # a collective: every process closes
+            else:
+                module.destroy_buffer(self.buffer_id)
 
     def __enter__(self):
         return self
@@ -287,14 +335,14 @@ class Buffer:
                 return {"invalid_expert_ids": 0, "overflow_rows": 0,
                         "timeouts": [self._describe_timeout(r) for r in stuck]}
             records = module.read_errors(self.buffer_id)
-            return {"invalid_expert_ids": sum(r["invalid_expert_ids"] for r in records),
-                    "overflow_rows": sum(r["overflow_rows"] for r in records),
-                    "timeouts": []}
-        jax.effects_barrier()
-        with self._errors_lock:
-            counts = dict(self._host_errors)
-        if any(d.process_index != jax.process_index() for d in self.mesh.devices.flat):
-            # Each process hears only its own ranks' callbacks: sum over processes (a
+            counts = {"invalid_expert_ids": sum(r["invalid_expert_ids"] for r in records),
+                      "overflow_rows": sum(r["overflow_rows"] for r in records)}
+        else:
+            jax.effects_barrier()
+            with self._errors_lock:
+                counts = dict(self._host_errors)
+        if _ipc.spans_processes(self.mesh.devices.flat):
+            # Each process counts only its own ranks: sum over processes (a
             # collective, so every process calls errors()/check() at the same point).
             from jax.experimental import multihost_utils  # noqa: PLC0415
 

@@ -15,8 +15,8 @@ Library use:
 
 Sharding model: a Buffer's mesh is cut into EP groups (the slices along the EP axis); the cuda
 backend needs peer access between every two GPUs of one group (they write into each other's
-memory), not across groups. For now the cuda backend also needs one process driving every GPU
-of the mesh (the design's process model (a)), so GPUs of other processes are a "no" too.
+memory), not across groups. GPUs of other processes (one process per GPU) are reached through
+CUDA IPC; the Buffer checks that they share this host when it exchanges its workspaces.
 
 None of this initialises JAX's GPU backend except where the backend choice needs `jax.devices()`
 (`collect`, and `auto_backend` without an explicit `default_backend`). Free device memory is
@@ -871,16 +871,8 @@ def decide_backend(
                 f"JAX_EP_CUDA_ARCHS=\"{wanted}\""
             )
 
-    # One process drives every GPU of the mesh (process model (a) of the design; IPC and
-    # NVSHMEM across processes come later).
-    remote = [d for d in cuda_devices if not d.addressable]
-    if remote:
-        procs = sorted({d.process_index for d in remote})
-        reasons.append(
-            f"{len(remote)} GPU(s) of the mesh belong to other processes ({procs}): the cuda "
-            f"backend currently needs one process driving every GPU of the mesh; use the "
-            f"reference backend (xla) for multi-process meshes"
-        )
+    # GPUs of other processes are reached through CUDA IPC (jax_ep/_ipc.py); that they share
+    # this host is checked when the Buffer exchanges its workspaces.
 
     # Group size and peer access (this process's GPUs only).
     groups = [list(g) for g in ep_groups] if ep_groups is not None else [list(devices)]
@@ -977,8 +969,7 @@ def auto_backend(
 
     "cuda" only when jax's default backend is gpu, every device is a CUDA GPU of compute
     capability >= 9.0 that the extension's built architectures run on, jax_ep._C imports, every
-    EP group has at most 8 ranks whose GPUs all belong to this process and have peer access to
-    each other, and (when `workspace_bytes_needed` is given) every GPU has that much free memory.
+    EP group has at most 8 ranks whose GPUs (of this process) have peer access to each other, and (when `workspace_bytes_needed` is given) every GPU has that much free memory.
     Call on the host, outside jit.
 
     Args:

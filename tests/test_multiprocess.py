@@ -5,39 +5,21 @@ launcher itself (``JAX_EP_NUM_PROCESSES`` set) these tests skip: they start laun
 """
 
 import os
-import subprocess
 import sys
 import textwrap
-import time
-from pathlib import Path
 
+import launching
 import pytest
+from launching import digest_lines, lines_of
 
 from jax_ep import launch
-
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_PARENT = Path(launch.__file__).resolve().parents[1]  # children import this jax_ep
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get(launch.ENV_NUM_PROCESSES)),
                                 reason="starts launchers; not run inside one")
 
 
 def run_launcher(*args, timeout=300, extra_env=None):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("JAX_EP_") and k not in ("XLA_FLAGS", "CUDA_VISIBLE_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(PACKAGE_PARENT), env.get("PYTHONPATH")) if p)
-    env.update(extra_env or {})
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "jax_ep.launch", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - start
-
-
-def lines_of(text, rank):
-    prefix = f"[{rank}] "
-    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+    return launching.run_launcher(*args, platform="cpu", timeout=timeout, extra_env=extra_env)
 
 
 def test_children_get_the_documented_environment():
@@ -48,7 +30,7 @@ def test_children_get_the_documented_environment():
             print(f"{k}={os.environ.get(k)}")
         import sys; print("to stderr", file=sys.stderr)
     """)
-    proc, _ = run_launcher("-n", "3", "--devices-per-process", "2", "--platform", "cpu",
+    proc, _ = run_launcher("-n", "3", "--devices-per-process", "2",
                            "--coordinator", "127.0.0.1:12345", "--", sys.executable, "-c", script,
                            timeout=60, extra_env={"XLA_FLAGS": "--xla_dump_to=/tmp/x "
                                                   "--xla_force_host_platform_device_count=8"})
@@ -101,7 +83,7 @@ def test_failure_propagates_and_terminates_the_others(tmp_path):
         open({str(pid_file)!r}, "w").write(str(os.getpid()))
         time.sleep(120)
     """)
-    proc, elapsed = run_launcher("-n", "2", "--grace", "1", "--platform", "cpu", "--",
+    proc, elapsed = run_launcher("-n", "2", "--grace", "1", "--",
                                  sys.executable, "-c", script, timeout=60)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert elapsed < 30, elapsed
@@ -113,9 +95,8 @@ def test_failure_propagates_and_terminates_the_others(tmp_path):
 
 
 def test_timeout_terminates_everything():
-    proc, elapsed = run_launcher("-n", "2", "--timeout", "2", "--grace", "1", "--platform",
-                                 "cpu", "--", sys.executable, "-c", "import time; time.sleep(60)",
-                                 timeout=60)
+    proc, elapsed = run_launcher("-n", "2", "--timeout", "2", "--grace", "1", "--",
+                                 sys.executable, "-c", "import time; time.sleep(60)", timeout=60)
     assert proc.returncode == launch.TIMEOUT_EXIT_CODE, proc.stderr
     assert elapsed < 30, elapsed
     assert "timeout after 2 s" in proc.stderr
@@ -132,7 +113,7 @@ def test_reference_backend_across_two_processes():
         sys.exit(pytest.main(sys.argv[1:]))  # conftest's initialize_from_env is then a no-op
     """)
     proc, _ = run_launcher(
-        "-n", "2", "--devices-per-process", "4", "--platform", "cpu", "--timeout", "240", "--",
+        "-n", "2", "--devices-per-process", "4", "--timeout", "240", "--",
         sys.executable, "-c", script, "-q", "-p", "no:cacheprovider", "tests/test_normal.py",
         "tests/test_gradients.py", "-k", "(uniform and float32) or gradient", timeout=300)
     out = proc.stdout + proc.stderr
@@ -143,3 +124,59 @@ def test_reference_backend_across_two_processes():
         summary = [line for line in lines if " passed" in line]
         assert summary and "failed" not in summary[-1] and "error" not in summary[-1], out[-6000:]
         assert "4 passed" in summary[-1], summary  # 1 normal + 3 gradient tests, no skips
+
+
+def test_two_processes_give_the_bits_of_one():
+    """Every op's outputs (and a gradient) on fixed inputs: 2 processes x 2 CPU devices equal
+    1 process x 4 devices bit for bit (tests/multiprocess_digest.py)."""
+    digest = str(launching.DIGEST_SCRIPT)
+    proc, _ = run_launcher("-n", "1", "--devices-per-process", "4", "--",
+                           sys.executable, digest, "xla", timeout=300)
+    single = digest_lines(proc.stdout)
+    assert proc.returncode == 0 and len(single) == 9, proc.stdout + proc.stderr
+    proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--",
+                           sys.executable, digest, "xla", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert digest_lines(proc.stdout) == single
+
+
+PROTOCOL_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import jax, numpy as np
+    from jax.sharding import Mesh
+    from jax_ep import Buffer, _ipc, launch
+    assert launch.initialize_from_env()
+    me = jax.process_index()
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    experts = 16 if (sys.argv[1] == "mismatch" and me == 1) else 8
+    buf = Buffer(mesh, "ep", num_experts=experts, hidden=128, max_tokens_per_rank=4, num_topk=2,
+                 backend="xla")
+    if sys.argv[1] == "absent" and me == 1:
+        time.sleep(20)
+        sys.exit(0)
+    start = time.monotonic()
+    try:
+        _ipc.check_same_configuration(buf)
+        print("agreed")
+    except RuntimeError as e:
+        print(f"error after {time.monotonic() - start:.1f} s: {e}")
+""")
+
+
+def test_mismatched_configuration_is_named():
+    proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--",
+                           sys.executable, "-c", PROTOCOL_SCRIPT, "mismatch", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        (line,) = [x for x in lines_of(proc.stdout, rank) if x.startswith(("error", "agreed"))]
+        assert "num_experts=" in line and "every process must create the same Buffers" in line
+
+
+def test_process_that_never_joins_is_named_within_the_timeout():
+    proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--",
+                           sys.executable, "-c", PROTOCOL_SCRIPT, "absent", timeout=120,
+                           extra_env={"JAX_EP_JOIN_TIMEOUT_S": "3"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [x for x in lines_of(proc.stdout, 0) if x.startswith(("error", "agreed"))]
+    assert "process 1 did not publish 'config' within 3 s" in line, line
+    assert float(line.split()[2]) < 10, line

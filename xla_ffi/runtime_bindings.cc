@@ -134,6 +134,55 @@ void add_runtime_functions(nb::module_& m) {
       nb::arg("dtype_bytes"), nb::arg("low_latency"), nb::arg("timeout_s"));
 
   m.def(
+      "export_workspace_handles",
+      [](int64_t buffer_id) {
+        std::vector<WorkspaceHandle> handles;
+        std::string error;
+        {
+          nb::gil_scoped_release release;
+          error = export_workspace_handles(buffer_id, &handles);
+        }
+        if (!error.empty()) throw std::runtime_error(error);
+        nb::list result;
+        for (const auto& h : handles) {
+          result.append(nb::make_tuple(h.group, h.rank, nb::bytes(h.handle.data(), h.handle.size())));
+        }
+        return result;
+      },
+      nb::arg("buffer_id"),
+      "(group, rank, CUDA IPC handle bytes) of every workspace this process allocated.");
+
+  m.def(
+      "import_workspace_handles",
+      [](int64_t buffer_id, const nb::list& entries) {
+        std::vector<WorkspaceHandle> handles;
+        for (nb::handle entry : entries) {
+          const nb::tuple item = nb::cast<nb::tuple>(entry);
+          const nb::bytes bytes = nb::cast<nb::bytes>(item[2]);
+          handles.push_back({nb::cast<int>(item[0]), nb::cast<int>(item[1]),
+                             std::string(bytes.c_str(), bytes.size())});
+        }
+        std::string error;
+        {
+          nb::gil_scoped_release release;
+          error = import_workspace_handles(buffer_id, handles);
+        }
+        if (!error.empty()) throw std::runtime_error(error);
+      },
+      nb::arg("buffer_id"), nb::arg("handles"),
+      "Maps other processes' workspaces ((group, rank, handle bytes) from their "
+      "export_workspace_handles) into this process's ranks of the same group.");
+
+  m.def(
+      "release_peer_workspaces",
+      [](int64_t buffer_id) {
+        nb::gil_scoped_release release;
+        release_peer_workspaces(buffer_id);
+      },
+      nb::arg("buffer_id"),
+      "Waits for the Buffer's local devices and unmaps the workspaces of other processes.");
+
+  m.def(
       "destroy_buffer",
       [](int64_t buffer_id) {
         nb::gil_scoped_release release;

@@ -60,6 +60,7 @@ struct ErrorCounters {
 // Everything a launcher needs for one rank. Plain data: kernels receive copies of its fields.
 struct RankContext {
   BufferConfig config;
+  int group = 0;              // index of the EP group (slice of the mesh) in the Buffer
   int rank = 0;               // index along the EP axis
   int device = 0;             // CUDA device ordinal
   char* workspace = nullptr;  // this rank's workspace (device memory)

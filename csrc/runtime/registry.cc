@@ -1,12 +1,15 @@
 // Registry of Buffers: device memory, peer tables and kernel preloading, per (buffer, device).
 //
-// Process model (a) of DESIGN section 4: one process drives every GPU of the EP group, so a
-// peer's workspace is reachable through its plain device pointer once peer access is enabled.
+// Within a process, a peer's workspace is reachable through its plain device pointer once peer
+// access is enabled. Ranks driven by other processes on the same host (one process per GPU)
+// export their workspaces as CUDA IPC handles; each process maps the others' into its devices
+// (import_workspace_handles). The Python side exchanges the handles (jax_ep/_ipc.py).
 #include "runtime/registry.h"
 
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstring>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -29,7 +32,9 @@ constexpr int kNormalPushBlocksDivisor = 4;
 
 struct BufferState {
   BufferConfig config;
-  std::vector<std::unique_ptr<RankContext>> contexts;  // every device of every group
+  std::vector<std::unique_ptr<RankContext>> contexts;  // every local device of every group
+  std::vector<std::vector<int>> groups;                // device ordinals or kRemoteRank
+  std::vector<std::pair<int, void*>> imported;         // (device, mapping) of other processes
 };
 
 std::shared_mutex registry_mutex;
@@ -93,12 +98,13 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
       return message.str();
     }
     for (int device : group) {
-      if (!seen.insert(device).second) {
+      if (device != kRemoteRank && !seen.insert(device).second) {
         message << "jax_ep: device " << device << " appears twice in the groups";
         return message.str();
       }
     }
   }
+  if (seen.empty()) return "jax_ep: create_buffer needs at least one device of this process";
   if (config.num_experts <= 0 || config.num_experts % num_ranks != 0) {
     message << "jax_ep: num_experts must be a positive multiple of num_ranks=" << num_ranks
             << ", got " << config.num_experts;
@@ -198,7 +204,7 @@ std::string allocate_rank(RankContext& ctx) {
 std::string enable_peer_access(int device, const std::vector<int>& group) {
   RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaSetDevice(device));
   for (int peer : group) {
-    if (peer == device) continue;
+    if (peer == device || peer == kRemoteRank) continue;  // other processes: CUDA IPC
     int can_access = 0;
     RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaDeviceCanAccessPeer(&can_access, device, peer));
     if (!can_access) {
@@ -221,35 +227,59 @@ std::string enable_peer_access(int device, const std::vector<int>& group) {
   return "";
 }
 
-std::string create_group(const BufferConfig& config, const std::vector<int>& group,
+// Copies `ctx.peer_workspaces` to its device-memory twin.
+std::string upload_peer_table(RankContext& ctx) {
+  RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaSetDevice(ctx.device));
+  RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device,
+                               cudaMemcpy(ctx.peer_workspaces_device, ctx.peer_workspaces,
+                                          sizeof(char*) * kMaxRanks, cudaMemcpyHostToDevice));
+  RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaDeviceSynchronize());
+  return "";
+}
+
+std::string create_group(const BufferConfig& config, int group_index,
+                         const std::vector<int>& group,
                          std::vector<std::unique_ptr<RankContext>>& contexts) {
   const size_t first = contexts.size();
+  std::vector<RankContext*> by_rank(group.size(), nullptr);
   for (int rank = 0; rank < static_cast<int>(group.size()); ++rank) {
+    if (group[rank] == kRemoteRank) continue;
     auto ctx = std::make_unique<RankContext>();
     ctx->config = config;
+    ctx->group = group_index;
     ctx->rank = rank;
     ctx->device = group[rank];
     ctx->workspace_bytes = workspace_bytes(config);
     ctx->timeout_ns = static_cast<uint64_t>(config.timeout_s * 1e9);
+    by_rank[rank] = ctx.get();
     contexts.push_back(std::move(ctx));
     std::string error = enable_peer_access(group[rank], group);
     if (error.empty()) error = allocate_rank(*contexts.back());
     if (!error.empty()) return error;
   }
   // Peer tables: with unified addressing a device pointer is valid on every peer that has
-  // access, so every rank sees the same table.
+  // access, so every local rank sees the same table. Other processes' entries stay null until
+  // import_workspace_handles() maps them.
   for (size_t i = first; i < contexts.size(); ++i) {
     RankContext& ctx = *contexts[i];
     for (int r = 0; r < config.num_ranks; ++r) {
-      ctx.peer_workspaces[r] = contexts[first + r]->workspace;
+      ctx.peer_workspaces[r] = by_rank[r] != nullptr ? by_rank[r]->workspace : nullptr;
     }
-    RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaSetDevice(ctx.device));
-    RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device,
-                                 cudaMemcpy(ctx.peer_workspaces_device, ctx.peer_workspaces,
-                                            sizeof(char*) * kMaxRanks, cudaMemcpyHostToDevice));
-    RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaDeviceSynchronize());
+    std::string error = upload_peer_table(ctx);
+    if (!error.empty()) return error;
   }
   return "";
+}
+
+// Unmaps what import_workspace_handles() mapped (after the local devices are idle).
+void close_imported(std::vector<std::pair<int, void*>>& imported) {
+  for (const auto& [device, mapping] : imported) {
+    if (cudaSetDevice(device) != cudaSuccess) continue;
+    cudaDeviceSynchronize();
+    cudaIpcCloseMemHandle(mapping);
+  }
+  imported.clear();
+  cudaGetLastError();
 }
 
 }  // namespace
@@ -267,10 +297,11 @@ std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
 
   BufferState state;
   state.config = config;
+  state.groups = groups;
   {
     CurrentDeviceGuard device_guard;
-    for (const auto& group : groups) {
-      error = create_group(config, group, state.contexts);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      error = create_group(config, static_cast<int>(g), groups[g], state.contexts);
       if (!error.empty()) break;
     }
     if (!error.empty()) {
@@ -301,7 +332,82 @@ void destroy_buffer(int64_t buffer_id) {
     for (const auto& ctx : state.contexts) by_device.erase({buffer_id, ctx->device});
   }
   CurrentDeviceGuard device_guard;
+  close_imported(state.imported);
   for (auto& ctx : state.contexts) free_rank_context(*ctx);
+}
+
+std::string export_workspace_handles(int64_t buffer_id, std::vector<WorkspaceHandle>* handles) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  auto it = buffers.find(buffer_id);
+  if (it == buffers.end()) return "jax_ep: no Buffer with id " + std::to_string(buffer_id);
+  CurrentDeviceGuard device_guard;
+  for (const auto& ctx : it->second.contexts) {
+    cudaIpcMemHandle_t handle;
+    RETURN_MESSAGE_IF_CUDA_ERROR(ctx->device, cudaSetDevice(ctx->device));
+    RETURN_MESSAGE_IF_CUDA_ERROR(ctx->device, cudaIpcGetMemHandle(&handle, ctx->workspace));
+    handles->push_back(
+        {ctx->group, ctx->rank, std::string(reinterpret_cast<const char*>(&handle), sizeof(handle))});
+  }
+  return "";
+}
+
+std::string import_workspace_handles(int64_t buffer_id,
+                                     const std::vector<WorkspaceHandle>& handles) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  auto it = buffers.find(buffer_id);
+  if (it == buffers.end()) return "jax_ep: no Buffer with id " + std::to_string(buffer_id);
+  BufferState& state = it->second;
+  std::map<std::pair<int, int>, const WorkspaceHandle*> by_rank;
+  for (const auto& h : handles) {
+    if (h.handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return "jax_ep: a workspace handle must have " + std::to_string(sizeof(cudaIpcMemHandle_t)) +
+             " bytes, got " + std::to_string(h.handle.size());
+    }
+    by_rank[{h.group, h.rank}] = &h;
+  }
+  CurrentDeviceGuard device_guard;
+  for (auto& ctx : state.contexts) {
+    const std::vector<int>& group = state.groups[ctx->group];
+    for (int r = 0; r < static_cast<int>(group.size()); ++r) {
+      if (group[r] != kRemoteRank) continue;
+      auto found = by_rank.find({ctx->group, r});
+      if (found == by_rank.end()) {
+        return "jax_ep: no workspace handle for rank " + std::to_string(r) + " of EP group " +
+               std::to_string(ctx->group);
+      }
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, found->second->handle.data(), sizeof(handle));
+      void* mapping = nullptr;
+      RETURN_MESSAGE_IF_CUDA_ERROR(ctx->device, cudaSetDevice(ctx->device));
+      const cudaError_t status =
+          cudaIpcOpenMemHandle(&mapping, handle, cudaIpcMemLazyEnablePeerAccess);
+      if (status != cudaSuccess) {
+        cudaGetLastError();
+        std::ostringstream message;
+        message << cuda_failure(ctx->device, "cudaIpcOpenMemHandle", status) << " (workspace of "
+                << "rank " << r << " of EP group " << ctx->group << ", another process): the "
+                << "ranks of one EP group must be GPUs of one host with peer access";
+        return message.str();
+      }
+      state.imported.emplace_back(ctx->device, mapping);
+      ctx->peer_workspaces[r] = static_cast<char*>(mapping);
+    }
+    std::string error = upload_peer_table(*ctx);
+    if (!error.empty()) return error;
+  }
+  return "";
+}
+
+void release_peer_workspaces(int64_t buffer_id) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  auto it = buffers.find(buffer_id);
+  if (it == buffers.end()) return;
+  CurrentDeviceGuard device_guard;
+  for (auto& ctx : it->second.contexts) {
+    if (cudaSetDevice(ctx->device) == cudaSuccess) cudaDeviceSynchronize();
+  }
+  close_imported(it->second.imported);
+  cudaGetLastError();
 }
 
 size_t workspace_bytes(const BufferConfig& config) {

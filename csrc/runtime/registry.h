@@ -11,11 +11,35 @@
 
 namespace jax_ep {
 
+// Device ordinal of a rank that another process drives (multi-process meshes).
+constexpr int kRemoteRank = -1;
+
 // Allocates and zeroes the workspaces, builds the peer tables, preloads the kernels on every
-// device of `groups` (each inner list = device ordinals of one EP group, in rank order).
-// Returns "" on success, else a message naming what failed (device, CUDA error).
+// device of `groups` (each inner list = device ordinals of one EP group, in rank order;
+// kRemoteRank for a rank of another process, whose workspace import_workspace_handles() maps
+// later). Returns "" on success, else a message naming what failed (device, CUDA error).
 std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
                           const std::vector<std::vector<int>>& groups);
+
+// A CUDA IPC handle of one rank's workspace, for the processes driving the other ranks of its
+// EP group (same host). `handle` holds the bytes of a cudaIpcMemHandle_t.
+struct WorkspaceHandle {
+  int group = 0;
+  int rank = 0;
+  std::string handle;
+};
+
+// The handles of every rank this process drives. "" or an error message.
+std::string export_workspace_handles(int64_t buffer_id, std::vector<WorkspaceHandle>* handles);
+
+// Maps the workspaces of other processes' ranks into every local rank of the same group and
+// completes the peer tables. Every kRemoteRank of the Buffer must be covered by `handles`.
+std::string import_workspace_handles(int64_t buffer_id,
+                                     const std::vector<WorkspaceHandle>& handles);
+
+// Waits for the Buffer's local devices and unmaps the imported workspaces. After every process
+// did this (a cross-process barrier), destroy_buffer can free the local memory safely.
+void release_peer_workspaces(int64_t buffer_id);
 
 // Bytes of the per-device workspace create_buffer allocates for `config`: the normal-mode region,
 // plus the low-latency region (at low_latency_workspace_offset) when config.low_latency.

@@ -1,0 +1,45 @@
+"""Runs ``python -m jax_ep.launch`` from tests and reads its prefixed output."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jax_ep import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_PARENT = Path(launch.__file__).resolve().parents[1]  # children import this jax_ep
+DIGEST_SCRIPT = ROOT / "tests" / "multiprocess_digest.py"
+
+
+def child_env(platform, extra_env=None):
+    """The test's environment without launcher or device-selection variables, so the launcher
+    chooses; ``platform="cpu"`` pins the children to CPU devices."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JAX_EP_") and k not in ("XLA_FLAGS", "CUDA_VISIBLE_DEVICES")}
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PACKAGE_PARENT), env.get("PYTHONPATH")) if p)
+    env.update(extra_env or {})
+    return env
+
+
+def run_launcher(*args, platform="cpu", timeout=300, extra_env=None):
+    """``(CompletedProcess, seconds)`` of one launcher run (``--platform`` is passed through)."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_ep.launch", "--platform", platform, *args], cwd=ROOT,
+        env=child_env(platform, extra_env), capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def lines_of(text, rank):
+    prefix = f"[{rank}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def digest_lines(text, rank=0):
+    """The ``DIGEST name sha`` lines of tests/multiprocess_digest.py from process ``rank``."""
+    return [line for line in lines_of(text, rank) if line.startswith("DIGEST ")]

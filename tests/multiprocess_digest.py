@@ -1,0 +1,99 @@
+"""Digests of every op's outputs on fixed inputs, to compare process layouts bit for bit.
+
+    python tests/multiprocess_digest.py [xla|cuda]                      # one process, all devices
+    python -m jax_ep.launch -n 2 -- python tests/multiprocess_digest.py cuda   # one per GPU
+
+Process 0 prints one line ``DIGEST <name> <sha256>`` per output (normal dispatch bf16/fp8,
+cached dispatch, combine, layout, low-latency dispatch fp8/bf16 and combine, gradients of a
+dispatch+combine loss); the lines of the two layouts must be equal (tests/test_gpu_multiprocess.py).
+"""
+
+import hashlib
+import os
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+if os.environ.get("JAX_EP_NUM_PROCESSES"):
+    from jax_ep import launch
+
+    launch.initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from harness import run_sharded  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import jax_ep  # noqa: E402
+from jax_ep import testing as oracle  # noqa: E402
+
+E, K, T, H = 32, 4, 64, 512
+
+
+def digest(name, tree):
+    sha = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        leaf = np.ascontiguousarray(np.asarray(leaf))
+        sha.update(str((leaf.shape, leaf.dtype)).encode())
+        sha.update(leaf.tobytes())
+    if jax.process_index() == 0:
+        print(f"DIGEST {name} {sha.hexdigest()}", flush=True)
+
+
+def main(backend):
+    devices = jax.devices("gpu") if backend == "cuda" else jax.devices("cpu")
+    mesh = Mesh(np.array(devices), ("ep",))
+    R = mesh.shape["ep"]
+    rng = np.random.default_rng(2026)
+    idx, w = oracle.make_routing("with_minus_one", rng, R, T, E, K)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    x8, s8 = (np.asarray(a) for a in jax.vmap(jax_ep.per_token_cast_to_fp8)(jnp.asarray(x)))
+
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
+                        backend=backend, report_errors=False)
+
+    def normal(x, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w)
+        y, y_w = jax_ep.combine(buf, d.recv_x, d.handle, d.recv_topk_weights)
+        again = jax_ep.dispatch(buf, x, handle=d.handle)
+        layout = jax_ep.get_dispatch_layout(buf, idx)
+        return d, y, y_w, again, layout
+
+    d, y, y_w, again, layout = run_sharded(mesh, normal, x, idx, w)
+    digest("dispatch_bf16", d)
+    digest("combine", (y, y_w))
+    digest("cached_dispatch", again)
+    digest("layout", layout)
+    digest("dispatch_fp8", run_sharded(
+        mesh, lambda a, s, i, w: jax_ep.dispatch(buf, (a, s), i, w), x8, s8, idx, w))
+
+    def loss_grad(x, idx, w):
+        def loss(x):
+            d = jax_ep.dispatch(buf, x, idx, w)
+            y, _ = jax_ep.combine(buf, d.recv_x * 2, d.handle)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        return jax.grad(loss)(x)
+
+    digest("gradient", run_sharded(mesh, loss_grad, x, idx, w))
+    buf.close()
+
+    ll = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
+                       low_latency=True, backend=backend, report_errors=False)
+
+    def low_latency(x, idx, w):
+        d8 = jax_ep.low_latency_dispatch(ll, x, idx, use_fp8=True)
+        d16 = jax_ep.low_latency_dispatch(ll, x, idx, use_fp8=False)
+        out = jax_ep.low_latency_combine(ll, d16.recv_x, idx, w, d16.handle)
+        return d8, d16, out
+
+    d8, d16, out = run_sharded(mesh, low_latency, x, idx, w)
+    digest("low_latency_dispatch_fp8", d8)
+    digest("low_latency_dispatch_bf16", d16)
+    digest("low_latency_combine", out)
+    ll.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "cuda")

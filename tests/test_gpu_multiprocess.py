@@ -1,0 +1,64 @@
+"""One process per GPU (CUDA IPC peers) against one process driving every GPU.
+
+Each test starts ``python -m jax_ep.launch`` in a subprocess (skipped under a launcher: they
+start their own). The GPU suite itself runs under the launcher too, from the device script:
+``python -m jax_ep.launch -n 2 -- pytest -m gpu tests/test_normal.py ...``.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import launching
+import pytest
+from conftest import require_gpus
+from launching import digest_lines, lines_of
+
+from jax_ep import launch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(os.environ.get(launch.ENV_NUM_PROCESSES)),
+                       reason="starts launchers; not run inside one"),
+]
+
+
+def test_two_processes_give_the_bits_of_one():
+    """Every op's outputs and a gradient: 2 processes x 1 GPU equal 1 process x 2 GPUs."""
+    require_gpus(2)
+    single = subprocess.run([sys.executable, str(launching.DIGEST_SCRIPT), "cuda"],
+                            env=launching.child_env("gpu"), capture_output=True, text=True,
+                            timeout=300)
+    want = [line for line in single.stdout.splitlines() if line.startswith("DIGEST ")]
+    assert single.returncode == 0 and len(want) == 9, single.stdout + single.stderr[-4000:]
+    proc, _ = launching.run_launcher("-n", "2", "--", sys.executable,
+                                     str(launching.DIGEST_SCRIPT), "cuda", platform="gpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert digest_lines(proc.stdout) == want
+
+
+def test_cuda_buffer_names_a_process_that_never_joins():
+    require_gpus(2)
+    script = textwrap.dedent("""
+        import sys, time
+        import jax, numpy as np
+        from jax.sharding import Mesh
+        from jax_ep import Buffer, launch
+        launch.initialize_from_env()
+        if jax.process_index() == 1:
+            time.sleep(30)
+            sys.exit(0)
+        mesh = Mesh(np.array(jax.devices()), ("ep",))
+        start = time.monotonic()
+        try:
+            Buffer(mesh, "ep", num_experts=8, hidden=128, max_tokens_per_rank=8, num_topk=2,
+                   backend="cuda")
+        except RuntimeError as e:
+            print(f"error after {time.monotonic() - start:.1f} s: {e}")
+    """)
+    proc, _ = launching.run_launcher("-n", "2", "--", sys.executable, "-c", script,
+                                     platform="gpu", timeout=120,
+                                     extra_env={"JAX_EP_JOIN_TIMEOUT_S": "3"})
+    (line,) = [x for x in lines_of(proc.stdout, 0) if x.startswith("error")]
+    assert "process 1 did not publish" in line and float(line.split()[2]) < 15, line
