@@ -125,7 +125,31 @@ def result_header(argv: Sequence[str]) -> dict[str, Any]:
         "command": " ".join([os.path.relpath(sys.argv[0], REPO_ROOT), *argv]),
         "jax_version": jax.__version__,
         "platform": jax.default_backend(),
+        "processes": jax.process_count(),
     }
+
+
+def join_processes() -> bool:
+    """Joins ``jax.distributed`` when started by ``python -m jax_ep.launch`` (before any device
+    is touched). Every process then runs the same cases; process 0 writes and prints results."""
+    try:
+        from jax_ep import launch  # noqa: PLC0415 - pure Python, no extension needed
+    except ImportError:
+        return False
+    return launch.initialize_from_env()
+
+
+def is_reporter() -> bool:
+    return jax.process_index() == 0
+
+
+def to_host(a) -> np.ndarray:
+    """A global array as one NumPy array, gathered from every process (collective)."""
+    if getattr(a, "is_fully_addressable", True):
+        return np.asarray(a)
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:

@@ -144,7 +144,7 @@ class Inputs:
             bc.random_routing(mesh, seed + i, tokens, args.experts, args.topk)
             for i in range(self.num_sets)
         ]
-        idx = [np.asarray(r[0]) for r in self.routing]
+        idx = [bc.to_host(r[0]) for r in self.routing]
         stats = [bc.routing_stats(i, self.num_ranks, args.experts) for i in idx]
         # Dispatch-like ops use every routing; combine reuses the routing of set 0.
         self.stats_mean = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
@@ -561,8 +561,15 @@ def main(argv=None):
 
     child = ([], [], {})
     impls = [i for i in args.impls if i != DECOMPOSER_IMPL]
+    multiprocess = bc.join_processes()
+    if multiprocess and deadline is not None:
+        # Processes must run the same cases (collectives): a per-process clock could split them.
+        log("[bench] --max-minutes is ignored with several processes")
+        deadline = None
     if DECOMPOSER_IMPL in args.impls:
-        if gpu_likely():
+        if multiprocess:
+            child = ([], [], {DECOMPOSER_IMPL: "its child process runs single-process only"})
+        elif gpu_likely():
             child = run_decomposer_child(argv, args)
         else:
             child = ([], [], {DECOMPOSER_IMPL: "no GPU: ragged_all_to_all does not run on "
@@ -583,10 +590,13 @@ def main(argv=None):
 
     def save_partial(records, errors, skipped):
         records, errors, skipped = merged(records, errors, skipped)
-        bc.write_json(path, dict(header, partial=True, results=records, errors=errors,
-                                 skipped=skipped, method=method))
+        if bc.is_reporter():
+            bc.write_json(path, dict(header, partial=True, results=records, errors=errors,
+                                     skipped=skipped, method=method))
 
     records, errors, skipped = merged(*run_all(args, impls, None, deadline, save_partial))
+    if not bc.is_reporter():
+        return
     payload = dict(header, results=records, errors=errors, skipped=skipped, method=method)
     if args.sweep:
         try:
