@@ -81,14 +81,15 @@ def wall_us(fn, *args):
     return (time.perf_counter() - start) * 1e6
 
 
-def build_step(args, mode, impl, mesh, jax_ep, buf):
-    """``(jitted step, args)`` of one mode; the step returns every output it makes."""
+def build_step(args, mode, impl, mesh, jax_ep, buf, seed=0):
+    """``(jitted step, args)`` of one mode; the step returns every output it makes. ``seed``
+    picks the inputs (another seed: same shapes, new values in new buffers)."""
     import jax.numpy as jnp
 
     num_ranks = mesh.shape[bc.AXIS]
     tokens = args.tokens if mode == "normal" else args.ll_tokens
-    topk_idx, topk_weights = bc.random_routing(mesh, 1, tokens, args.experts, args.topk)
-    x = bc.random_rows(mesh, 2, (num_ranks * tokens, args.hidden))
+    topk_idx, topk_weights = bc.random_routing(mesh, seed + 1, tokens, args.experts, args.topk)
+    x = bc.random_rows(mesh, seed + 2, (num_ranks * tokens, args.hidden))
     if impl == "all_to_all":
         peer = bc.AllToAllPeer(num_ranks, args.experts, args.topk)
 
@@ -98,7 +99,7 @@ def build_step(args, mode, impl, mesh, jax_ep, buf):
                 return peer.combine(recv_x, peer.plan(idx)), recv_idx, recv_w
 
             return bc.shard_mapped(mesh, step, 3), (x, topk_idx, topk_weights)
-        y = bc.random_rows(mesh, 3, (num_ranks * num_ranks * tokens, args.hidden))
+        y = bc.random_rows(mesh, seed + 3, (num_ranks * num_ranks * tokens, args.hidden))
 
         def step(x, idx, w, y):
             recv_x, recv_scales, recv_idx, _ = peer.dispatch(list(bc.cast_fp8(x)), idx)
@@ -113,7 +114,8 @@ def build_step(args, mode, impl, mesh, jax_ep, buf):
             return y, d.recv_topk_idx, d.recv_topk_weights, d.num_recv_tokens_per_expert
 
         return bc.shard_mapped(mesh, step, 3), (x, topk_idx, topk_weights)
-    y = bc.random_rows(mesh, 3, (args.experts, num_ranks * tokens, args.hidden), jnp.bfloat16)
+    y = bc.random_rows(mesh, seed + 3, (args.experts, num_ranks * tokens, args.hidden),
+                       jnp.bfloat16)
 
     def step(x, idx, w, y):
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True)
@@ -162,6 +164,13 @@ def run_child(args):
     calls = [wall_us(fn, *step_args) for _ in range(args.steady_calls)]
     out["steady_us"] = statistics.median(calls)
     out["second_us"] = calls[0]
+    # A job's steps get new input buffers: alternate two input sets, so every call sees other
+    # addresses than the one before (what XLA's command buffers must update for).
+    other_args = build_step(args, mode, impl, mesh, jax_ep, buf, seed=10)[1]
+    alternating = [wall_us(fn, *(other_args if i % 2 == 0 else step_args))
+                   for i in range(args.steady_calls)]
+    out["fresh_args_us"] = alternating[0]
+    out["steady_alternating_us"] = statistics.median(alternating)
     if buf is not None:
         buf.close()
     bc.write_json(args.child_out, out)
@@ -209,6 +218,11 @@ def make_record(args, mode, got):
         "aot_ratio": sig(first["aot"] / steady) if first["aot"] else None,
         "steady_calls": args.steady_calls,
     }
+    for key in ("second_us", "fresh_args_us", "steady_alternating_us"):
+        if key in got[steady_from]:
+            rec[key] = sig(got[steady_from][key])
+    if first["warm"] and "steady_alternating_us" in rec:
+        rec["ratio_alternating"] = sig(first["warm"] / rec["steady_alternating_us"])
     for key in ("buffer_create_s", "compile_s", "warmup_s"):
         values = [r[key] for r in got.values() if key in r]
         if values:

@@ -28,8 +28,10 @@ def aot_compile(step, *example_args, warmup=True, warmup_args=None):
       warmup: execute the compiled step once (outputs discarded) so that XLA loads its kernels
         and allocates its buffers before the first real call. The step must be free of side
         effects other than jax_ep's communication (true of a pure jitted function).
-      warmup_args: inputs for that execution; default zeros shaped like ``example_args``
-        (zero expert ids route everything to expert 0: valid, if skewed).
+      warmup_args: inputs for that execution; default ``example_args`` themselves when they are
+        all arrays (the first real call with them then finds XLA's command buffers recorded for
+        their addresses), else zeros shaped like them (zero expert ids route everything to
+        expert 0: valid, if skewed).
 
     Returns:
       The compiled executable: call it with arrays of exactly those shapes, dtypes and
@@ -38,7 +40,9 @@ def aot_compile(step, *example_args, warmup=True, warmup_args=None):
     jitted = step if hasattr(step, "lower") else jax.jit(step)
     compiled = jitted.lower(*example_args).compile()
     if warmup:
-        args = warmup_args if warmup_args is not None else jax.tree.map(_zeros_like,
-                                                                        example_args)
+        args = warmup_args
+        if args is None:
+            concrete = all(isinstance(a, jax.Array) for a in jax.tree.leaves(example_args))
+            args = example_args if concrete else jax.tree.map(_zeros_like, example_args)
         jax.block_until_ready(compiled(*args))
     return compiled
