@@ -1,11 +1,15 @@
 """End-to-end MoE layer (forward + backward) device time for three transports, one expert block.
 
-    python benchmarks/bench_moe_layer.py [--quick] [--max-minutes 2] [--out benchmarks/results]
+    python benchmarks/bench_moe_layer.py [--quick] [--matmul tiled|ragged_dot] [--max-minutes 2]
+        [--out benchmarks/results]
 
 One expert-parallel SwiGLU MoE layer per rank, with the router's top-k given as input (uniform
 random scores, seeded) and the SAME local expert computation for every transport:
-``jax_ep.moe.permute`` -> ``jax_ep.moe.swiglu_experts`` (``jax.lax.ragged_dot``) ->
-``jax_ep.moe.unpermute``. The transports (impls):
+``jax_ep.moe.permute`` -> ``jax_ep.moe.swiglu_experts`` -> ``jax_ep.moe.unpermute``, whose three
+grouped matmuls are ``--matmul``: ``tiled`` (``jax_ep.moe.grouped_matmul``, the jax_ep.moe
+default) or ``ragged_dot`` (``jax.lax.ragged_dot``, which XLA:GPU rewrites into a dense matmul
+over all local experts: 32x the FLOPs and 61-76 GiB of temporaries at the default shape, against
+3.4-4.1 GiB tiled). Every record carries the ``matmul`` it ran with. The transports (impls):
 
 - ``jax_ep``: ``jax_ep.moe.moe_ffn`` with a ``Buffer(backend="cuda")`` on GPUs, the reference
   backend (``"xla"``) elsewhere (``report_errors=False``: no host callback in timed programs);
@@ -41,6 +45,7 @@ import numpy as np
 OP = "moe_layer_fwd_bwd"
 DTYPE = "bf16"
 IMPLS = ("jax_ep", "all_to_all", "ragged_all_to_all")
+MATMULS = ("tiled", "ragged_dot")  # jax_ep.moe.MATMULS: the expert matmul of swiglu_experts
 PEER_IMPLS = IMPLS[1:]
 DEFAULTS = {"tokens": 4096, "hidden": 2048, "ffn": 1024, "experts": 64, "topk": 8,
             "n_short": 2, "n_long": 6, "repeats": 10, "warmup": 2, "max_minutes": 2.0}
@@ -64,6 +69,8 @@ def parse_args(argv):
     p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
     p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=IMPLS,
                    help=f"comma-separated subset of {','.join(IMPLS)}")
+    p.add_argument("--matmul", choices=MATMULS,
+                   help="expert matmul of every impl (default: jax_ep.moe.DEFAULT_MATMUL, tiled)")
     p.add_argument("--check", action="store_true",
                    help="compare each impl's forward with the jax_ep reference (on with --quick)")
     p.add_argument("--n-short", type=int, help="steps of the short program (default 2)")
@@ -80,6 +87,11 @@ def parse_args(argv):
         if getattr(args, name) is None:
             setattr(args, name, QUICK[name] if args.quick else value)
     args.check = args.check or args.quick
+    jax_ep, _ = bc.import_jax_ep()
+    if jax_ep is not None and not hasattr(jax_ep.moe, "DEFAULT_MATMUL"):
+        p.error(f"{jax_ep.__file__} predates jax_ep.moe's matmul option: reinstall jax_ep")
+    if args.matmul is None and jax_ep is not None:
+        args.matmul = jax_ep.moe.DEFAULT_MATMUL
     bad = [i for i in args.impls if i not in IMPLS]
     if bad:
         p.error(f"unknown impl {bad}")
@@ -135,35 +147,40 @@ class Inputs:
 # ----------------------------------------------------------------------------- the layers
 
 
-def expert_block(recv_x, recv_idx, recv_w, w_gate, w_up, w_down):
+def expert_block(recv_x, recv_idx, recv_w, w_gate, w_up, w_down, matmul):
     """The local expert computation every transport shares (as in ``jax_ep.moe.moe_ffn``).
 
     ``recv_x [C, H]``, ``recv_idx [C, K]`` local ids (-1: not here), ``recv_w [C, K]`` f32 ->
-    ``[C, H]`` weighted expert outputs in ``recv_x``'s dtype.
+    ``[C, H]`` weighted expert outputs in ``recv_x``'s dtype; ``matmul`` as ``--matmul``.
     """
     from jax_ep import moe
 
     num_local, num_topk = w_gate.shape[0], recv_idx.shape[1]
     num_rows = recv_x.shape[0] * min(num_topk, num_local)  # lossless: ids of a row are distinct
     x_sorted, group_sizes, state = moe.permute(recv_x, recv_idx, num_local, num_rows=num_rows)
-    y_sorted = moe.swiglu_experts(x_sorted, group_sizes, w_gate, w_up, w_down)
+    y_sorted = moe.swiglu_experts(x_sorted, group_sizes, w_gate, w_up, w_down, matmul=matmul)
     return moe.unpermute(y_sorted, state, recv_w).astype(recv_x.dtype)
 
 
-def make_layer(impl, num_ranks, experts, topk, buf=None):
-    """Per-rank forward ``layer(x, topk_idx, topk_weights, w_gate, w_up, w_down) -> [T, H]``."""
-    if impl == "jax_ep":
-        from jax_ep import moe
+def make_layer(impl, num_ranks, experts, topk, buf=None, matmul=None):
+    """Per-rank forward ``layer(x, topk_idx, topk_weights, w_gate, w_up, w_down) -> [T, H]``.
 
+    ``matmul``: the expert matmul (``--matmul``; None: ``jax_ep.moe.DEFAULT_MATMUL``), the same
+    for every impl.
+    """
+    from jax_ep import moe
+
+    matmul = moe.DEFAULT_MATMUL if matmul is None else matmul
+    if impl == "jax_ep":
         def layer(x, idx, w, w_gate, w_up, w_down):
-            return moe.moe_ffn(buf, x, idx, w, w_gate, w_up, w_down)
+            return moe.moe_ffn(buf, x, idx, w, w_gate, w_up, w_down, matmul=matmul)
 
         return layer
     peer = bc.PEER_CLASSES[impl](num_ranks, experts, topk)
 
     def layer(x, idx, w, w_gate, w_up, w_down):
         recv_x, recv_idx, recv_w = peer.dispatch([x], idx, w)
-        y = expert_block(recv_x, recv_idx, recv_w, w_gate, w_up, w_down)
+        y = expert_block(recv_x, recv_idx, recv_w, w_gate, w_up, w_down, matmul)
         return peer.combine(y, peer.plan(idx))
 
     return layer
@@ -220,11 +237,12 @@ def measure(mesh, args, step, inputs, pool):
 
 def make_record(args, num_ranks, impl, time_us, extra):
     # Model FLOPs per rank per step: T*K (token, expert) pairs, 3 matmuls of 2*H*F each forward,
-    # twice that backward.
+    # twice that backward (the useful work, whatever --matmul computes on top of it).
     flops = 18.0 * args.tokens * args.topk * args.hidden * args.ffn
-    rec = {"op": OP, "impl": impl, "dtype": DTYPE, "ranks": num_ranks, "tokens": args.tokens,
-           "hidden": args.hidden, "ffn": args.ffn, "topk": args.topk, "experts": args.experts,
-           "time_us": sig(time_us), "tflops_per_rank": sig(flops / (time_us * 1e-6) / 1e12),
+    rec = {"op": OP, "impl": impl, "dtype": DTYPE, "matmul": args.matmul, "ranks": num_ranks,
+           "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "topk": args.topk,
+           "experts": args.experts, "time_us": sig(time_us),
+           "tflops_per_rank": sig(flops / (time_us * 1e-6) / 1e12),
            "n_short": args.n_short, "n_long": args.n_long, "repeats": args.repeats}
     rec.update({k: sig(v) if isinstance(v, float) else v for k, v in extra.items()})
     return rec
@@ -232,8 +250,8 @@ def make_record(args, num_ranks, impl, time_us, extra):
 
 def error_row(impl, exc, args, num_ranks):
     msg = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-    return {"op": OP, "impl": impl, "dtype": DTYPE, "ranks": num_ranks, "tokens": args.tokens,
-            "error": msg.strip().replace("\n", " ")[:500]}
+    return {"op": OP, "impl": impl, "dtype": DTYPE, "matmul": args.matmul, "ranks": num_ranks,
+            "tokens": args.tokens, "error": msg.strip().replace("\n", " ")[:500]}
 
 
 def add_ratios(records):
@@ -249,7 +267,7 @@ def sort_key(r):
     return IMPLS.index(r["impl"]) if r["impl"] in IMPLS else len(IMPLS)
 
 
-def print_table(records, errors):
+def print_table(records, errors, matmul):
     head = (f"{'impl':18s} {'tokens':>6s} {'hidden':>6s} {'experts':>7s} {'topk':>4s} "
             f"{'time_us':>11s} {'x best peer':>11s}")
     print("\n" + head)
@@ -262,8 +280,8 @@ def print_table(records, errors):
         ratio = f"{ratio:11.2f}" if ratio is not None else "-".rjust(11)
         print(f"{r['impl']:18s} {r['tokens']:>6d} {r['hidden']:>6d} {r['experts']:>7d} "
               f"{r['topk']:>4d} {r['time_us']:11.1f} {ratio}")
-    print(f"{OP}: forward + backward per step per rank (bf16); x best peer = fastest of "
-          f"{', '.join(PEER_IMPLS)} time / this time.", flush=True)
+    print(f"{OP}: forward + backward per step per rank (bf16, expert matmul {matmul}); x best "
+          f"peer = fastest of {', '.join(PEER_IMPLS)} time / this time.", flush=True)
 
 
 # ----------------------------------------------------------------------------- running
@@ -287,8 +305,9 @@ def run(args, mesh, deadline, checkpoint):
     backend = "cuda" if gpu else "xla"
     log(f"[bench] {num_ranks} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"T={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} top-{args.topk}, "
-        f"impls {impls} (jax_ep backend {backend!r}), N = {args.n_short}/{args.n_long}, "
-        f"repeats {args.repeats}, forward check {'on' if args.check else 'off'}")
+        f"expert matmul {args.matmul!r}, impls {impls} (jax_ep backend {backend!r}), "
+        f"N = {args.n_short}/{args.n_long}, repeats {args.repeats}, "
+        f"forward check {'on' if args.check else 'off'}")
 
     def buffer(kind):
         return jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
@@ -309,7 +328,7 @@ def run(args, mesh, deadline, checkpoint):
                 raise RuntimeError(f"no reference: {skipped['jax_ep']}")
             ref_buf = buffer("xla")
             want = forward(mesh, make_layer("jax_ep", num_ranks, args.experts, args.topk,
-                                            ref_buf), inputs)
+                                            ref_buf, args.matmul), inputs)
             ref_buf.close()
             log(f"[check] reference forward: max |out| = {np.max(np.abs(want)):.4g}")
         except Exception as e:  # noqa: BLE001
@@ -328,7 +347,7 @@ def run(args, mesh, deadline, checkpoint):
         try:
             if impl == "jax_ep":
                 buf = buffer(backend)
-            layer = make_layer(impl, num_ranks, args.experts, args.topk, buf)
+            layer = make_layer(impl, num_ranks, args.experts, args.topk, buf, args.matmul)
             if args.check:
                 err, ok = compare(forward(mesh, layer, inputs), want)
                 checks[impl] = {"max_abs_err": sig(err), "ok": ok}
@@ -377,6 +396,7 @@ def main(argv=None):
     method = {"n_short": args.n_short, "n_long": args.n_long, "repeats": args.repeats,
               "warmup": args.warmup, "loss": "sum(out * cotangent)",
               "grads": ["x", "w_gate", "w_up", "w_down"], "routing": "top-k of uniform scores",
+              "matmul": args.matmul,
               "check_tolerance": {"rtol": RTOL, "atol_times_max": ATOL} if args.check else None}
 
     def payload(records, errors, skipped, checks, partial):
@@ -393,7 +413,7 @@ def main(argv=None):
     final = payload(records, errors, skipped, checks, partial=False)
     bc.write_json(path, final)
     log(f"\n[bench] wrote {path}")
-    print_table(final["results"], errors)
+    print_table(final["results"], errors, args.matmul)
 
 
 if __name__ == "__main__":

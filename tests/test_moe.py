@@ -1,8 +1,11 @@
-"""Tests of jax_ep.moe (permute / unpermute / router / moe_ffn) and of the Flax MoE example.
+"""Tests of jax_ep.moe (permute / unpermute / router / grouped_matmul / moe_ffn) and of the Flax
+MoE example.
 
 CPU, reference backend, 8 host devices (tests/conftest.py sets XLA_FLAGS before jax is
-imported). The expert-parallel layer is checked against the same layer evaluated densely on one
-device: forward output and gradients w.r.t. the tokens, the router and the expert weights.
+imported). `grouped_matmul` is checked against `jax.lax.ragged_dot` (its specification) and a
+NumPy oracle, values and gradients. The expert-parallel layer is checked against the same layer
+evaluated densely on one device: forward output and gradients w.r.t. the tokens, the router and
+the expert weights, with either expert matmul.
 """
 
 from __future__ import annotations
@@ -182,6 +185,167 @@ def test_router_aux_loss_is_one_when_balanced():
     assert np.isfinite(np.asarray(g)).all()
 
 
+# ---------------------------------------------------------------------------- grouped_matmul
+# (group_sizes, num_rows, tile): the group layouts grouped_matmul must get right.
+GROUPED_CASES = {
+    "mixed_with_empty_groups": ([10, 0, 30, 0, 25, 5], 80, 16),  # 10 rows past the groups
+    "one_group_has_all_rows": ([0, 77, 0], 77, 16),  # N not a multiple of the tile
+    "single_group": ([37], 37, 8),
+    "all_groups_empty": ([0, 0, 0], 40, 16),  # every row is past the groups: all zero
+    "groups_past_n_truncated": ([20, 30, 9], 37, 8),  # sum(group_sizes) > N
+    "tiny_groups_share_tiles": ([7, 93, 1, 1, 150, 48, 0, 3], 310, 64),
+    "tile_larger_than_n": ([3, 9, 4], 21, 512),  # capped: one tile
+}
+
+
+def _np_grouped_matmul(x, w, group_sizes):
+    """NumPy oracle (float64): row r of group g -> x[r] @ w[g]; rows past the groups -> 0."""
+    out = np.zeros((x.shape[0], w.shape[2]))
+    start = 0
+    for g, size in enumerate(group_sizes):
+        end = min(start + size, x.shape[0])
+        out[start:end] = x[start:end].astype(np.float64) @ w[g].astype(np.float64)
+        start = end
+    return out
+
+
+def _grouped_operands(case, dtype, k=24, m=40):
+    sizes, num_rows, tile = GROUPED_CASES[case]
+    rng = np.random.default_rng(len(sizes) * 1000 + num_rows)
+    x = jnp.asarray(rng.normal(size=(num_rows, k)), jnp.float32).astype(dtype)
+    w = jnp.asarray(rng.normal(size=(len(sizes), k, m)) * k**-0.5, jnp.float32).astype(dtype)
+    ct = jnp.asarray(rng.normal(size=(num_rows, m)), jnp.float32)
+    return x, w, jnp.asarray(sizes, jnp.int32), ct, tile
+
+
+def _assert_close(got, want, tol, name):
+    assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(np.abs(want).max(), 1e-6),
+                               err_msg=name)
+
+
+@pytest.mark.parametrize("chunk_items", [None, 2], ids=["one_chunk", "chunks_of_2_items"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", sorted(GROUPED_CASES))
+def test_grouped_matmul_matches_ragged_dot(case, dtype, chunk_items, monkeypatch):
+    x, w, sizes, ct, tile = _grouped_operands(case, dtype)
+    if chunk_items is not None:  # many chunks (a lax.scan), the unused ones skipped
+        monkeypatch.setattr(moe, "_CHUNK_BYTES", chunk_items * 4 * w.shape[1] * w.shape[2])
+    # Same products in float32 either way: only the summation order of dw's partial sums differs
+    # (float32 rounding); bfloat16 gradients may then round one ulp apart.
+    tol = 1e-5 if dtype == jnp.float32 else 8e-3
+
+    def value_and_grads(matmul):
+        def loss(x, w):
+            y = matmul(x, w, sizes, precision="highest", preferred_element_type=jnp.float32)
+            return jnp.sum(y * ct), y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+
+    (loss, y), (dx, dw) = value_and_grads(functools.partial(moe.grouped_matmul, tile=tile))
+    (want_loss, want_y), (want_dx, want_dw) = value_and_grads(jax.lax.ragged_dot)
+    assert y.dtype == jnp.float32
+    _assert_close(y, want_y, 1e-5, "value")
+    _assert_close(loss, want_loss, 1e-5, "loss")
+    _assert_close(dx, want_dx, tol, "dx")
+    _assert_close(dw, want_dw, tol, "dw")
+    np.testing.assert_allclose(np.asarray(y), _np_grouped_matmul(np.asarray(x, np.float32),
+                                                                 np.asarray(w, np.float32),
+                                                                 GROUPED_CASES[case][0]),
+                               rtol=1e-5, atol=1e-5)
+    # Rows past the groups: zero output and zero gradient, exactly.
+    num_grouped = min(int(np.sum(GROUPED_CASES[case][0])), x.shape[0])
+    assert not np.asarray(y[num_grouped:]).any()
+    assert not np.asarray(dx[num_grouped:], np.float32).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_grouped_matmul_default_result_dtype(dtype):
+    # No preferred_element_type: the result dtype (and rounding) of ragged_dot.
+    x, w, sizes, _, tile = _grouped_operands("tiny_groups_share_tiles", dtype)
+    got = moe.grouped_matmul(x, w, sizes, tile=tile)
+    want = jax.lax.ragged_dot(x, w, sizes)
+    _assert_close(got, want, 1e-5 if dtype == jnp.float32 else 8e-3, "value")
+    grads = jax.grad(lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, tile=tile)
+                                          .astype(jnp.float32)), argnums=(0, 1))(x, w)
+    assert [g.dtype for g in grads] == [dtype, dtype]
+
+
+def test_grouped_matmul_numeric_gradients():
+    x, w, sizes, _, tile = _grouped_operands("mixed_with_empty_groups", jnp.float32, k=6, m=5)
+    f = functools.partial(moe.grouped_matmul, group_sizes=sizes, tile=tile, precision="highest")
+    check_grads(lambda x, w: jnp.tanh(f(x, w)), (x, w), order=1, modes=["rev"])
+
+
+def test_grouped_matmul_temporaries_are_linear_in_rows():
+    # No [G, N, K]-sized intermediate (ragged_dot's dense rewrite): the largest array of the
+    # forward + backward is one of the P = N/tile + G - 1 work items' tiles or weight copies.
+    num_rows, k, m, groups, tile = 4096, 64, 48, 16, 128
+    x, w = jnp.zeros((num_rows, k), jnp.bfloat16), jnp.zeros((groups, k, m), jnp.bfloat16)
+    sizes = jnp.full((groups,), num_rows // groups, jnp.int32)
+
+    def loss(x, w):
+        y = moe.grouped_matmul(x, w, sizes, tile=tile, preferred_element_type=jnp.float32)
+        return jnp.sum(y)
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(x, w).jaxpr
+
+    def sub_jaxprs(params):  # the bodies of scan / cond / pjit / custom_vjp equations
+        for value in params.values():
+            for v in value if isinstance(value, tuple | list) else (value,):
+                jaxpr = getattr(v, "jaxpr", v)
+                if hasattr(jaxpr, "eqns"):
+                    yield jaxpr
+
+    def largest(jaxpr):
+        sizes = [int(np.prod(v.aval.shape)) for e in jaxpr.eqns for v in e.outvars]
+        return max(sizes + [largest(j) for e in jaxpr.eqns for j in sub_jaxprs(e.params)])
+
+    num_items = num_rows // tile + groups - 1
+    assert largest(jaxpr) <= num_items * max(tile * max(k, m), k * m)
+    assert largest(jaxpr) < groups * num_rows * k // 4
+
+
+def test_grouped_matmul_rejects_bad_arguments():
+    x, w, sizes = jnp.zeros((8, 4)), jnp.zeros((2, 4, 3)), jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match="same K"):
+        moe.grouped_matmul(x, jnp.zeros((2, 5, 3)), sizes)
+    with pytest.raises(ValueError, match="group_sizes"):
+        moe.grouped_matmul(x, w, jnp.array([4, 4, 0], jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes"):
+        moe.grouped_matmul(x, w, jnp.array([4.0, 4.0]))
+    with pytest.raises(ValueError, match="tile"):
+        moe.grouped_matmul(x, w, sizes, tile=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_swiglu_experts_tiled_equals_ragged_dot(dtype):
+    rng = np.random.default_rng(2)
+    num_rows, hidden, ffn, experts = 90, 32, 16, 5
+    x = jnp.asarray(rng.normal(size=(num_rows, hidden)), jnp.float32).astype(dtype)
+    weights = [jnp.asarray(rng.normal(size=s) * s[1]**-0.5, jnp.float32) for s in
+               ((experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden))]
+    sizes = jnp.asarray([20, 0, 41, 9, 12], jnp.int32)  # 8 rows past the groups
+
+    def run(matmul):
+        def loss(x, *weights):
+            y = moe.swiglu_experts(x, sizes, *weights, matmul=matmul, precision="highest")
+            return jnp.sum(jnp.sin(y)), y
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, *weights)
+
+    (_, y), grads = run("tiled")
+    (_, want_y), want_grads = run("ragged_dot")
+    tol = 1e-5 if dtype == jnp.float32 else 8e-3
+    _assert_close(y, want_y, tol, "value")
+    for name, g, want in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, want_grads,
+                             strict=True):
+        _assert_close(g, want, tol, name)
+    with pytest.raises(ValueError, match="matmul"):
+        moe.swiglu_experts(x, sizes, *weights, matmul="dense")
+
+
 # ---------------------------------------------------------------------------- MoE layer vs dense
 def _dense_moe_layer(x, w_router, w_gate, w_up, w_down, topk):
     """All experts on one device, every token through every expert, gated by its top-k."""
@@ -194,10 +358,10 @@ def _dense_moe_layer(x, w_router, w_gate, w_up, w_down, topk):
     return jnp.einsum("te,teh->th", gates, y_all)
 
 
-def _ep_moe_layer(buf, x, w_router, w_gate, w_up, w_down):
+def _ep_moe_layer(buf, matmul, x, w_router, w_gate, w_up, w_down):
     """One rank's tokens and experts: route, then moe_ffn (dispatch ... combine)."""
     topk_idx, topk_weights, _ = moe.router(x @ w_router, buf.num_topk)
-    return moe.moe_ffn(buf, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+    return moe.moe_ffn(buf, x, topk_idx, topk_weights, w_gate, w_up, w_down, matmul=matmul)
 
 
 def _layer_params(rng, tokens, hidden, experts, ffn):
@@ -213,9 +377,16 @@ def _layer_params(rng, tokens, hidden, experts, ffn):
     )
 
 
-@pytest.mark.parametrize("mesh_shape,experts,topk", [((1, 8), 16, 3), ((2, 4), 8, 2)])
-def test_moe_layer_matches_dense(mesh_shape, experts, topk):
+@pytest.mark.parametrize(
+    "mesh_shape,experts,topk,matmul,chunked",
+    [((1, 8), 16, 3, "tiled", False), ((2, 4), 8, 2, "tiled", False),
+     ((2, 4), 8, 2, "tiled", True),  # grouped_matmul's chunk scan and skip under shard_map
+     ((1, 8), 16, 3, "ragged_dot", False)],
+)
+def test_moe_layer_matches_dense(mesh_shape, experts, topk, matmul, chunked, monkeypatch):
     _require_devices()
+    if chunked:
+        monkeypatch.setattr(moe, "_CHUNK_BYTES", 1)  # one work item per chunk
     mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]).reshape(mesh_shape), ("data", "ep"))
     tokens_per_rank, hidden, ffn = 12, 128, 32
     num_tokens = tokens_per_rank * NUM_DEVICES
@@ -228,7 +399,7 @@ def test_moe_layer_matches_dense(mesh_shape, experts, topk):
 
     tokens, experts_spec = P(("data", "ep")), P("ep")
     ep_layer = jax.shard_map(
-        functools.partial(_ep_moe_layer, buf), mesh=mesh,
+        functools.partial(_ep_moe_layer, buf, matmul), mesh=mesh,
         in_specs=(tokens, P(), experts_spec, experts_spec, experts_spec), out_specs=tokens)
     dense_layer = functools.partial(_dense_moe_layer, topk=topk)
 
