@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_ep import _cuda
+
 
 def _zeros_like(example):
     sharding = getattr(example, "sharding", None)
@@ -46,3 +48,26 @@ def aot_compile(step, *example_args, warmup=True, warmup_args=None):
             args = example_args if concrete else jax.tree.map(_zeros_like, example_args)
         jax.block_until_ready(compiled(*args))
     return compiled
+
+
+def export_step(step, *args, platforms=("cuda",), **export_kwargs):
+    """``jax.export.export(step)(*args)`` for a step that calls jax_ep ops, ready to serialise.
+
+    Adds ``disabled_checks=export_safety_checks()`` (our custom calls carry a version in their
+    name instead of a compatibility guarantee) and lowers with the GSPMD partitioner, so that a
+    symbolic token count (``jax.export.symbolic_shape``) refines to static shapes when the
+    deserialised program is compiled: under Shardy, jax 0.10-0.11 leave the shard_map body's
+    shapes dynamic and the GPU compile fails (``_cuda.gspmd_partitioner``). The exported program
+    is called as usual, under either partitioner.
+
+    Args:
+      step: a jitted function (e.g. ``jax.jit(jax.shard_map(...))``).
+      *args: ``jax.ShapeDtypeStruct``s, possibly with symbolic dimensions.
+      platforms: lowering platforms (default cuda: exporting from a CPU machine works with a
+        ``Buffer(..., backend="cuda", lowering_only=True)``).
+      **export_kwargs: passed to ``jax.export.export``.
+    """
+    checks = list(export_kwargs.pop("disabled_checks", ())) + _cuda.export_safety_checks()
+    with _cuda.gspmd_partitioner():
+        return jax.export.export(step, platforms=platforms, disabled_checks=checks,
+                                 **export_kwargs)(*args)

@@ -44,8 +44,7 @@ def main(command, path, tokens=None):
         args = (jax.ShapeDtypeStruct((R * t, H), jnp.bfloat16),
                 jax.ShapeDtypeStruct((R * t, K), jnp.int32),
                 jax.ShapeDtypeStruct((R * t, K), jnp.float32))
-        exported = jax.export.export(sharded, platforms=("cuda",),
-                                     disabled_checks=jax_ep.export_safety_checks())(*args)
+        exported = jax_ep.export_step(sharded, *args)
         with open(path, "wb") as f:
             f.write(exported.serialize())
         print("exported", len(exported.mlir_module()), "chars")

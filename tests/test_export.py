@@ -5,13 +5,30 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from harness import shard_spec
-from jax.sharding import Mesh
+from jax.extend import mlir as jex_mlir
+from jax.interpreters import mlir
+from jax.sharding import Mesh, NamedSharding
 
 import jax_ep
 from jax_ep import _cuda
 
 E, K, H, R = 16, 2, 256, 2
+
+
+def cpu_mesh():
+    return Mesh(np.array(jax.devices("cpu")[:R]), ("ep",))
+
+
+def normal_buffer(mesh):
+    return jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=4096,
+                         num_topk=K, backend="cuda", lowering_only=True)
+
+
+def low_latency_buffer(mesh):
+    return jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=64,
+                         num_topk=K, low_latency=True, backend="cuda", lowering_only=True)
 
 
 def moe_step(buf):
@@ -23,24 +40,45 @@ def moe_step(buf):
     return step
 
 
-def export_for_cuda(buf, mesh, fn, arg_shapes):
+def low_latency_step(buf):
+    def step(x, idx, w):
+        ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True)
+        y = jax_ep.per_token_cast_from_fp8(ll.recv_x, ll.recv_scales)
+        return jax_ep.low_latency_combine(buf, y, idx, w, ll.handle)
+    return step
+
+
+def step_args(t, sharding=None):
+    """x, topk_idx, topk_weights of ``t`` tokens per rank (an int or a symbolic dimension)."""
+    return (jax.ShapeDtypeStruct((R * t, H), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((R * t, K), jnp.int32, sharding=sharding),
+            jax.ShapeDtypeStruct((R * t, K), jnp.float32, sharding=sharding))
+
+
+def export_for_cuda(mesh, fn, arg_shapes):
+    """``fn`` under shard_map exported for cuda, as a deserialising process gets it."""
     spec = shard_spec(mesh)
     sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arg_shapes),
                                     out_specs=spec))
-    return jax.export.export(sharded, platforms=("cuda",),
-                            disabled_checks=jax_ep.export_safety_checks())(*arg_shapes)
+    return jax.export.deserialize(jax_ep.export_step(sharded, *arg_shapes).serialize())
+
+
+def refined_call_module(exported, mesh, tokens):
+    """Text of ``exported.call`` lowered for cuda at ``tokens`` per rank and shape-refined: the
+    first thing compiling it on a GPU does (jax's ``mlir.refine_polymorphic_shapes``)."""
+    args = step_args(tokens, NamedSharding(mesh, shard_spec(mesh)))
+    module = jax.jit(exported.call).trace(*args).lower(lowering_platforms=("cuda",))
+    refined = jex_mlir.refine_polymorphic_shapes(
+        mlir.module_to_bytecode(module.compiler_ir("stablehlo")), enable_shape_assertions=True,
+        validate_static_shapes=True, enable_shardy=jax.config.jax_use_shardy_partitioner)
+    with mlir.make_ir_context():
+        return str(mlir.ir.Module.parse(refined))
 
 
 def test_export_normal_mode_with_symbolic_tokens():
-    mesh = Mesh(np.array(jax.devices("cpu")[:R]), ("ep",))
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=4096,
-                        num_topk=K, backend="cuda", lowering_only=True)
+    mesh = cpu_mesh()
     (t,) = jax.export.symbolic_shape("t")
-    args = (jax.ShapeDtypeStruct((R * t, H), jnp.bfloat16),
-            jax.ShapeDtypeStruct((R * t, K), jnp.int32),
-            jax.ShapeDtypeStruct((R * t, K), jnp.float32))
-    exported = export_for_cuda(buf, mesh, moe_step(buf), args)
-    restored = jax.export.deserialize(exported.serialize())
+    restored = export_for_cuda(mesh, moe_step(normal_buffer(mesh)), step_args(t))
     text = restored.mlir_module()
     for op in ("dispatch", "combine", "layout"):
         assert f"@{_cuda.target_name(op)}(" in text, op
@@ -54,22 +92,27 @@ def test_export_normal_mode_with_symbolic_tokens():
 
 
 def test_export_low_latency_mode():
-    mesh = Mesh(np.array(jax.devices("cpu")[:R]), ("ep",))
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=64,
-                        num_topk=K, low_latency=True, backend="cuda", lowering_only=True)
-
-    def step(x, idx, w):
-        ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True)
-        y = jax_ep.per_token_cast_from_fp8(ll.recv_x, ll.recv_scales)
-        return jax_ep.low_latency_combine(buf, y, idx, w, ll.handle)
-
+    mesh = cpu_mesh()
     (t,) = jax.export.symbolic_shape("t")
-    args = (jax.ShapeDtypeStruct((R * t, H), jnp.bfloat16),
-            jax.ShapeDtypeStruct((R * t, K), jnp.int32),
-            jax.ShapeDtypeStruct((R * t, K), jnp.float32))
-    text = jax.export.deserialize(export_for_cuda(buf, mesh, step, args).serialize()
-                                  ).mlir_module()
+    text = export_for_cuda(mesh, low_latency_step(low_latency_buffer(mesh)),
+                           step_args(t)).mlir_module()
     call = re.search(r"custom_call @jax_ep_low_latency_dispatch_v1\(.*", text).group(0)
     assert "use_fp8 = true" in call and "round_scale = false" in call
     assert f"tensor<{E // R}x{R * 64}x{H}xf8E4M3FN>" in call
     assert f"@{_cuda.target_name('low_latency_combine')}(" in text
+
+
+@pytest.mark.parametrize("make_buffer,make_step,op,result", [
+    (normal_buffer, moe_step, "dispatch", f"tensor<{R * 64}x{H}xbf16>"),
+    (low_latency_buffer, low_latency_step, "low_latency_combine", f"tensor<64x{H}xbf16>"),
+])
+def test_symbolic_export_refines_to_static_shapes(make_buffer, make_step, op, result):
+    """Called for a concrete T, the symbolic export refines to static shapes everywhere (with a
+    Shardy export our custom calls stayed dynamic and the GPU compile failed)."""
+    mesh = cpu_mesh()
+    (t,) = jax.export.symbolic_shape("t")
+    exported = export_for_cuda(mesh, make_step(make_buffer(mesh)), step_args(t))
+    text = refined_call_module(exported, mesh, 64)
+    assert not re.findall(r"tensor<[^>]*\?", text)
+    call = re.search(rf"custom_call @{_cuda.target_name(op)}\(.*", text).group(0)
+    assert result in call
