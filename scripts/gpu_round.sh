@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call: build, then the sections named in $SECTIONS (default: all), each bounded by
+# `timeout`; logs and JSON under $OUT, a short summary last.
+#   tests      single-process GPU suite (test files in $TESTS)
+#   multiproc  tests/test_gpu_multiprocess.py + the GPU suite under `jax_ep.launch -n 2`
+#   memcheck   compute-sanitizer memcheck over the op tests
+#   bench      bench_ep (normal T=4096 and low-latency T sweep, with peers) + 2-process figures
+#   moe        bench_moe_layer with every transport
+#   first      first_call.py
+set -uo pipefail
+R="$PWD"; OUT="${OUT:-$R/gpu_out}"; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 JAX_EP_COMMIT="${JAX_EP_COMMIT:-unknown}"
+SECTIONS="${SECTIONS:-tests multiproc memcheck bench moe first}"
+TESTS="${TESTS:-tests/test_normal.py tests/test_low_latency.py tests/test_low_latency_split.py tests/test_gradients.py tests/test_gpu.py tests/test_aot.py}"
+summary=()
+step() {  # step NAME SECONDS CMD...: runs CMD with a timeout, logs to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  local s; s=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  summary+=("$name rc=$rc $(( $(date +%s) - s ))s $(grep -E '^[0-9]+ (passed|failed)|passed|ERROR SUMMARY' "$OUT/$name.log" | tail -1)")
+}
+bash scripts/gpu_session.sh build | head -2
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+if has tests; then  # one pytest per file: a kernel that traps takes its process down, not the run
+  for f in $TESTS; do step "$(basename "$f" .py)" 200 pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} "$f"; done
+fi
+has multiproc && step mp_tests 200 pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multiprocess.py
+has multiproc && step mp_suite 300 python3 -m jax_ep.launch -n 2 --timeout 280 -- \
+  pytest -m gpu -q -p no:cacheprovider tests/test_normal.py tests/test_low_latency.py tests/test_gradients.py
+has memcheck && XLA_PYTHON_CLIENT_ALLOCATOR=platform step memcheck 300 compute-sanitizer --tool memcheck \
+  --report-api-errors no --target-processes all --error-exitcode 9 \
+  pytest -m gpu -q -p no:cacheprovider tests/test_normal.py tests/test_low_latency.py \
+  tests/test_low_latency_split.py -k "not data_axis and not gradients"
+cd /tmp  # benchmarks import the installed jax_ep, not the source tree
+if has bench; then
+  step bench 300 python3 "$R/benchmarks/bench_ep.py" --out "$OUT" --tag final \
+    --ll-tokens 1,16,64,128,256 --impls jax_ep,all_to_all,ragged_all_to_all --max-minutes 4
+  step bench_mp 240 python3 -m jax_ep.launch -n 2 --timeout 230 -- python3 \
+    "$R/benchmarks/bench_ep.py" --out "$OUT" --tag 2proc --impls jax_ep --ll-tokens 128
+fi
+has moe && step moe 300 python3 "$R/benchmarks/bench_moe_layer.py" --out "$OUT" --max-minutes 4
+has first && step first 240 python3 "$R/benchmarks/first_call.py" --out "$OUT" --max-minutes 3
+cd "$R"
+printf '%s\n' "${summary[@]}"
+grep -h -E "^(E  |FAILED)|Fatal Python|Segmentation" "$OUT"/test_*.log "$OUT"/mp_*.log 2>/dev/null | head -40
+for f in bench moe first; do [[ -f "$OUT/$f.log" ]] && tail -25 "$OUT/$f.log"; done
+# At most 8 files come back from the device machine: every log in one archive, JSON beside it.
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log machine.txt 2>/dev/null; ls)
