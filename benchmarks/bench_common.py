@@ -432,12 +432,15 @@ def _per_rank_leaves(tree):
     return [leaf[None] for leaf in jax.tree.leaves(tree)]
 
 
-def repeated_program(mesh: Mesh, op: Callable, iterations: int, prologue: Callable | None = None):
+def repeated_program(mesh: Mesh, op: Callable, iterations: int, prologue: Callable | None = None,
+                     epilogue: Callable | None = None):
     """One jitted program that runs ``op`` ``iterations`` times, unrolled.
 
     ``program(fixed, sets)``: ``fixed`` is a tuple of global arrays given to ``prologue`` once
     (its result, e.g. a dispatch handle, is ``ctx``); ``sets`` is a tuple of argument tuples, at
-    least ``iterations`` of them: iteration i runs ``op(ctx, *sets[i])``.
+    least ``iterations`` of them: iteration i runs ``op(ctx, *sets[i])``. ``epilogue(ctx, args,
+    out)`` runs once after the last iteration (its arguments and outputs), e.g. to complete a
+    call that the iterations leave open; like the prologue it cancels in a short/long difference.
 
     - Distinct inputs per iteration: no two calls are the same expression, so XLA cannot CSE
       them (an ``optimization_barrier`` alone does not stop that: XLA:CPU removes it first).
@@ -459,6 +462,8 @@ def repeated_program(mesh: Mesh, op: Callable, iterations: int, prologue: Callab
                 args, carry = lax.optimization_barrier((args, carry))
             carry = op(ctx, *args)
             outputs.append(carry)
+        if epilogue is not None:
+            outputs.append(epilogue(ctx, args, carry))
         return _per_rank_leaves(outputs)
 
     return shard_mapped(mesh, body, 2)

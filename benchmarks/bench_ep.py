@@ -7,7 +7,9 @@ Times, per op and per rank: jax_ep (backend "cuda"), its reference backend ("xla
 flags, and ``ragged_all_to_all`` with ``--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer``
 (a child process, since XLA reads its flags once). Normal mode: layout, dispatch (bf16, fp8),
 combine at ``--tokens``; low-latency mode: dispatch (fp8, bf16) and combine for each of
-``--ll-tokens``; ``--sweep`` adds normal mode over 256..8192 tokens and two PNG plots.
+``--ll-tokens``, and (jax_ep's kernels only) the send and receive halves of both
+(``low_latency_*_send`` / ``_recv``, see ``split_program``); ``--sweep`` adds normal mode over
+256..8192 tokens and two PNG plots.
 
 Method (see README.md): one jitted shard_map'd program runs the op N times unrolled, each call
 chained to the previous one through an optimization barrier and fed a different pre-generated
@@ -41,7 +43,13 @@ DECOMPOSER_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=tru
 DECOMPOSER_IMPL = "ragged_all_to_all_decomposer"
 IMPLS = ("jax_ep", "reference", "all_to_all", "ragged_all_to_all", DECOMPOSER_IMPL)
 PEER_IMPLS = IMPLS[1:]  # everything that is not jax_ep's own kernels
-OPS = ("layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
+OPS = ("layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+       "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
+       "low_latency_combine_recv")
+# Send/receive halves of the low-latency ops -> (the fused op, the half). Timed for jax_ep's own
+# kernels only: the reference backend's send is a no-op and the peers have no halves.
+SPLIT_OPS = {f"low_latency_{op}_{half}": (f"low_latency_{op}", half)
+             for op in ("dispatch", "combine") for half in ("send", "recv")}
 DEFAULT_LL_TOKENS = (1, 16, 64, 128, 256)
 SWEEP_TOKENS = tuple(2**i for i in range(8, 14))  # 256 .. 8192
 QUICK = {"tokens": 128, "hidden": 512, "experts": 32, "ll_tokens": (1, 8),
@@ -118,8 +126,9 @@ def plan_cases(args) -> list[Case]:
     for tokens in args.ll_tokens:
         for op, dtype in [("low_latency_dispatch", "fp8"), ("low_latency_dispatch", "bf16"),
                           ("low_latency_combine", "bf16")]:
-            if op in args.ops:
-                cases.append(Case("low_latency", op, dtype, tokens))
+            for name in (op, f"{op}_send", f"{op}_recv"):
+                if name in args.ops:
+                    cases.append(Case("low_latency", name, dtype, tokens))
     return cases
 
 
@@ -184,7 +193,9 @@ class Inputs:
 
 
 def jax_ep_program(jax_ep, buf, case: Case, inputs: Inputs):
-    """``(prologue, op, fixed, sets)`` of a jax_ep op (cuda or reference backend)."""
+    """``(prologue, op, fixed, sets[, epilogue])`` of a jax_ep op (cuda or reference backend)."""
+    if case.op in SPLIT_OPS:
+        return split_program(jax_ep, buf, case, inputs)
     n = range(inputs.num_sets)
     idx = [r[0] for r in inputs.routing]
     w = [r[1] for r in inputs.routing]
@@ -224,6 +235,66 @@ def jax_ep_program(jax_ep, buf, case: Case, inputs: Inputs):
     raise ValueError(case)
 
 
+def split_program(jax_ep, buf, case: Case, inputs: Inputs):
+    """Programs of the halves of a low-latency op. Neither half can be timed alone with the
+    public API (every send needs its receive before the next send), so:
+
+    - ``*_send``: the sends of one call, repeated (each chained to the previous one's ticket),
+      and the call's receive once after the last (the epilogue, which cancels in the difference).
+      A benchmark-only pattern through the backend (the public API refuses a second pending
+      send): a send never waits and does the same work every time, every rank runs the same
+      sequence, and the final receive completes the call, so later calls are unaffected (the
+      data that receive returns is not meaningful).
+    - ``*_recv``: the (send, receive) pair through the public API; ``run_all`` reports
+      receive = pair - send.
+    """
+    op_name, half = SPLIT_OPS[case.op]
+    impl = buf._impl
+    n = range(inputs.num_sets)
+    idx = [r[0] for r in inputs.routing]
+    if op_name == "low_latency_dispatch":
+        use_fp8 = case.dtype == "fp8"
+        sets = [(inputs.x(k), idx[k]) for k in n]
+        if half == "send":
+            def send(ctx, x, i):
+                return impl.low_latency_dispatch_send(x, i, use_fp8, False)
+
+            def receive(ctx, args, ticket):
+                x, i = args
+                return impl.low_latency_dispatch_recv(x, i, ticket, use_fp8, False)
+
+            return None, send, (), sets, receive
+
+        def pair(ctx, x, i):
+            pending = jax_ep.low_latency_dispatch_send(buf, x, i, use_fp8=use_fp8)
+            return jax_ep.low_latency_dispatch_recv(buf, pending)
+
+        return None, pair, (), sets
+
+    def prologue(x, i, wt):
+        return jax_ep.low_latency_dispatch(buf, x, i, use_fp8=False).handle, i, wt
+
+    fixed = (inputs.x(0), idx[0], inputs.routing[0][1])
+    sets = [(inputs.y_low_latency(k),) for k in n]
+    if half == "send":
+        def send(ctx, y):
+            handle, i, wt = ctx
+            return impl.low_latency_combine_send(y, i, wt, handle)
+
+        def receive(ctx, args, ticket):
+            handle, i, wt = ctx
+            return impl.low_latency_combine_recv(args[0], i, wt, handle, ticket)
+
+        return prologue, send, fixed, sets, receive
+
+    def pair(ctx, y):
+        handle, i, wt = ctx
+        pending = jax_ep.low_latency_combine_send(buf, y, i, wt, handle)
+        return jax_ep.low_latency_combine_recv(buf, pending)
+
+    return prologue, pair, fixed, sets
+
+
 def peer_program(peer, case: Case, inputs: Inputs):
     """``(prologue, op, fixed, sets)`` of a peer at the same shape.
 
@@ -256,11 +327,12 @@ def peer_program(peer, case: Case, inputs: Inputs):
 
 
 def measure(mesh, args, program, pool):
-    prologue, op, fixed, sets = program
+    prologue, op, fixed, sets, *rest = program
+    epilogue = rest[0] if rest else None
     call_args = (tuple(fixed), tuple(tuple(s) for s in sets))
     start = time.perf_counter()
     lowered = [
-        bc.repeated_program(mesh, op, n, prologue).lower(*call_args)
+        bc.repeated_program(mesh, op, n, prologue, epilogue).lower(*call_args)
         for n in (args.n_short, args.n_long)
     ]
     short, long = pool.map(lambda low: low.compile(), lowered)  # compiles run in parallel
@@ -270,9 +342,33 @@ def measure(mesh, args, program, pool):
     return per_op_us, dict(extra, compile_s=round(compile_s, 2))
 
 
+def split_time(mesh, args, jax_ep, buf, case, inputs, pool, time_us, extra, send_us):
+    """The record time of a half from its program's measurement (``split_program``): a send is
+    its own measurement; a receive is the pair's minus the send's (measured now if the send
+    case did not run). Adds ``method`` and, for a receive, ``pair_us`` and ``send_us``."""
+    op_name, half = SPLIT_OPS[case.op]
+    key = (op_name, case.dtype)
+    if half == "send":
+        send_us[key] = time_us
+        return time_us, dict(extra, method=(
+            "unrolled difference of N sends of one call (the call's receive once after the "
+            "last; benchmark-only, see split_program)"))
+    if key not in send_us:
+        send_case = dataclasses.replace(case, op=f"{op_name}_send")
+        send_us[key], _ = measure(mesh, args, split_program(jax_ep, buf, send_case, inputs),
+                                  pool)
+    return time_us - send_us[key], dict(
+        extra, pair_us=time_us, send_us=send_us[key],
+        method=f"pair - send: unrolled difference of N ({op_name}_send, {op_name}_recv) pairs "
+               f"(pair_us) minus the {op_name}_send record (send_us)")
+
+
 def make_record(args, num_ranks, case, impl, time_us, inputs, extra):
     stats = inputs.stats_first if "combine" in case.op else inputs.stats_mean
-    nbytes, remote = bc.bytes_per_rank(case.op, case.dtype, args.hidden, stats)
+    # A send half moves the op's bytes; a receive half's GB/s would mean nothing (None).
+    op_name, half = SPLIT_OPS.get(case.op, (case.op, None))
+    nbytes, remote = bc.bytes_per_rank(op_name if half != "recv" else "", case.dtype,
+                                       args.hidden, stats)
     rec = {
         "op": case.op, "impl": impl, "dtype": case.dtype, "ranks": num_ranks,
         "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,
@@ -357,11 +453,14 @@ def run_all(args, impls, rename=None, deadline=None, checkpoint=None):
             except Exception as e:  # noqa: BLE001 - Buffer creation failed: every case fails
                 for case in cases:
                     errors.append(error_row(case, impl, e, num_ranks))
-                    log(f"  {case.op:21s} {impl:28s} ERROR {errors[-1]['error']}")
+                    log(f"  {case.op:25s} {impl:28s} ERROR {errors[-1]['error']}")
                 continue
+            send_us = {}  # (op, dtype) -> the send half's time, for the receive half's record
             for case in cases:
                 if case.op == "layout" and buf is None:
                     continue  # layout exists only in jax_ep (both backends)
+                if case.op in SPLIT_OPS and impl != "jax_ep":
+                    continue  # halves: jax_ep's kernels only (see SPLIT_OPS)
                 if deadline is not None and time.perf_counter() > deadline:
                     not_run += 1
                     continue
@@ -373,19 +472,22 @@ def run_all(args, impls, rename=None, deadline=None, checkpoint=None):
                         peer = bc.PEER_CLASSES[impl](num_ranks, args.experts, args.topk)
                         program = peer_program(peer, case, inputs)
                     time_us, extra = measure(mesh, args, program, pool)
+                    if case.op in SPLIT_OPS:
+                        time_us, extra = split_time(mesh, args, jax_ep, buf, case, inputs, pool,
+                                                    time_us, extra, send_us)
                     rec = make_record(args, num_ranks, case, name, time_us, inputs, extra)
                     if time_us <= 0:
                         raise RuntimeError(
                             f"non-positive time {time_us:.3f} us (noise larger than the op; "
                             f"raise --n-long/--repeats): {extra}")
                     records.append(rec)
-                    log(f"  {case.op:21s} {name:28s} {case.dtype:4s} T={tokens:<5d} "
+                    log(f"  {case.op:25s} {name:28s} {case.dtype:4s} T={tokens:<5d} "
                         f"{time_us:10.1f} us  {fmt(rec['gbps'], '8.1f')} GB/s  "
                         f"(compile {extra['compile_s']:.1f} s, "
                         f"{time.perf_counter() - t_start:.0f} s so far)")
                 except Exception as e:  # noqa: BLE001
                     errors.append(error_row(case, name, e, num_ranks))
-                    log(f"  {case.op:21s} {name:28s} {case.dtype:4s} T={tokens:<5d} "
+                    log(f"  {case.op:25s} {name:28s} {case.dtype:4s} T={tokens:<5d} "
                         f"ERROR {errors[-1]['error']}")
                     if os.environ.get("BENCH_EP_TRACEBACK"):
                         traceback.print_exc()
@@ -487,12 +589,12 @@ def sort_key(r):
 
 def print_table(records, errors):
     rows = sorted(records + errors, key=sort_key)
-    head = (f"{'op':21s} {'impl':28s} {'dtype':5s} {'tokens':>6s} {'time_us':>10s} "
+    head = (f"{'op':25s} {'impl':28s} {'dtype':5s} {'tokens':>6s} {'time_us':>10s} "
             f"{'GB/s':>8s} {'NVL%':>6s} {'x best peer':>11s}")
     print("\n" + head)
     print("-" * len(head))
     for r in rows:
-        lead = f"{r['op']:21s} {r['impl']:28s} {r.get('dtype') or '':5s} {r.get('tokens') or '':>6}"
+        lead = f"{r['op']:25s} {r['impl']:28s} {r.get('dtype') or '':5s} {r.get('tokens') or '':>6}"
         if "error" in r:
             print(f"{lead} ERROR {r['error'][:160]}")
             continue

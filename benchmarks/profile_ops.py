@@ -5,7 +5,10 @@
 Runs each op ``--iters`` times in one jitted program under ``jax.profiler.trace`` and prints,
 per op and device, every kernel's median duration and the median span of one op (first kernel
 start to last kernel end of each call). Unlike wall-clock differences this is pure device time:
-it shows what the GPU spends and where the gaps are. Writes ``profile.json`` into ``--out``.
+it shows what the GPU spends and where the gaps are. The ``*_split`` ops run the low-latency
+ops as send + receive halves back to back: the two kernels' medians are the halves' device
+times (the receive's includes waiting for the peers' sends), the span is the pair's. Writes
+``profile.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep import testing as oracle
 
+# The send half's kernel names, demangled or not (LowLatencyHalves::kSend == 1).
+SEND_HALF = ("LowLatencyHalves)1", "LowLatencyHalvesE1E")
+
 
 def _gpu_kernel_events(xspace_path):
     """{device plane name: [(name, start_ns, duration_ns)]} for device-side activity."""
@@ -46,12 +52,14 @@ def _gpu_kernel_events(xspace_path):
 
 def _summarise(events, marker, family, iters):
     """Per kernel name: median us; and the median span of one op: a call starts at each kernel
-    whose name contains ``marker`` and covers the following kernels whose names contain one of
-    ``family`` (the op's own kernels and memsets), up to the next call."""
+    whose name contains ``marker`` (or one of them, a tuple) and covers the following kernels
+    whose names contain one of ``family`` (the op's own kernels and memsets), up to the next
+    call."""
     by_name = {}
     for name, _, dur in events:
         by_name.setdefault(name, []).append(dur / 1e3)
-    starts = [i for i, (name, _, _) in enumerate(events) if marker in name]
+    markers = (marker,) if isinstance(marker, str) else marker
+    starts = [i for i, (name, _, _) in enumerate(events) if any(m in name for m in markers)]
     spans = []
     for j, i in enumerate(starts):
         end = starts[j + 1] if j + 1 < len(starts) else len(events)
@@ -111,6 +119,14 @@ def _program(mesh, buf, mode, op, num_inputs):
             elif op == "ll_combine":
                 ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
                 outs.append(jax_ep.low_latency_combine(buf, ll.recv_x, idx, w, ll.handle))
+            elif op in ("ll_dispatch_split_fp8", "ll_dispatch_split_bf16"):
+                pending = jax_ep.low_latency_dispatch_send(buf, x, idx,
+                                                           use_fp8=op.endswith("fp8"))
+                outs.append(jax_ep.low_latency_dispatch_recv(buf, pending).recv_x)
+            elif op == "ll_combine_split":
+                ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+                pending = jax_ep.low_latency_combine_send(buf, ll.recv_x, idx, w, ll.handle)
+                outs.append(jax_ep.low_latency_combine_recv(buf, pending))
         return outs
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * (2 + num_inputs),
@@ -151,7 +167,11 @@ def main(argv=None):
                if mode == "normal" else
                {"ll_dispatch_fp8": ("low_latency_dispatch", ("low_latency_dispatch",)),
                 "ll_dispatch_bf16": ("low_latency_dispatch", ("low_latency_dispatch",)),
-                "ll_combine": ("low_latency_combine", ("low_latency_combine",))})
+                "ll_combine": ("low_latency_combine", ("low_latency_combine",)),
+                # A split call starts at its send kernel (kernel<..., LowLatencyHalves 1>).
+                "ll_dispatch_split_fp8": (SEND_HALF, ("low_latency_dispatch",)),
+                "ll_dispatch_split_bf16": (SEND_HALF, ("low_latency_dispatch",)),
+                "ll_combine_split": (SEND_HALF, ("low_latency_combine",))})
         for op, (marker, family) in ops.items():
             program = _program(mesh, buf, mode, op, len(xs))
             results[op] = _profile(program, (gidx, gw, *xs), marker, family, args.iters,

@@ -12,8 +12,10 @@ from jax_ep._types import (
     Layout,
     LowLatencyDispatched,
     LowLatencyHandle,
+    LowLatencyPendingCombine,
+    LowLatencyPendingDispatch,
 )
-from jax_ep.aot import aot_compile
+from jax_ep.aot import aot_compile, export_step
 from jax_ep.buffer import Buffer
 from jax_ep.fp8 import per_token_cast_from_fp8, per_token_cast_to_fp8
 from jax_ep.ops import (
@@ -21,7 +23,11 @@ from jax_ep.ops import (
     dispatch,
     get_dispatch_layout,
     low_latency_combine,
+    low_latency_combine_recv,
+    low_latency_combine_send,
     low_latency_dispatch,
+    low_latency_dispatch_recv,
+    low_latency_dispatch_send,
 )
 
 __version__ = "0.1.0"
@@ -34,12 +40,19 @@ __all__ = [
     "Layout",
     "LowLatencyDispatched",
     "LowLatencyHandle",
+    "LowLatencyPendingCombine",
+    "LowLatencyPendingDispatch",
     "combine",
     "dispatch",
     "export_safety_checks",
+    "export_step",
     "get_dispatch_layout",
     "low_latency_combine",
+    "low_latency_combine_recv",
+    "low_latency_combine_send",
     "low_latency_dispatch",
+    "low_latency_dispatch_recv",
+    "low_latency_dispatch_send",
     "moe",
     "per_token_cast_from_fp8",
     "per_token_cast_to_fp8",

@@ -9,6 +9,7 @@ XLA neither removes nor merges them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -23,7 +24,9 @@ from jax_ep._types import DispatchHandle, Layout
 # instead of running the wrong kernel.
 TARGET_VERSION = "v1"
 TARGETS = ("layout", "dispatch", "cached_dispatch", "combine",
-           "low_latency_dispatch", "low_latency_combine")
+           "low_latency_dispatch", "low_latency_combine",
+           "low_latency_dispatch_send", "low_latency_dispatch_recv",
+           "low_latency_combine_send", "low_latency_combine_recv")
 WAIT_PHASES = {0: "none", 1: "dispatch count exchange", 2: "dispatch arrival",
                3: "combine/cached-dispatch barrier", 4: "combine/cached-dispatch arrival",
                5: "low-latency dispatch receive", 6: "low-latency combine receive"}
@@ -41,6 +44,26 @@ def export_safety_checks():
     to find its target rather than running a different kernel.
     """
     return [jax.export.DisabledSafetyCheck.custom_call(target_name(op)) for op in TARGETS]
+
+
+@contextlib.contextmanager
+def gspmd_partitioner():
+    """Lowers with the GSPMD partitioner instead of Shardy: wrap ``jax.export.export`` of a
+    shard_map step with symbolic shapes in it. The exported program is called under Shardy.
+
+    jaxlib 0.10-0.11 cannot refine the shapes of a Shardy shard_map body when such a program is
+    compiled: the dimension variables enter ``sdy.manual_computation`` as block arguments that
+    refinement never replaces by their values, so our custom calls' results (and any
+    ``jnp.zeros((T, 0))``) stay dynamic ("Module has dynamic shapes"), and a shape computation it
+    does fold inside the region crashes it. GSPMD lowers the body to a function whose dimension
+    arguments refinement specialises.
+    """
+    shardy = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", shardy)
 
 
 def load_extension():
@@ -137,6 +160,44 @@ class CudaBackend:
         (out,) = self._call(
             "low_latency_combine",
             [y, topk_idx, topk_weights, handle.recv_src, handle.recv_k, handle.recv_count],
+            [((T, H), jnp.bfloat16)])
+        return out
+
+    # Send/receive halves of the two ops above. The send's only result is the ticket [1] int32
+    # that the receive takes as an operand (so XLA keeps send -> receive); the receive takes the
+    # fused op's operands again where its half reads them (x, y: own rows; the routing).
+    def low_latency_dispatch_send(self, x, topk_idx, use_fp8, round_scale):
+        (ticket,) = self._call("low_latency_dispatch_send", [x, topk_idx], [((1,), jnp.int32)],
+                               use_fp8=bool(use_fp8), round_scale=bool(round_scale))
+        return ticket
+
+    def low_latency_dispatch_recv(self, x, topk_idx, ticket, use_fp8, round_scale):
+        del topk_idx  # the send half consumed it; the receive reads the region and x
+        H = x.shape[1]
+        E_loc, rows = self.num_local_experts, self.num_ranks * self.buf.max_tokens_per_rank
+        x_dtype = jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16
+        num_scales = H // 128 if use_fp8 else 0
+        recv_x, recv_scales, recv_count, recv_src, recv_k = self._call(
+            "low_latency_dispatch_recv", [x, ticket],
+            [((E_loc, rows, H), x_dtype), ((E_loc, rows, num_scales), jnp.float32),
+             ((E_loc,), jnp.int32), ((E_loc, rows), jnp.int32), ((E_loc, rows), jnp.int32)],
+            use_fp8=bool(use_fp8), round_scale=bool(round_scale))
+        return dict(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count,
+                    recv_src=recv_src, recv_k=recv_k)
+
+    def low_latency_combine_send(self, y, topk_idx, topk_weights, handle):
+        del topk_idx, topk_weights  # read by the receive half only
+        (ticket,) = self._call(
+            "low_latency_combine_send", [y, handle.recv_src, handle.recv_k, handle.recv_count],
+            [((1,), jnp.int32)])
+        return ticket
+
+    def low_latency_combine_recv(self, y, topk_idx, topk_weights, handle, ticket):
+        T, H = topk_idx.shape[0], y.shape[-1]
+        (out,) = self._call(
+            "low_latency_combine_recv",
+            [y, topk_idx, topk_weights, handle.recv_src, handle.recv_k, handle.recv_count,
+             ticket],
             [((T, H), jnp.bfloat16)])
         return out
 

@@ -16,9 +16,17 @@ Array = Any
 
 
 def _pytree(cls):
-    """Registers a frozen dataclass whose fields are all pytree children (None allowed)."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+    """Registers a frozen dataclass as a pytree: fields marked ``_static()`` are static (part of
+    the tree structure), every other field is a child (None allowed)."""
+    fields = dataclasses.fields(cls)
+    meta = [f.name for f in fields if f.metadata.get("static", False)]
+    data = [f.name for f in fields if f.name not in meta]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def _static():
+    """A static pytree field (a Python value known at trace time, e.g. a flag)."""
+    return dataclasses.field(metadata={"static": True})
 
 
 @_pytree
@@ -120,4 +128,49 @@ class LowLatencyDispatched:
     recv_scales: Array | None
     recv_count: Array
     recv_src: Array
+    handle: LowLatencyHandle
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class LowLatencyPendingDispatch:
+    """What ``jax_ep.low_latency_dispatch_send`` returns: a dispatch whose receive half is still
+    to run (``jax_ep.low_latency_dispatch_recv``). Pass it on unchanged.
+
+    Attributes:
+      ticket: ``[1]`` int32, the send custom call's result. The receive takes it as an operand,
+        so XLA runs the receive after the send and never drops the send. Its value is
+        informational (CUDA: the low 32 bits of the call's sequence tag; reference backend: 0).
+      x: ``[T, H]`` bfloat16, the tokens sent (the receive reads this rank's own rows from it,
+        and gradients flow through it).
+      topk_idx: ``[T, K]`` int32 global expert ids, -1 = none.
+      use_fp8, round_scale: the send's options (static).
+    """
+
+    ticket: Array
+    x: Array
+    topk_idx: Array
+    use_fp8: bool = _static()
+    round_scale: bool = _static()
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class LowLatencyPendingCombine:
+    """What ``jax_ep.low_latency_combine_send`` returns: a combine whose receive half is still to
+    run (``jax_ep.low_latency_combine_recv``). Pass it on unchanged.
+
+    Attributes:
+      ticket: ``[1]`` int32, the send custom call's result (see ``LowLatencyPendingDispatch``).
+      y: ``[E_loc, R * T_max, H]`` bfloat16 expert outputs (the receive reads the rows of this
+        rank's own tokens from it; gradients flow through it).
+      topk_idx: ``[T, K]`` int32, the ids passed to the dispatch.
+      topk_weights: ``[T, K]`` float32.
+      handle: the ``LowLatencyHandle`` of the dispatch.
+    """
+
+    ticket: Array
+    y: Array
+    topk_idx: Array
+    topk_weights: Array
     handle: LowLatencyHandle

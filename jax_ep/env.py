@@ -969,7 +969,8 @@ def auto_backend(
 
     "cuda" only when jax's default backend is gpu, every device is a CUDA GPU of compute
     capability >= 9.0 that the extension's built architectures run on, jax_ep._C imports, every
-    EP group has at most 8 ranks whose GPUs (of this process) have peer access to each other, and (when `workspace_bytes_needed` is given) every GPU has that much free memory.
+    EP group has at most 8 ranks whose GPUs (of this process) have peer access to each other,
+    and (when `workspace_bytes_needed` is given) every GPU has that much free memory.
     Call on the host, outside jit.
 
     Args:

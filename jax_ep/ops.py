@@ -3,7 +3,9 @@
 All ops run inside ``jax.shard_map`` manual over ``buf.axis_name``, under ``jax.jit``, with
 per-rank shapes. They are jit- and (CUDA backend, low-latency ops) CUDA-graph safe. Gradients:
 dispatch's backward is a combine, combine's backward is a cached dispatch; the low-latency ops'
-backwards are the other low-latency op with the same handle.
+backwards are the other low-latency op with the same handle. The low-latency ops also come as a
+send half and a receive half (``low_latency_*_send`` / ``low_latency_*_recv``) so that compute can
+run in between; their results and gradients are the fused op's.
 """
 
 from __future__ import annotations
@@ -14,8 +16,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _vma, fp8
-from jax_ep._types import Dispatched, DispatchHandle, Layout, LowLatencyDispatched, LowLatencyHandle
+from jax_ep import _ordering, _vma, fp8
+from jax_ep._types import (
+    Dispatched,
+    DispatchHandle,
+    Layout,
+    LowLatencyDispatched,
+    LowLatencyHandle,
+    LowLatencyPendingCombine,
+    LowLatencyPendingDispatch,
+)
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -251,16 +261,25 @@ def low_latency_dispatch(buf, x, topk_idx, use_fp8=True, round_scale=False):
       ``recv_count [E_loc]``, ``recv_src [E_loc, R*T_max]``, ``handle``. Differentiable w.r.t.
       ``x`` when ``use_fp8`` is False (the backward is a low-latency combine).
     """
+    x, topk_idx = _check_ll_dispatch_args(buf, x, topk_idx)
+    x, topk_idx = _ordering.before_fused(buf, "low_latency_dispatch", (x, topk_idx))
+    if use_fp8:
+        out = buf._impl.low_latency_dispatch(x, topk_idx, True, bool(round_scale))
+        result = _low_latency_result(out, with_scales=True)
+    else:
+        result = _ll_dispatch(buf, x, topk_idx)
+    _ordering.after_fused(buf, "low_latency_dispatch", result.recv_count)
+    return result
+
+
+def _check_ll_dispatch_args(buf, x, topk_idx):
+    """Validation shared by the fused dispatch and its send half; returns the aligned inputs."""
     buf._check_open()
     _check_low_latency(buf)
     _check_array("x", x, (None, buf.hidden), (jnp.bfloat16,))
     _check_tokens(buf, "x", x.shape[0])
     _check_routing(buf, x.shape[0], topk_idx)
-    x, topk_idx = _vma.align(buf.axis_name, (x, topk_idx))
-    if use_fp8:
-        out = buf._impl.low_latency_dispatch(x, topk_idx, True, bool(round_scale))
-        return _low_latency_result(out, with_scales=True)
-    return _ll_dispatch(buf, x, topk_idx)
+    return _vma.align(buf.axis_name, (x, topk_idx))
 
 
 def _low_latency_result(out, with_scales):
@@ -308,6 +327,16 @@ def low_latency_combine(buf, y, topk_idx, topk_weights, handle):
       ``[T, H]`` bfloat16: ``sum_k w[t,k] * y[e_k][row of (t,k)]`` in float32. Differentiable
       w.r.t. ``y`` and ``topk_weights``.
     """
+    args = _check_ll_combine_args(buf, y, topk_idx, topk_weights, handle)
+    args = _ordering.before_fused(buf, "low_latency_combine", args)
+    out = _ll_combine(buf, *args)
+    _ordering.after_fused(buf, "low_latency_combine", out)
+    return out
+
+
+def _check_ll_combine_args(buf, y, topk_idx, topk_weights, handle):
+    """Validation shared by the fused combine and its send half; returns the aligned
+    ``(y, topk_idx, topk_weights, handle)``."""
     buf._check_open()
     _check_low_latency(buf)
     rows = buf.num_ranks * buf.max_tokens_per_rank
@@ -318,9 +347,7 @@ def low_latency_combine(buf, y, topk_idx, topk_weights, handle):
     if not isinstance(handle, LowLatencyHandle):
         raise ValueError(f"handle must be the LowLatencyHandle of a low_latency_dispatch, got "
                          f"{type(handle).__name__}")
-    y, topk_idx, topk_weights, handle = _vma.align(buf.axis_name,
-                                                   (y, topk_idx, topk_weights, handle))
-    return _ll_combine(buf, y, topk_idx, topk_weights, handle)
+    return _vma.align(buf.axis_name, (y, topk_idx, topk_weights, handle))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -385,3 +412,188 @@ def _ll_values_to_owners(buf, row_values, handle, num_tokens):
                                                                          mode="drop")
     got = jax.lax.all_to_all(dense, buf.axis_name, split_axis=0, concat_axis=0)
     return jnp.sum(got, axis=0)[:num_tokens]
+
+
+# ------------------------------------------------------- low latency: send and receive halves
+def low_latency_dispatch_send(buf, x, topk_idx, use_fp8=True,
+                              round_scale=False) -> LowLatencyPendingDispatch:
+    """The send half of ``low_latency_dispatch``: casts and pushes this rank's rows to the
+    experts' ranks and returns at once (it never waits for a peer).
+
+    Args: as ``low_latency_dispatch``.
+
+    Returns:
+      ``LowLatencyPendingDispatch`` for ``low_latency_dispatch_recv``. Jit- and CUDA-graph safe.
+
+    Rule: per Buffer and op, at most one send may wait for its receive. Call the send, then its
+    receive, before the next send (or the fused op) of the same op on the same Buffer: the
+    regions are double-buffered by call parity and the call's sequence word advances at the end
+    of the receive. Dispatch and combine are independent (a dispatch may be pending while a
+    combine runs, and the reverse). Within one trace this is checked (``ValueError``) and XLA is
+    kept to the program order (each send depends on the previous receive through an
+    optimization barrier); calls in different traces (an inner ``jax.jit``, a ``lax.cond``
+    branch) or emitted by autodiff's backward pass are ordered only by their data.
+
+    XLA places independent work where it likes; to make it run between the halves, tie it to
+    the pending object::
+
+        pending = jax_ep.low_latency_dispatch_send(buf, x_b, idx_b)
+        h, pending = jax.lax.optimization_barrier((h, pending))  # compute after the send
+        h = layer(h)
+        h, pending = jax.lax.optimization_barrier((h, pending))  # receive after the compute
+        d_b = jax_ep.low_latency_dispatch_recv(buf, pending)
+    """
+    x, topk_idx = _check_ll_dispatch_args(buf, x, topk_idx)
+    round_scale = bool(round_scale) and bool(use_fp8)  # bf16 rows are not cast (as the fused op)
+    x, topk_idx = _ordering.before_send(buf, "low_latency_dispatch", (x, topk_idx))
+    ticket = _ll_dispatch_send(buf, x, topk_idx, bool(use_fp8), round_scale)
+    _ordering.after_send(buf, "low_latency_dispatch")
+    return LowLatencyPendingDispatch(ticket=ticket, x=x, topk_idx=topk_idx,
+                                     use_fp8=bool(use_fp8), round_scale=round_scale)
+
+
+def low_latency_dispatch_recv(buf, pending) -> LowLatencyDispatched:
+    """The receive half of ``low_latency_dispatch``: waits for the rows of ``pending``'s call
+    (bounded waits, as the fused op) and writes the outputs.
+
+    Args:
+      buf: the ``Buffer`` of the send.
+      pending: the ``LowLatencyPendingDispatch`` of ``low_latency_dispatch_send``, received once.
+
+    Returns:
+      ``LowLatencyDispatched``, bit-identical to ``low_latency_dispatch`` with the same inputs.
+      Differentiable w.r.t. the send's ``x`` when ``use_fp8`` is False (the backward is a
+      low-latency combine, as for the fused op).
+    """
+    buf._check_open()
+    _check_low_latency(buf)
+    if not isinstance(pending, LowLatencyPendingDispatch):
+        raise ValueError(f"pending must be the LowLatencyPendingDispatch of "
+                         f"low_latency_dispatch_send, got {type(pending).__name__}")
+    _ordering.before_recv(buf, "low_latency_dispatch", pending.ticket)
+    x, topk_idx, ticket = _vma.align(buf.axis_name, (pending.x, pending.topk_idx,
+                                                     pending.ticket))
+    if pending.use_fp8:
+        out = buf._impl.low_latency_dispatch_recv(x, topk_idx, ticket, True,
+                                                  pending.round_scale)
+        result = _low_latency_result(out, with_scales=True)
+    else:
+        result = _ll_dispatch_recv(buf, x, topk_idx, ticket)
+    _ordering.after_recv(buf, "low_latency_dispatch", pending.ticket, result.recv_count)
+    return result
+
+
+# The send halves carry no derivative: their only result is the integer ticket, and gradients
+# reach x (y, topk_weights) through the receive, which takes them again. A custom_vjp with zero
+# cotangents keeps autodiff away from the custom call (integer operands such as a handle from a
+# custom_vjp carry instantiated float0 tangents, which ffi_call refuses).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _ll_dispatch_send(buf, x, topk_idx, use_fp8, round_scale):
+    return buf._impl.low_latency_dispatch_send(x, topk_idx, use_fp8, round_scale)
+
+
+def _ll_dispatch_send_fwd(buf, x, topk_idx, use_fp8, round_scale):
+    return _ll_dispatch_send(buf, x, topk_idx, use_fp8, round_scale), None
+
+
+def _ll_dispatch_send_bwd(buf, use_fp8, round_scale, residuals, ct_ticket):
+    return None, None
+
+
+_ll_dispatch_send.defvjp(_ll_dispatch_send_fwd, _ll_dispatch_send_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ll_dispatch_recv(buf, x, topk_idx, ticket):
+    out = buf._impl.low_latency_dispatch_recv(x, topk_idx, ticket, False, False)
+    return _low_latency_result(out, False)
+
+
+def _ll_dispatch_recv_fwd(buf, x, topk_idx, ticket):
+    out = _ll_dispatch_recv(buf, x, topk_idx, ticket)
+    return out, (out.handle, topk_idx)  # the fused op's residuals
+
+
+def _ll_dispatch_recv_bwd(buf, residuals, cotangent):
+    return (*_ll_dispatch_bwd(buf, residuals, cotangent), None)  # no cotangent for the ticket
+
+
+_ll_dispatch_recv.defvjp(_ll_dispatch_recv_fwd, _ll_dispatch_recv_bwd)
+
+
+def low_latency_combine_send(buf, y, topk_idx, topk_weights,
+                             handle) -> LowLatencyPendingCombine:
+    """The send half of ``low_latency_combine``: pushes the expert outputs of rows that came
+    from other ranks to their owners and returns at once (it never waits for a peer).
+
+    Args: as ``low_latency_combine``.
+
+    Returns:
+      ``LowLatencyPendingCombine`` for ``low_latency_combine_recv``. Jit- and CUDA-graph safe.
+      The rule (one pending send per Buffer and op) and the way to place compute between the
+      halves are those of ``low_latency_dispatch_send``.
+    """
+    args = _check_ll_combine_args(buf, y, topk_idx, topk_weights, handle)
+    y, topk_idx, topk_weights, handle = _ordering.before_send(buf, "low_latency_combine", args)
+    ticket = _ll_combine_send(buf, y, topk_idx, topk_weights, handle)
+    _ordering.after_send(buf, "low_latency_combine")
+    return LowLatencyPendingCombine(ticket=ticket, y=y, topk_idx=topk_idx,
+                                    topk_weights=topk_weights, handle=handle)
+
+
+def low_latency_combine_recv(buf, pending):
+    """The receive half of ``low_latency_combine``: sums this rank's own rows, waits for the
+    rows pushed by the peers (bounded waits, as the fused op) and returns the weighted sums.
+
+    Args:
+      buf: the ``Buffer`` of the send.
+      pending: the ``LowLatencyPendingCombine`` of ``low_latency_combine_send``, received once.
+
+    Returns:
+      ``[T, H]`` bfloat16, bit-identical to ``low_latency_combine`` with the same inputs.
+      Differentiable w.r.t. the send's ``y`` and ``topk_weights`` (as the fused op).
+    """
+    buf._check_open()
+    _check_low_latency(buf)
+    if not isinstance(pending, LowLatencyPendingCombine):
+        raise ValueError(f"pending must be the LowLatencyPendingCombine of "
+                         f"low_latency_combine_send, got {type(pending).__name__}")
+    _ordering.before_recv(buf, "low_latency_combine", pending.ticket)
+    args = _vma.align(buf.axis_name, (pending.y, pending.topk_idx, pending.topk_weights,
+                                      pending.handle, pending.ticket))
+    out = _ll_combine_recv(buf, *args)
+    _ordering.after_recv(buf, "low_latency_combine", pending.ticket, out)
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ll_combine_send(buf, y, topk_idx, topk_weights, handle):  # no derivative: see above
+    return buf._impl.low_latency_combine_send(y, topk_idx, topk_weights, handle)
+
+
+def _ll_combine_send_fwd(buf, y, topk_idx, topk_weights, handle):
+    return _ll_combine_send(buf, y, topk_idx, topk_weights, handle), None
+
+
+def _ll_combine_send_bwd(buf, residuals, ct_ticket):
+    return None, None, None, None
+
+
+_ll_combine_send.defvjp(_ll_combine_send_fwd, _ll_combine_send_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ll_combine_recv(buf, y, topk_idx, topk_weights, handle, ticket):
+    return buf._impl.low_latency_combine_recv(y, topk_idx, topk_weights, handle, ticket)
+
+
+def _ll_combine_recv_fwd(buf, y, topk_idx, topk_weights, handle, ticket):
+    out = _ll_combine_recv(buf, y, topk_idx, topk_weights, handle, ticket)
+    return out, (y, topk_idx, topk_weights, handle)  # the fused op's residuals
+
+
+def _ll_combine_recv_bwd(buf, residuals, ct_out):
+    return (*_ll_combine_bwd(buf, residuals, ct_out), None)  # no cotangent for the ticket
+
+
+_ll_combine_recv.defvjp(_ll_combine_recv_fwd, _ll_combine_recv_bwd)

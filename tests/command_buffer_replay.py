@@ -1,6 +1,6 @@
 """Runs N low-latency dispatch+combine steps with changing inputs on every GPU, checking each
 step against the oracle. test_gpu.py runs it under XLA command buffers (CUDA graphs); by hand:
-``python tests/command_buffer_replay.py N``."""
+``python tests/command_buffer_replay.py N [split]`` (``split``: the send/receive halves)."""
 
 import sys
 
@@ -15,13 +15,18 @@ import jax_ep
 from jax_ep import testing as oracle
 
 
-def main(num_steps):
+def main(num_steps, split=False):
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     R, T, H, E, K = mesh.shape["ep"], 32, 512, 32, 4
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
                         num_topk=K, dtype=jnp.bfloat16, low_latency=True, backend="cuda")
 
     def step(x, idx, w):
+        if split:
+            ll = jax_ep.low_latency_dispatch_recv(
+                buf, jax_ep.low_latency_dispatch_send(buf, x, idx, use_fp8=False))
+            return ll.recv_count, jax_ep.low_latency_combine_recv(
+                buf, jax_ep.low_latency_combine_send(buf, ll.recv_x, idx, w, ll.handle))
         ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
         return ll.recv_count, jax_ep.low_latency_combine(buf, ll.recv_x, idx, w, ll.handle)
 
@@ -46,4 +51,4 @@ def main(num_steps):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), split=sys.argv[2:] == ["split"])

@@ -24,6 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 sys.path.insert(0, BENCH_DIR)
 import bench_common as bc  # noqa: E402
+import bench_ep  # noqa: E402
 
 RECORD_KEYS = {"op": str, "impl": str, "dtype": str, "ranks": int, "tokens": int, "hidden": int,
                "topk": int, "experts": int, "time_us": float}
@@ -196,6 +197,28 @@ def test_peers_match_routing(peer_name, monkeypatch):
     np.testing.assert_allclose(
         np.asarray(combined.astype(jnp.float32)).reshape(want_combined.shape), want_combined,
         rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("op", sorted(bench_ep.SPLIT_OPS))
+def test_split_halves_programs_run(op):
+    """The programs that time the low-latency halves (GPU only in the benchmark) build and run
+    on the reference backend: sends chained with one receive after the last, or pairs."""
+    jax_ep, why = bc.import_jax_ep()
+    if jax_ep is None:
+        pytest.skip(why)
+    args = bench_ep.parse_args(["--quick"])
+    mesh = bc.make_mesh()
+    buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+                        max_tokens_per_rank=8, num_topk=args.topk, low_latency=True,
+                        backend="xla", report_errors=False)
+    inputs = bench_ep.Inputs(mesh, args, 8, jax_ep)
+    program = bench_ep.jax_ep_program(
+        jax_ep, buf, bench_ep.Case("low_latency", op, "bf16", 8), inputs)
+    prologue, body, fixed, sets, *epilogue = program
+    assert len(epilogue) == (1 if op.endswith("_send") else 0)
+    run = bc.repeated_program(mesh, body, 2, prologue, *epilogue)
+    outputs = jax.block_until_ready(run(tuple(fixed), tuple(tuple(s) for s in sets)))
+    assert outputs
 
 
 def test_byte_counts_follow_deepep():

@@ -83,16 +83,19 @@ def test_model_hidden_sizes(hidden):
 
 
 
-def test_low_latency_replays_in_command_buffers():
+@pytest.mark.parametrize("ops", ["fused", "split"])
+def test_low_latency_replays_in_command_buffers(ops):
     """100 steps with changing inputs under XLA command buffers that include custom calls, each
-    checked against the oracle; the handlers report that XLA captured them into CUDA graphs."""
+    checked against the oracle; the handlers report that XLA captured them into CUDA graphs.
+    ``split``: the same steps with the send/receive halves."""
     require_gpus(1)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
                          "--xla_gpu_graph_min_graph_size=1")
     script = os.path.join(os.path.dirname(__file__), "command_buffer_replay.py")
-    result = subprocess.run([sys.executable, script, "100"], env=env, capture_output=True,
-                            text=True, timeout=240)
+    extra = ["split"] if ops == "split" else []
+    result = subprocess.run([sys.executable, script, "100", *extra], env=env,
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "steps ok 100" in result.stdout
     match = re.search(r"handler calls (\d+) captured (\d+)", result.stdout)
@@ -132,7 +135,10 @@ def test_persistent_compilation_cache_second_process(tmp_path):
 
 
 @pytest.mark.parametrize("mode,phase", [("normal", "dispatch count exchange"),
-                                        ("low_latency", "low-latency dispatch receive")])
+                                        ("low_latency", "low-latency dispatch receive"),
+                                        ("low_latency_split", "low-latency dispatch receive"),
+                                        ("low_latency_combine_split",
+                                         "low-latency combine receive")])
 def test_missing_peer_times_out_with_a_named_phase(mode, phase):
     """Rank 1 never runs its program: rank 0's wait ends after the timeout (2 s) with an error
     naming the phase and the missing peer, instead of hanging."""

@@ -1,9 +1,10 @@
-// FFI handlers of the low-latency (decode) mode: jax_ep_low_latency_dispatch_v1 and
-// jax_ep_low_latency_combine_v1 (operands/results: docs/internals.md, "Low-latency mode").
+// FFI handlers of the low-latency (decode) mode: jax_ep_low_latency_dispatch_v1,
+// jax_ep_low_latency_combine_v1 and their split halves ..._{dispatch,combine}_{send,recv}_v1
+// (operands/results: docs/internals.md, "Low-latency mode").
 //
 // Each handler looks up the rank's context (failing if a previous call timed out), checks every
 // operand and result against the Buffer's configuration, and enqueues one kernel on XLA's
-// stream. Both are command-buffer compatible: no host synchronisation and no host state per
+// stream. All are command-buffer compatible: no host synchronisation and no host state per
 // call (the sequence words that pick parity and tags live in device memory and are advanced by
 // the kernels), so XLA may capture them into CUDA graphs and replay them.
 #include <cuda_runtime_api.h>
@@ -22,7 +23,11 @@ namespace jax_ep {
 namespace {
 
 constexpr const char* kLowLatencyDispatchOp = "jax_ep_low_latency_dispatch_v1";
+constexpr const char* kLowLatencyDispatchSendOp = "jax_ep_low_latency_dispatch_send_v1";
+constexpr const char* kLowLatencyDispatchRecvOp = "jax_ep_low_latency_dispatch_recv_v1";
 constexpr const char* kLowLatencyCombineOp = "jax_ep_low_latency_combine_v1";
+constexpr const char* kLowLatencyCombineSendOp = "jax_ep_low_latency_combine_send_v1";
+constexpr const char* kLowLatencyCombineRecvOp = "jax_ep_low_latency_combine_recv_v1";
 
 // The Buffer must have low-latency regions, and its static shape must fit the kernels.
 ffi::Error check_low_latency_config(const char* op, const BufferConfig& config) {
@@ -42,6 +47,56 @@ ffi::Error check_low_latency_config(const char* op, const BufferConfig& config) 
   return ffi::Error::InvalidArgument(message.str());
 }
 
+// Every handler's start: counts the call, looks up the rank's context (failing if a previous
+// call timed out) and checks the Buffer's configuration.
+ffi::Error begin_call(const char* op, cudaStream_t stream, int64_t buffer_id, int32_t device,
+                      const RankContext** ctx) {
+  note_handler_call(stream);
+  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, ctx));
+  return check_low_latency_config(op, (*ctx)->config);
+}
+
+// The send half's result / the receive half's operand: [1] int32.
+ffi::Error check_ticket(const char* op, const ffi::AnyBuffer& ticket) {
+  return check_array(op, "ticket", ticket, {ffi::DataType::S32}, {1});
+}
+
+// Dispatch input x [T, H] bf16, T <= T_max.
+ffi::Error check_dispatch_x(const char* op, const BufferConfig& config, const ffi::AnyBuffer& x,
+                            LowLatencyDispatchParams* params) {
+  FFI_RETURN_IF_ERROR(check_array(op, "x", x, {ffi::DataType::BF16}, {kAnyDim, config.hidden}));
+  const int64_t num_tokens = x.dimensions()[0];
+  FFI_RETURN_IF_ERROR(check_num_tokens(op, "x", num_tokens, config));
+  params->x = x.untyped_data();
+  params->num_tokens = static_cast<int>(num_tokens);
+  return ffi::Error::Success();
+}
+
+// Dispatch results (fused op and receive half).
+ffi::Error check_dispatch_results(const char* op, const BufferConfig& config, bool use_fp8,
+                                  ffi::AnyBuffer recv_x, ffi::AnyBuffer recv_scales,
+                                  ffi::AnyBuffer recv_count, ffi::AnyBuffer recv_src,
+                                  ffi::AnyBuffer recv_k, LowLatencyDispatchParams* params) {
+  const int64_t num_local = config.num_local_experts();
+  const int64_t rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  const int64_t num_scales = use_fp8 ? config.hidden / kChannelsPerScale : 0;
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_x", recv_x,
+                                  {use_fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16},
+                                  {num_local, rows, config.hidden}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_scales", recv_scales, {ffi::DataType::F32},
+                                  {num_local, rows, num_scales}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_count", recv_count, {ffi::DataType::S32}, {num_local}));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "recv_src", recv_src, {ffi::DataType::S32}, {num_local, rows}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_k", recv_k, {ffi::DataType::S32}, {num_local, rows}));
+  params->recv_x = recv_x.untyped_data();
+  params->recv_scales = static_cast<float*>(recv_scales.untyped_data());
+  params->recv_count = static_cast<int32_t*>(recv_count.untyped_data());
+  params->recv_src = static_cast<int32_t*>(recv_src.untyped_data());
+  params->recv_k = static_cast<int32_t*>(recv_k.untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
                                   bool use_fp8, bool round_scale, ffi::AnyBuffer x,
                                   ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> recv_x,
@@ -51,43 +106,101 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t b
                                   ffi::Result<ffi::AnyBuffer> recv_k) {
   const char* op = kLowLatencyDispatchOp;
   const RankContext* ctx = nullptr;
-  note_handler_call(stream);
-  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
-  FFI_RETURN_IF_ERROR(check_low_latency_config(op, config));
-
-  FFI_RETURN_IF_ERROR(check_array(op, "x", x, {ffi::DataType::BF16}, {kAnyDim, config.hidden}));
-  const int64_t num_tokens = x.dimensions()[0];
-  FFI_RETURN_IF_ERROR(check_num_tokens(op, "x", num_tokens, config));
-  FFI_RETURN_IF_ERROR(
-      check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32}, {num_tokens, config.num_topk}));
-
-  const int64_t num_local = config.num_local_experts();
-  const int64_t rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
-  const int64_t num_scales = use_fp8 ? config.hidden / kChannelsPerScale : 0;
-  FFI_RETURN_IF_ERROR(check_array(op, "recv_x", *recv_x,
-                                  {use_fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16},
-                                  {num_local, rows, config.hidden}));
-  FFI_RETURN_IF_ERROR(check_array(op, "recv_scales", *recv_scales, {ffi::DataType::F32},
-                                  {num_local, rows, num_scales}));
-  FFI_RETURN_IF_ERROR(
-      check_array(op, "recv_count", *recv_count, {ffi::DataType::S32}, {num_local}));
-  FFI_RETURN_IF_ERROR(
-      check_array(op, "recv_src", *recv_src, {ffi::DataType::S32}, {num_local, rows}));
-  FFI_RETURN_IF_ERROR(check_array(op, "recv_k", *recv_k, {ffi::DataType::S32}, {num_local, rows}));
-
   LowLatencyDispatchParams params;
-  params.x = x.untyped_data();
-  params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
-  params.num_tokens = static_cast<int>(num_tokens);
   params.use_fp8 = use_fp8;
   params.round_scale = round_scale;
-  params.recv_x = recv_x->untyped_data();
-  params.recv_scales = static_cast<float*>(recv_scales->untyped_data());
-  params.recv_count = static_cast<int32_t*>(recv_count->untyped_data());
-  params.recv_src = static_cast<int32_t*>(recv_src->untyped_data());
-  params.recv_k = static_cast<int32_t*>(recv_k->untyped_data());
+  FFI_RETURN_IF_ERROR(check_dispatch_x(op, config, x, &params));
+  FFI_RETURN_IF_ERROR(check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32},
+                                  {params.num_tokens, config.num_topk}));
+  params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  FFI_RETURN_IF_ERROR(check_dispatch_results(op, config, use_fp8, *recv_x, *recv_scales,
+                                             *recv_count, *recv_src, *recv_k, &params));
   FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_dispatch(*ctx, params, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
+                                      bool use_fp8, bool round_scale, ffi::AnyBuffer x,
+                                      ffi::AnyBuffer topk_idx,
+                                      ffi::Result<ffi::AnyBuffer> ticket) {
+  const char* op = kLowLatencyDispatchSendOp;
+  const RankContext* ctx = nullptr;
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
+  const BufferConfig& config = ctx->config;
+  LowLatencyDispatchParams params;
+  params.use_fp8 = use_fp8;
+  params.round_scale = round_scale;
+  FFI_RETURN_IF_ERROR(check_dispatch_x(op, config, x, &params));
+  FFI_RETURN_IF_ERROR(check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32},
+                                  {params.num_tokens, config.num_topk}));
+  params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  FFI_RETURN_IF_ERROR(check_ticket(op, *ticket));
+  params.ticket = static_cast<int32_t*>(ticket->untyped_data());
+  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_dispatch_send(*ctx, params, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
+                                      bool use_fp8, bool round_scale, ffi::AnyBuffer x,
+                                      ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> recv_x,
+                                      ffi::Result<ffi::AnyBuffer> recv_scales,
+                                      ffi::Result<ffi::AnyBuffer> recv_count,
+                                      ffi::Result<ffi::AnyBuffer> recv_src,
+                                      ffi::Result<ffi::AnyBuffer> recv_k) {
+  const char* op = kLowLatencyDispatchRecvOp;
+  const RankContext* ctx = nullptr;
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
+  const BufferConfig& config = ctx->config;
+  LowLatencyDispatchParams params;
+  params.use_fp8 = use_fp8;
+  params.round_scale = round_scale;
+  FFI_RETURN_IF_ERROR(check_dispatch_x(op, config, x, &params));
+  FFI_RETURN_IF_ERROR(check_ticket(op, ticket));
+  FFI_RETURN_IF_ERROR(check_dispatch_results(op, config, use_fp8, *recv_x, *recv_scales,
+                                             *recv_count, *recv_src, *recv_k, &params));
+  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_dispatch_recv(*ctx, params, stream));
+  return ffi::Error::Success();
+}
+
+// Combine operands every launch reads: y and the dispatch handle.
+ffi::Error check_combine_y_and_handle(const char* op, const BufferConfig& config,
+                                      const ffi::AnyBuffer& y, const ffi::AnyBuffer& recv_src,
+                                      const ffi::AnyBuffer& recv_k,
+                                      const ffi::AnyBuffer& recv_count,
+                                      LowLatencyCombineParams* params) {
+  const int64_t num_local = config.num_local_experts();
+  const int64_t rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "y", y, {ffi::DataType::BF16}, {num_local, rows, config.hidden}));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "recv_src", recv_src, {ffi::DataType::S32}, {num_local, rows}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_k", recv_k, {ffi::DataType::S32}, {num_local, rows}));
+  FFI_RETURN_IF_ERROR(check_array(op, "recv_count", recv_count, {ffi::DataType::S32}, {num_local}));
+  params->y = y.untyped_data();
+  params->recv_src = static_cast<const int32_t*>(recv_src.untyped_data());
+  params->recv_k = static_cast<const int32_t*>(recv_k.untyped_data());
+  params->recv_count = static_cast<const int32_t*>(recv_count.untyped_data());
+  return ffi::Error::Success();
+}
+
+// Combine operands and result of the owner's reduction (fused op and receive half).
+ffi::Error check_combine_tokens(const char* op, const BufferConfig& config,
+                                const ffi::AnyBuffer& topk_idx, const ffi::AnyBuffer& topk_weights,
+                                ffi::AnyBuffer out, LowLatencyCombineParams* params) {
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32}, {kAnyDim, config.num_topk}));
+  const int64_t num_tokens = topk_idx.dimensions()[0];
+  FFI_RETURN_IF_ERROR(check_num_tokens(op, "topk_idx", num_tokens, config));
+  FFI_RETURN_IF_ERROR(check_array(op, "topk_weights", topk_weights, {ffi::DataType::F32},
+                                  {num_tokens, config.num_topk}));
+  FFI_RETURN_IF_ERROR(
+      check_array(op, "out", out, {ffi::DataType::BF16}, {num_tokens, config.hidden}));
+  params->topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  params->topk_weights = static_cast<const float*>(topk_weights.untyped_data());
+  params->num_tokens = static_cast<int>(num_tokens);
+  params->out = out.untyped_data();
   return ffi::Error::Success();
 }
 
@@ -98,38 +211,45 @@ ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t device, int64_t bu
                                  ffi::Result<ffi::AnyBuffer> out) {
   const char* op = kLowLatencyCombineOp;
   const RankContext* ctx = nullptr;
-  note_handler_call(stream);
-  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
-  const BufferConfig& config = ctx->config;
-  FFI_RETURN_IF_ERROR(check_low_latency_config(op, config));
-
-  const int64_t num_local = config.num_local_experts();
-  const int64_t rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
-  FFI_RETURN_IF_ERROR(
-      check_array(op, "y", y, {ffi::DataType::BF16}, {num_local, rows, config.hidden}));
-  FFI_RETURN_IF_ERROR(
-      check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32}, {kAnyDim, config.num_topk}));
-  const int64_t num_tokens = topk_idx.dimensions()[0];
-  FFI_RETURN_IF_ERROR(check_num_tokens(op, "topk_idx", num_tokens, config));
-  FFI_RETURN_IF_ERROR(check_array(op, "topk_weights", topk_weights, {ffi::DataType::F32},
-                                  {num_tokens, config.num_topk}));
-  FFI_RETURN_IF_ERROR(
-      check_array(op, "recv_src", recv_src, {ffi::DataType::S32}, {num_local, rows}));
-  FFI_RETURN_IF_ERROR(check_array(op, "recv_k", recv_k, {ffi::DataType::S32}, {num_local, rows}));
-  FFI_RETURN_IF_ERROR(check_array(op, "recv_count", recv_count, {ffi::DataType::S32}, {num_local}));
-  FFI_RETURN_IF_ERROR(
-      check_array(op, "out", *out, {ffi::DataType::BF16}, {num_tokens, config.hidden}));
-
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   LowLatencyCombineParams params;
-  params.y = y.untyped_data();
-  params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
-  params.topk_weights = static_cast<const float*>(topk_weights.untyped_data());
-  params.recv_src = static_cast<const int32_t*>(recv_src.untyped_data());
-  params.recv_k = static_cast<const int32_t*>(recv_k.untyped_data());
-  params.recv_count = static_cast<const int32_t*>(recv_count.untyped_data());
-  params.num_tokens = static_cast<int>(num_tokens);
-  params.out = out->untyped_data();
+  FFI_RETURN_IF_ERROR(
+      check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
+  FFI_RETURN_IF_ERROR(check_combine_tokens(op, ctx->config, topk_idx, topk_weights, *out, &params));
   FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_combine(*ctx, params, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
+                                     ffi::AnyBuffer y, ffi::AnyBuffer recv_src,
+                                     ffi::AnyBuffer recv_k, ffi::AnyBuffer recv_count,
+                                     ffi::Result<ffi::AnyBuffer> ticket) {
+  const char* op = kLowLatencyCombineSendOp;
+  const RankContext* ctx = nullptr;
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
+  LowLatencyCombineParams params;
+  FFI_RETURN_IF_ERROR(
+      check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
+  FFI_RETURN_IF_ERROR(check_ticket(op, *ticket));
+  params.ticket = static_cast<int32_t*>(ticket->untyped_data());
+  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_combine_send(*ctx, params, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
+                                     ffi::AnyBuffer y, ffi::AnyBuffer topk_idx,
+                                     ffi::AnyBuffer topk_weights, ffi::AnyBuffer recv_src,
+                                     ffi::AnyBuffer recv_k, ffi::AnyBuffer recv_count,
+                                     ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> out) {
+  const char* op = kLowLatencyCombineRecvOp;
+  const RankContext* ctx = nullptr;
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
+  LowLatencyCombineParams params;
+  FFI_RETURN_IF_ERROR(
+      check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
+  FFI_RETURN_IF_ERROR(check_combine_tokens(op, ctx->config, topk_idx, topk_weights, *out, &params));
+  FFI_RETURN_IF_ERROR(check_ticket(op, ticket));
+  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_combine_recv(*ctx, params, stream));
   return ffi::Error::Success();
 }
 
@@ -151,6 +271,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, LowLatencyDispatchImpl,
                                   .Ret<ffi::AnyBuffer>(),  // recv_k [E_loc, R*T_max] s32
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, LowLatencyDispatchSendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Attr<int64_t>("buffer_id")                // buffer_id
+                                  .Attr<bool>("use_fp8")                     // use_fp8
+                                  .Attr<bool>("round_scale")                 // round_scale
+                                  .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
+                                  .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                                  .Ret<ffi::AnyBuffer>(),                    // ticket [1] s32
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, LowLatencyDispatchRecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Attr<int64_t>("buffer_id")                // buffer_id
+                                  .Attr<bool>("use_fp8")                     // use_fp8
+                                  .Attr<bool>("round_scale")                 // round_scale
+                                  .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
+                                  .Arg<ffi::AnyBuffer>()                     // ticket [1] s32
+                                  .Ret<ffi::AnyBuffer>()   // recv_x [E_loc, R*T_max, H] f8/bf16
+                                  .Ret<ffi::AnyBuffer>()   // recv_scales [E_loc, R*T_max, S'] f32
+                                  .Ret<ffi::AnyBuffer>()   // recv_count [E_loc] s32
+                                  .Ret<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
+                                  .Ret<ffi::AnyBuffer>(),  // recv_k [E_loc, R*T_max] s32
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, LowLatencyCombineImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
@@ -165,11 +313,44 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, LowLatencyCombineImpl,
                                   .Ret<ffi::AnyBuffer>(),  // out [T, H] bf16
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, LowLatencyCombineSendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Attr<int64_t>("buffer_id")                // buffer_id
+                                  .Arg<ffi::AnyBuffer>()   // y [E_loc, R*T_max, H] bf16
+                                  .Arg<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
+                                  .Arg<ffi::AnyBuffer>()   // recv_k [E_loc, R*T_max] s32
+                                  .Arg<ffi::AnyBuffer>()   // recv_count [E_loc] s32
+                                  .Ret<ffi::AnyBuffer>(),  // ticket [1] s32
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, LowLatencyCombineRecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Attr<int64_t>("buffer_id")                // buffer_id
+                                  .Arg<ffi::AnyBuffer>()   // y [E_loc, R*T_max, H] bf16
+                                  .Arg<ffi::AnyBuffer>()   // topk_idx [T, K] s32
+                                  .Arg<ffi::AnyBuffer>()   // topk_weights [T, K] f32
+                                  .Arg<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
+                                  .Arg<ffi::AnyBuffer>()   // recv_k [E_loc, R*T_max] s32
+                                  .Arg<ffi::AnyBuffer>()   // recv_count [E_loc] s32
+                                  .Arg<ffi::AnyBuffer>()   // ticket [1] s32
+                                  .Ret<ffi::AnyBuffer>(),  // out [T, H] bf16
+                              {ffi::Traits::kCmdBufferCompatible});
+
 void add_low_latency_targets(nb::dict& targets) {
-  targets["jax_ep_low_latency_dispatch_v1"] =
-      nb::capsule(reinterpret_cast<void*>(LowLatencyDispatchHandler));
-  targets["jax_ep_low_latency_combine_v1"] =
-      nb::capsule(reinterpret_cast<void*>(LowLatencyCombineHandler));
+  targets[kLowLatencyDispatchOp] = nb::capsule(reinterpret_cast<void*>(LowLatencyDispatchHandler));
+  targets[kLowLatencyDispatchSendOp] =
+      nb::capsule(reinterpret_cast<void*>(LowLatencyDispatchSendHandler));
+  targets[kLowLatencyDispatchRecvOp] =
+      nb::capsule(reinterpret_cast<void*>(LowLatencyDispatchRecvHandler));
+  targets[kLowLatencyCombineOp] = nb::capsule(reinterpret_cast<void*>(LowLatencyCombineHandler));
+  targets[kLowLatencyCombineSendOp] =
+      nb::capsule(reinterpret_cast<void*>(LowLatencyCombineSendHandler));
+  targets[kLowLatencyCombineRecvOp] =
+      nb::capsule(reinterpret_cast<void*>(LowLatencyCombineRecvHandler));
 }
 
 }  // namespace jax_ep

@@ -1,6 +1,8 @@
 // Low-latency (decode) combine, jax_ep_low_latency_combine_v1:
 //   out[t] = sum over k with a valid id of w[t, k] * y[e_k][row of (t, k)], float32, rounded once.
-// One cooperative launch, one block of 512 threads per SM.
+// One cooperative launch, one block of 512 threads per SM. The same kernel body, compiled per
+// LowLatencyHalves, also gives the split pair jax_ep_low_latency_combine_send_v1 (phase 1 and
+// the arrival/release of phase 3, then a ticket) and ..._recv_v1 (phases 2, the wait of 3, 4, 5).
 //
 // Expert outputs of rows that came from a peer are pushed into that peer's combine region at
 // [parity][token][k]; rows of this rank's own tokens are not moved at all: the owner reads them
@@ -22,10 +24,21 @@
 //   4. The block adds the peer rows, rounds to bf16 and stores out[t]; further tokens likewise.
 //   5. The last block to finish advances the combine sequence word.
 //
+// Split (send launch, then receive launch, same grid, one stream, nothing of this op on this
+// Buffer in between on this rank): both read the sequence word at their start and only phase 5
+// advances it, so both use the same tag and parity. The send launch runs phase 1, then every
+// block arrives on the "sent" counter and the last one releases the flag words, as in phase 3;
+// it never waits. The receive launch sums the own rows (read from y, an operand again), waits
+// for every peer's flag word (same bounded wait, phase "low-latency combine receive"), adds the
+// peer rows and advances the sequence word. Arriving at the end of phase 1 instead of after the
+// first own-row sum publishes the same stores (all of phase 1's) a little earlier.
+//
 // Parity safety: as for dispatch (low_latency_dispatch.cu), with the combine sequence word and
 // the flag words of phase 3 as the words every rank waits for from every other rank in every
 // call: a rank starts combine n only after its combine n-1 saw every peer's flag of n-1, which a
 // peer publishes only after its combine n-2 ended, the last reader of the parity n % 2 region.
+// A split call counts as one call (its receive launch does the waiting and the advancing); the
+// argument needs each send to follow the previous call's receive, as for dispatch.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -62,6 +75,7 @@ struct CombineArgs {
   __nv_bfloat16* out;         // [T, H]
   int num_tokens;
   int num_experts;
+  int32_t* ticket;            // [1] (send half alone)
 };
 
 // Rows summed into one output token, split by where they are read from.
@@ -292,44 +306,59 @@ __device__ __forceinline__ void accumulate_rows(float (&acc)[kOwnerVecsPerThread
   }
 }
 
-// Grid: one block per SM (cooperative), kLowLatencyThreads threads. No dynamic shared memory.
-__global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    low_latency_combine_kernel(const __grid_constant__ CombineArgs args) {
-  __shared__ TokenSources sources;
+// Phase 3, first part: every thread fences its remote stores, the block arrives on the "sent"
+// counter, and the last block to arrive release-stores the combine flag [parity][me] = tag at
+// every peer (cumulative over every block's rows: fence, atomic / atomic, fence, release).
+// Block-wide; every block calls it exactly once per call. `num_ranks` and `me` are the rank
+// view's, read once at kernel start.
+__device__ __forceinline__ void arrive_and_release_flags(const CombineArgs& args,
+                                                         LowLatencyControl* control, uint64_t tag,
+                                                         int parity, int num_ranks, int me) {
   const LowLatencyRank& rk = args.rank;
-  const LowLatencyLayout& layout = rk.layout;
-  const int num_ranks = layout.num_ranks;
-  const int me = rk.rank;
   const int tid = static_cast<int>(threadIdx.x);
+  if (arrive_and_check_last(&control->combine_blocks_sent)) {
+    if (tid < num_ranks && tid != me) {
+      uint64_t* flag = reinterpret_cast<uint64_t*>(rk.peers[tid] + rk.layout.combine_flags) +
+                       rk.layout.flag_index(parity, me);
+      st_release_sys(flag, tag);
+    }
+  }
+}
 
-  LowLatencyControl* control = low_latency_control(rk);
-  const uint64_t seq = ld_volatile_u64(&control->combine_seq);
-  const uint64_t tag = seq + 1;
-  const int parity = static_cast<int>(seq & 1);
+// Phase 3, second part: the block waits for the flag word of every peer (acquire), then
+// synchronises so that every thread may read the rows the peers pushed.
+__device__ __forceinline__ void wait_peer_flags(const CombineArgs& args, uint64_t tag, int parity,
+                                                int num_ranks, int me) {
+  const LowLatencyRank& rk = args.rank;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < num_ranks && tid != me) {
+    const uint64_t* flag = reinterpret_cast<const uint64_t*>(rk.local + rk.layout.combine_flags) +
+                           rk.layout.flag_index(parity, tid);
+    wait_flag_at_least(flag, tag, rk.timeout_ns, rk.timeout_record, me, tid,
+                       WaitPhase::kLowLatencyCombineRecv);
+  }
+  __syncthreads();
+}
 
-  // Phase 1.
-  send_rows(args, parity);
+// Phases 2-4 (the owner's reduction). kArriveHere: this launch also ran phase 1 (fused op), so
+// the block arrives on the "sent" counter inside the first owner pass, after its own rows are
+// summed; otherwise the send launch already arrived and released the flags.
+template <bool kArriveHere>
+__device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatencyControl* control,
+                                              uint64_t tag, int parity, int num_ranks, int me) {
+  __shared__ TokenSources sources;
+  const int tid = static_cast<int>(threadIdx.x);
 
   // Phase 3 (run inside the first owner pass, after the own rows are summed).
   auto arrive_and_wait_peers = [&]() {
-    if (arrive_and_check_last(&control->combine_blocks_sent)) {
-      if (tid < num_ranks && tid != me) {
-        uint64_t* flag = reinterpret_cast<uint64_t*>(rk.peers[tid] + layout.combine_flags) +
-                         layout.flag_index(parity, me);
-        st_release_sys(flag, tag);
-      }
+    if constexpr (kArriveHere) {
+      arrive_and_release_flags(args, control, tag, parity, num_ranks, me);
     }
-    if (tid < num_ranks && tid != me) {
-      const uint64_t* flag = reinterpret_cast<const uint64_t*>(rk.local + layout.combine_flags) +
-                             layout.flag_index(parity, tid);
-      wait_flag_at_least(flag, tag, rk.timeout_ns, rk.timeout_record, me, tid,
-                         WaitPhase::kLowLatencyCombineRecv);
-    }
-    __syncthreads();
+    wait_peer_flags(args, tag, parity, num_ranks, me);
   };
 
   // Phases 2 and 4.
-  const int hidden = layout.hidden;
+  const int hidden = args.rank.layout.hidden;
   const int vecs = hidden / kBf16PerVector;
   bool peers_arrived = false;
   for (int token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
@@ -363,15 +392,42 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // Every block waits for every peer, also without tokens: the parity argument needs every call
   // to observe every peer's flag before it ends.
   if (!peers_arrived) arrive_and_wait_peers();
-
-  // Phase 5.
-  finish_launch(&control->combine_blocks_done, &control->combine_seq, seq, nullptr);
 }
 
-}  // namespace
+// Grid: one block per SM (cooperative), kLowLatencyThreads threads. No dynamic shared memory.
+// kHalves picks the phases: kBoth (fused op) runs 1-5; kSend runs 1 and the arrival/flag release
+// of 3, then stores the ticket; kRecv runs 2, the wait of 3, 4 and 5. The send launch and the
+// receive launch of one call read the same sequence word (only phase 5 advances it).
+template <LowLatencyHalves kHalves>
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    low_latency_combine_kernel(const __grid_constant__ CombineArgs args) {
+  const int num_ranks = args.rank.layout.num_ranks;
+  const int me = args.rank.rank;
 
-cudaError_t launch_low_latency_combine(const RankContext& ctx,
-                                       const LowLatencyCombineParams& params, cudaStream_t stream) {
+  LowLatencyControl* control = low_latency_control(args.rank);
+  const uint64_t seq = ld_volatile_u64(&control->combine_seq);
+  const uint64_t tag = seq + 1;
+  const int parity = static_cast<int>(seq & 1);
+
+  // Phase 1.
+  if constexpr (runs_send_half(kHalves)) send_rows(args, parity);
+
+  if constexpr (runs_recv_half(kHalves)) {
+    // Phases 2-4.
+    reduce_tokens<runs_send_half(kHalves)>(args, control, tag, parity, num_ranks, me);
+    // Phase 5.
+    finish_launch(&control->combine_blocks_done, &control->combine_seq, seq, nullptr);
+  } else {
+    // Phase 3, send half: publish this call's rows now; the receive launch waits for them.
+    arrive_and_release_flags(args, control, tag, parity, num_ranks, me);
+    store_ticket(args.ticket, tag);
+  }
+}
+
+// Launches the phases kHalves of one combine call.
+template <LowLatencyHalves kHalves>
+cudaError_t launch_combine_halves(const RankContext& ctx, const LowLatencyCombineParams& params,
+                                  cudaStream_t stream) {
   int num_blocks = 0;
   const cudaError_t err = low_latency_grid_size(ctx, &num_blocks);
   if (err != cudaSuccess) return err;
@@ -387,13 +443,42 @@ cudaError_t launch_low_latency_combine(const RankContext& ctx,
   args.out = static_cast<__nv_bfloat16*>(params.out);
   args.num_tokens = params.num_tokens;
   args.num_experts = ctx.config.num_experts;
+  args.ticket = params.ticket;
 
-  return launch_low_latency_kernel(low_latency_combine_kernel, num_blocks, 0, stream, args);
+  return launch_low_latency_kernel(low_latency_combine_kernel<kHalves>, num_blocks, 0, stream,
+                                   args);
+}
+
+}  // namespace
+
+cudaError_t launch_low_latency_combine(const RankContext& ctx,
+                                       const LowLatencyCombineParams& params, cudaStream_t stream) {
+  return launch_combine_halves<LowLatencyHalves::kBoth>(ctx, params, stream);
+}
+
+cudaError_t launch_low_latency_combine_send(const RankContext& ctx,
+                                            const LowLatencyCombineParams& params,
+                                            cudaStream_t stream) {
+  return launch_combine_halves<LowLatencyHalves::kSend>(ctx, params, stream);
+}
+
+cudaError_t launch_low_latency_combine_recv(const RankContext& ctx,
+                                            const LowLatencyCombineParams& params,
+                                            cudaStream_t stream) {
+  return launch_combine_halves<LowLatencyHalves::kRecv>(ctx, params, stream);
 }
 
 cudaError_t preload_low_latency_combine_kernels() {
   cudaFuncAttributes attributes;
-  return cudaFuncGetAttributes(&attributes, low_latency_combine_kernel);
+  cudaError_t err =
+      cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<LowLatencyHalves::kBoth>);
+  if (err == cudaSuccess) {
+    err = cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<LowLatencyHalves::kSend>);
+  }
+  if (err == cudaSuccess) {
+    err = cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<LowLatencyHalves::kRecv>);
+  }
+  return err;
 }
 
 }  // namespace jax_ep

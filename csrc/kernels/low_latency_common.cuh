@@ -4,7 +4,12 @@
 // Launch shape of both kernels: one block of kLowLatencyThreads per SM, launched cooperatively so
 // that every block is resident (blocks wait for words that other blocks of the same launch
 // write). No host state per call: the sequence word that picks the call's parity and tag lives
-// in device memory and is advanced by the last block of each launch.
+// in device memory and is advanced by the last block of the launch that runs the receive half.
+//
+// Each kernel body is compiled three times (LowLatencyHalves): the fused op, its send half and
+// its receive half. The split pair runs the same phases as the fused launch, in two launches on
+// one stream; the kernel boundary between them takes the place of the in-launch waits that only
+// ordered this rank's own blocks (see the per-op comments).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +25,19 @@ namespace jax_ep {
 
 constexpr int kLowLatencyThreads = 512;
 constexpr int kLowLatencyWarps = kLowLatencyThreads / kWarpSize;
+
+// Which phases of a low-latency op one launch runs. kBoth: the fused op
+// (jax_ep_low_latency_{dispatch,combine}_v1). kSend then kRecv: the split pair
+// (..._send_v1 / ..._recv_v1), with no other call of the same op between them on this rank.
+// The send half never waits for a peer; every wait is in the receive half.
+enum class LowLatencyHalves : int { kSend = 1, kRecv = 2, kBoth = 3 };
+
+__host__ __device__ constexpr bool runs_send_half(LowLatencyHalves halves) {
+  return (static_cast<int>(halves) & static_cast<int>(LowLatencyHalves::kSend)) != 0;
+}
+__host__ __device__ constexpr bool runs_recv_half(LowLatencyHalves halves) {
+  return (static_cast<int>(halves) & static_cast<int>(LowLatencyHalves::kRecv)) != 0;
+}
 
 // What a low-latency kernel knows about its rank. Plain data inside the kernel arguments.
 struct LowLatencyRank {
@@ -88,9 +106,10 @@ __device__ __forceinline__ bool arrive_and_check_last(unsigned long long* counte
   return last_block != 0;
 }
 
-// Called once by every block as its last action: the last block to finish advances the sequence
-// word (every block read it at its start, so none can see the new value in this launch) and
-// clears the counters the launch waited on.
+// Called once by every block of the launch that runs the receive half, as its last action: the
+// last block to finish advances the sequence word (every block read it at its start, so none can
+// see the new value in this launch) and clears the call's counters (`waited_counter`: one that
+// this launch's, or the preceding send launch's, blocks arrived on).
 __device__ __forceinline__ void finish_launch(unsigned long long* done_counter, uint64_t* seq_word,
                                               uint64_t seq, unsigned long long* waited_counter) {
   __syncthreads();
@@ -102,6 +121,13 @@ __device__ __forceinline__ void finish_launch(unsigned long long* done_counter, 
       *seq_word = seq + 1;
     }
   }
+}
+
+// The send half's only result, the "ticket" [1] int32: the low 32 bits of the call's tag. Its
+// value is informational; what matters is that the receive half takes it as an operand, so XLA
+// runs the receive after the send and never drops the send.
+__device__ __forceinline__ void store_ticket(int32_t* ticket, uint64_t tag) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *ticket = static_cast<int32_t>(tag);
 }
 
 __device__ __forceinline__ int warp_inclusive_sum(int value, int lane) {

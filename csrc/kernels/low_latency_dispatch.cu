@@ -1,6 +1,9 @@
 // Low-latency (decode) dispatch, jax_ep_low_latency_dispatch_v1: one copy of every (token, k)
 // with a valid expert id lands in the block of that expert on the expert's rank, rows ordered by
 // (source rank, source token, k). One cooperative launch, one block of 512 threads per SM.
+// The same kernel body, compiled per LowLatencyHalves, also gives the split pair
+// jax_ep_low_latency_dispatch_send_v1 (phases 0-4, then a ticket) and ..._recv_v1 (phases 5-6):
+// see "Split" below.
 //
 // Per-rank words (layout in low_latency_layout.cuh, all double-buffered by call parity):
 //   count word  [parity][e][s]  (tag << 32) | rows source s sends to local expert e. Published by
@@ -33,6 +36,16 @@
 //      Then recv_count and the -1 fill of recv_src/recv_k past it.
 //   6. The last block to finish advances the dispatch sequence word and clears the meta counter.
 //
+// Split (send launch = phases 0-4, receive launch = phases 5-6, same grid, one stream, nothing of
+// this op on this Buffer in between on this rank): both launches read the sequence word at their
+// start and only phase 6 advances it, so both use the same tag and parity. The send launch never
+// waits. Its blocks still arrive on the meta counter (phase 2), but the receive launch does not
+// wait for it: the kernel boundary already orders the send launch's own-meta stores before every
+// load of the receive launch; its phase 6 clears the counter as the fused launch does. Peer rows,
+// meta, flags and count words are waited for exactly as in the fused launch (same bounded waits,
+// phase "low-latency dispatch receive"). Phase 5 reads x for the own rows: the receive half takes
+// x as an operand again.
+//
 // Memory ordering of a remote row: data stores (weak, every thread of the sending block) ->
 // bar.sync -> the releasing thread's meta store -> fence.acq_rel.sys -> st.relaxed.sys flag
 // (a release pattern; cumulative over the block's stores ordered before it by the barrier).
@@ -41,14 +54,19 @@
 //
 // Parity safety: call n (per rank, counted by the sequence word, identical on all ranks because
 // every rank runs the same calls in the same order) writes peers' words, meta, flags and rows of
-// parity n % 2. Every call makes every rank wait for a count word that every other rank writes in
-// that same call (phase 5 waits for all (e, s) words, every expert has at least one warp). So
-// when a rank starts call n, its call n-1 has seen every peer's call n-1 count words, which each
-// peer writes only after its call n-2 ended (launches on one stream are serialised): all ranks
-// have finished call n-2, the last user of parity n % 2. Row flags hold the full 64-bit tag and
-// are waited with >=: a stale flag of call n-2 (or older: a slot may stay unused for many calls)
-// is < n, and no rank can already hold a flag of call n+2. Count words are rewritten every call,
-// so comparing their low 32 bits is safe for the same reason.
+// parity n % 2. A call is one fused launch or one send launch followed by its receive launch.
+// Every call makes every rank wait for a count word that every other rank writes in that same
+// call (phase 5 waits for all (e, s) words, every expert has at least one warp). So when a rank
+// starts call n (phase 0), its call n-1 has finished phase 5 and seen every peer's call n-1
+// count words, which each peer writes (phase 1) only after its call n-2 ended, phase 6 included
+// (launches on one stream are serialised, and a split call's receive launch precedes the next
+// call's first launch): all ranks have finished call n-2, the last user of parity n % 2. Row
+// flags hold the full 64-bit tag and are waited with >=: a stale flag of call n-2 (or older: a
+// slot may stay unused for many calls) is < n, and no rank can already hold a flag of call n+2.
+// Count words are rewritten every call, so comparing their low 32 bits is safe for the same
+// reason. The split pair needs exactly the rule above: two sends of this op without the first
+// one's receive between them would reuse one tag and parity (XLA keeps the order only through
+// data dependences: jax_ep/ops.py chains the calls of one trace).
 // Dispatch and combine keep separate sequence words and separate regions: the argument above
 // then involves only the op's own call history, whatever the interleaving of dispatches and
 // combines (forward, backward, dispatch-only programs).
@@ -90,6 +108,7 @@ struct DispatchArgs {
   int num_experts;          // E
   int tokens_per_block;     // ceil(T / grid)
   bool round_scale;
+  int32_t* ticket;          // [1] (send half alone)
 };
 
 // Where the pair (local token, k) of a block goes when its expert is on a peer (all nullptr
@@ -296,9 +315,11 @@ __device__ __forceinline__ void copy_peer_row(const DispatchArgs& args, const ch
 
 // Phase 5 for local expert `expert`, shared by `num_sharers` warps of which this is number
 // `sharer`. Work units (row, chunk of <= kRecvPiecesPerUnit pieces) are numbered in the order:
-// own rows first, then sources rank+1, rank+2, ... (mod R). `own_meta_ready` remembers whether
-// this warp has already seen the meta counter complete.
-template <bool kUseFp8>
+// own rows first, then sources rank+1, rank+2, ... (mod R). kOwnMetaInLaunch: the own meta is
+// written by this launch's blocks (fused op), so wait for the meta counter; `own_meta_ready`
+// remembers whether this warp has seen it complete. Otherwise the send launch wrote it and the
+// kernel boundary orders it before this launch.
+template <bool kUseFp8, bool kOwnMetaInLaunch>
 __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int expert, int sharer,
                                                int num_sharers, uint64_t tag, int parity,
                                                bool& own_meta_ready) {
@@ -351,14 +372,16 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
     const int piece0 = chunk * chunk_pieces;
     const int piece_end = min(pieces, piece0 + chunk_pieces);
     if (src == me) {
-      if (!own_meta_ready) {  // own meta: written by every block of this launch in phase 2
-        if (lane == 0) {
-          wait_flag_at_least(reinterpret_cast<const uint64_t*>(&control->dispatch_blocks_meta),
-                             gridDim.x, rk.timeout_ns, rk.timeout_record, me, me,
-                             WaitPhase::kLowLatencyDispatchRecv);
+      if constexpr (kOwnMetaInLaunch) {
+        if (!own_meta_ready) {  // own meta: written by every block of this launch in phase 2
+          if (lane == 0) {
+            wait_flag_at_least(reinterpret_cast<const uint64_t*>(&control->dispatch_blocks_meta),
+                               gridDim.x, rk.timeout_ns, rk.timeout_record, me, me,
+                               WaitPhase::kLowLatencyDispatchRecv);
+          }
+          __syncwarp();
+          own_meta_ready = true;
         }
-        __syncwarp();
-        own_meta_ready = true;
       }
       const int token = ld_cg_s32(&meta->x);
       const int k = ld_cg_s32(&meta->y);
@@ -399,7 +422,7 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
 
 // Phase 5 for every expert of this warp: warps w = e (mod E_loc) share expert e; with fewer
 // warps than experts each warp takes experts w, w + W, ...
-template <bool kUseFp8>
+template <bool kUseFp8, bool kOwnMetaInLaunch>
 __device__ __forceinline__ void receive_pass(const DispatchArgs& args, uint64_t tag, int parity) {
   const int num_experts_local = args.rank.layout.num_local_experts;
   const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
@@ -409,21 +432,21 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, uint64_t 
   if (num_warps >= num_experts_local) {
     const int expert = warp % num_experts_local;
     const int sharers = (num_warps - 1 - expert) / num_experts_local + 1;
-    receive_expert<kUseFp8>(args, expert, warp / num_experts_local, sharers, tag, parity,
-                            own_meta_ready);
+    receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, warp / num_experts_local, sharers,
+                                              tag, parity, own_meta_ready);
   } else {
     for (int expert = warp; expert < num_experts_local; expert += num_warps) {
-      receive_expert<kUseFp8>(args, expert, 0, 1, tag, parity, own_meta_ready);
+      receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, 0, 1, tag, parity, own_meta_ready);
     }
   }
 }
 
-// Grid: one block per SM (cooperative), kLowLatencyThreads threads. Dynamic shared memory:
-// pairs [tokens_per_block][K], the block's ids [tokens_per_block][K], then two int histograms of
-// E entries.
+// Phases 0-4 (the send half): histograms, count words, slots and own meta, rows to the peers and
+// their flags. Never waits for a peer. Dynamic shared memory: pairs [tokens_per_block][K], the
+// block's ids [tokens_per_block][K], then two int histograms of E entries.
 template <bool kUseFp8>
-__global__ void __launch_bounds__(kLowLatencyThreads, 1)
-    low_latency_dispatch_kernel(const __grid_constant__ DispatchArgs args) {
+__device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyControl* control,
+                                          uint64_t tag, int parity) {
   extern __shared__ __align__(16) unsigned char smem[];
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
@@ -434,11 +457,6 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const int me = rk.rank;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % kWarpSize;
-
-  LowLatencyControl* control = low_latency_control(rk);
-  const uint64_t seq = ld_volatile_u64(&control->dispatch_seq);
-  const uint64_t tag = seq + 1;
-  const int parity = static_cast<int>(seq & 1);
 
   RemotePair* pairs = reinterpret_cast<RemotePair*>(smem);
   int* block_ids = reinterpret_cast<int*>(pairs + args.tokens_per_block * num_topk);
@@ -527,7 +545,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
   __syncthreads();
   // Own meta visible before the block's arrival. Only warp 0 wrote any, and only locally (remote
-  // meta waits for phase 4), so this fence is short and stalls warp 0 alone.
+  // meta waits for phase 4), so this fence is short and stalls warp 0 alone. (The send half
+  // alone arrives too: its counter is cleared by the receive half's finish_launch.)
   if (tid < kWarpSize) {
     __threadfence();
     if (tid == 0) atomicAdd(&control->dispatch_blocks_meta, 1ull);
@@ -539,28 +558,39 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   // Phase 4: publish this block's remote rows.
   __syncthreads();
   release_remote_pairs(pairs, n_tok * num_topk, tag);
-
-  // Phase 5: own rows, then peer rows as they land; recv_count, -1 fill.
-  receive_pass<kUseFp8>(args, tag, parity);
-
-  // Phase 6.
-  finish_launch(&control->dispatch_blocks_done, &control->dispatch_seq, seq,
-                &control->dispatch_blocks_meta);
 }
 
-}  // namespace
+// Grid: one block per SM (cooperative), kLowLatencyThreads threads. kHalves picks the phases:
+// kBoth (fused op) runs 0-6; kSend runs 0-4 and stores the ticket; kRecv runs 5-6. The send
+// launch and the receive launch of one call read the same sequence word (only phase 6
+// advances it), hence the same tag and parity. Dynamic shared memory: see send_half (none for
+// kRecv).
+template <bool kUseFp8, LowLatencyHalves kHalves>
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+    low_latency_dispatch_kernel(const __grid_constant__ DispatchArgs args) {
+  LowLatencyControl* control = low_latency_control(args.rank);
+  const uint64_t seq = ld_volatile_u64(&control->dispatch_seq);
+  const uint64_t tag = seq + 1;
+  const int parity = static_cast<int>(seq & 1);
 
-size_t low_latency_workspace_bytes(const BufferConfig& config) {
-  return config.low_latency ? make_low_latency_layout(config).total_bytes : 0;
+  // Phases 0-4.
+  if constexpr (runs_send_half(kHalves)) send_half<kUseFp8>(args, control, tag, parity);
+
+  if constexpr (runs_recv_half(kHalves)) {
+    // Phase 5: own rows, then peer rows as they land; recv_count, -1 fill.
+    receive_pass<kUseFp8, runs_send_half(kHalves)>(args, tag, parity);
+    // Phase 6.
+    finish_launch(&control->dispatch_blocks_done, &control->dispatch_seq, seq,
+                  &control->dispatch_blocks_meta);
+  } else {
+    store_ticket(args.ticket, tag);
+  }
 }
 
-size_t low_latency_workspace_offset(const BufferConfig& config) {
-  return align_up(normal_workspace_bytes(config), kLowLatencyAlignBytes);
-}
-
-cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
-                                        const LowLatencyDispatchParams& params,
-                                        cudaStream_t stream) {
+// Launches the phases kHalves of one dispatch call.
+template <LowLatencyHalves kHalves>
+cudaError_t launch_dispatch_halves(const RankContext& ctx, const LowLatencyDispatchParams& params,
+                                   cudaStream_t stream) {
   int num_blocks = 0;
   cudaError_t err = low_latency_grid_size(ctx, &num_blocks);
   if (err != cudaSuccess) return err;
@@ -578,21 +608,63 @@ cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
   args.num_experts = ctx.config.num_experts;
   args.tokens_per_block = (params.num_tokens + num_blocks - 1) / num_blocks;
   args.round_scale = params.round_scale;
+  args.ticket = params.ticket;
 
-  const size_t smem_bytes = static_cast<size_t>(args.tokens_per_block) * ctx.config.num_topk *
-                                (sizeof(RemotePair) + sizeof(int)) +
-                            2 * static_cast<size_t>(ctx.config.num_experts) * sizeof(int);
-  return params.use_fp8 ? launch_low_latency_kernel(low_latency_dispatch_kernel<true>, num_blocks,
-                                                    smem_bytes, stream, args)
-                        : launch_low_latency_kernel(low_latency_dispatch_kernel<false>, num_blocks,
-                                                    smem_bytes, stream, args);
+  const size_t smem_bytes =
+      runs_send_half(kHalves)
+          ? static_cast<size_t>(args.tokens_per_block) * ctx.config.num_topk *
+                    (sizeof(RemotePair) + sizeof(int)) +
+                2 * static_cast<size_t>(ctx.config.num_experts) * sizeof(int)
+          : 0;
+  return params.use_fp8
+             ? launch_low_latency_kernel(low_latency_dispatch_kernel<true, kHalves>, num_blocks,
+                                         smem_bytes, stream, args)
+             : launch_low_latency_kernel(low_latency_dispatch_kernel<false, kHalves>, num_blocks,
+                                         smem_bytes, stream, args);
+}
+
+template <LowLatencyHalves kHalves>
+cudaError_t preload_dispatch_halves() {
+  cudaFuncAttributes attributes;
+  const cudaError_t err =
+      cudaFuncGetAttributes(&attributes, low_latency_dispatch_kernel<true, kHalves>);
+  if (err != cudaSuccess) return err;
+  return cudaFuncGetAttributes(&attributes, low_latency_dispatch_kernel<false, kHalves>);
+}
+
+}  // namespace
+
+size_t low_latency_workspace_bytes(const BufferConfig& config) {
+  return config.low_latency ? make_low_latency_layout(config).total_bytes : 0;
+}
+
+size_t low_latency_workspace_offset(const BufferConfig& config) {
+  return align_up(normal_workspace_bytes(config), kLowLatencyAlignBytes);
+}
+
+cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
+                                        const LowLatencyDispatchParams& params,
+                                        cudaStream_t stream) {
+  return launch_dispatch_halves<LowLatencyHalves::kBoth>(ctx, params, stream);
+}
+
+cudaError_t launch_low_latency_dispatch_send(const RankContext& ctx,
+                                             const LowLatencyDispatchParams& params,
+                                             cudaStream_t stream) {
+  return launch_dispatch_halves<LowLatencyHalves::kSend>(ctx, params, stream);
+}
+
+cudaError_t launch_low_latency_dispatch_recv(const RankContext& ctx,
+                                             const LowLatencyDispatchParams& params,
+                                             cudaStream_t stream) {
+  return launch_dispatch_halves<LowLatencyHalves::kRecv>(ctx, params, stream);
 }
 
 cudaError_t preload_low_latency_dispatch_kernels() {
-  cudaFuncAttributes attributes;
-  cudaError_t err = cudaFuncGetAttributes(&attributes, low_latency_dispatch_kernel<true>);
-  if (err != cudaSuccess) return err;
-  return cudaFuncGetAttributes(&attributes, low_latency_dispatch_kernel<false>);
+  cudaError_t err = preload_dispatch_halves<LowLatencyHalves::kBoth>();
+  if (err == cudaSuccess) err = preload_dispatch_halves<LowLatencyHalves::kSend>();
+  if (err == cudaSuccess) err = preload_dispatch_halves<LowLatencyHalves::kRecv>();
+  return err;
 }
 
 // Errors are left in cudaGetLastError() for the caller (runtime/registry) to report.

@@ -12,6 +12,9 @@
 namespace jax_ep {
 
 // Operands and results of jax_ep_low_latency_dispatch_v1 (docs/internals.md), device pointers.
+// The split pair uses the same struct: the send half reads x and topk_idx and writes ticket (the
+// recv_* results stay null); the receive half reads x (its own rows) and writes the recv_*
+// results (topk_idx and ticket stay null).
 struct LowLatencyDispatchParams {
   const void* x = nullptr;            // [T, H] bf16
   const int32_t* topk_idx = nullptr;  // [T, K] global expert ids, -1 = none
@@ -23,9 +26,12 @@ struct LowLatencyDispatchParams {
   int32_t* recv_count = nullptr;  // [E_loc]
   int32_t* recv_src = nullptr;    // [E_loc, R*T_max]
   int32_t* recv_k = nullptr;      // [E_loc, R*T_max]
+  int32_t* ticket = nullptr;      // [1] (send half)
 };
 
-// Operands and results of jax_ep_low_latency_combine_v1.
+// Operands and results of jax_ep_low_latency_combine_v1. The send half reads y and the handle
+// (recv_src, recv_k, recv_count) and writes ticket; the receive half reads everything but the
+// ticket and writes out.
 struct LowLatencyCombineParams {
   const void* y = nullptr;              // [E_loc, R*T_max, H] bf16
   const int32_t* topk_idx = nullptr;    // [T, K]
@@ -35,6 +41,7 @@ struct LowLatencyCombineParams {
   const int32_t* recv_count = nullptr;  // [E_loc]
   int num_tokens = 0;                   // T <= T_max
   void* out = nullptr;                  // [T, H] bf16
+  int32_t* ticket = nullptr;            // [1] (send half)
 };
 
 // One kernel launch each on `stream`; no host synchronisation, no host state per call
@@ -44,6 +51,23 @@ cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
                                         cudaStream_t stream);
 cudaError_t launch_low_latency_combine(const RankContext& ctx,
                                        const LowLatencyCombineParams& params, cudaStream_t stream);
+
+// The two halves of the same ops (jax_ep_low_latency_{dispatch,combine}_{send,recv}_v1): the
+// fused kernel's phases in two launches. Per Buffer and op, a send must be followed by its
+// receive before the next send or fused call of that op on this rank (the regions are
+// double-buffered by call parity and the sequence word advances at the end of the receive).
+cudaError_t launch_low_latency_dispatch_send(const RankContext& ctx,
+                                             const LowLatencyDispatchParams& params,
+                                             cudaStream_t stream);
+cudaError_t launch_low_latency_dispatch_recv(const RankContext& ctx,
+                                             const LowLatencyDispatchParams& params,
+                                             cudaStream_t stream);
+cudaError_t launch_low_latency_combine_send(const RankContext& ctx,
+                                            const LowLatencyCombineParams& params,
+                                            cudaStream_t stream);
+cudaError_t launch_low_latency_combine_recv(const RankContext& ctx,
+                                            const LowLatencyCombineParams& params,
+                                            cudaStream_t stream);
 
 // Per-file kernel preloading (called by preload_low_latency_kernels()).
 cudaError_t preload_low_latency_dispatch_kernels();

@@ -40,7 +40,8 @@ constexpr size_t kLowLatencyAlignBytes = 256;
 constexpr int kLowLatencyNumParities = 2;
 
 // Words private to one rank. Counters are reset to 0 by the block that sees them complete, so
-// every launch finds them at 0 (launches on one stream are serialised).
+// every launch finds them at 0 (launches on one stream are serialised). The split dispatch's
+// send launch leaves dispatch_blocks_meta at the grid size; its receive launch clears it.
 struct LowLatencyControl {
   uint64_t dispatch_seq;                    // completed low-latency dispatch calls
   uint64_t combine_seq;                     // completed low-latency combine calls

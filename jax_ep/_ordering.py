@@ -1,0 +1,136 @@
+"""Program order of the low-latency calls of one trace (for the split send/receive halves).
+
+XLA orders custom calls only through data dependences: ``has_side_effect`` keeps a call from
+being removed or merged, not from being moved. A split low-latency call is two custom calls
+(send, then receive, tied by the ticket), and per Buffer and op the calls must run
+send, receive, send, receive, ... with no fused call of that op between a send and its receive
+(the regions are double-buffered by call parity; docs/internals.md). For the calls of one trace
+this module
+
+- raises ``ValueError`` when a send or a fused call of an op is traced while a send of the same
+  op and Buffer waits for its receive, or when a pending object is received twice;
+- ties each send to the previous receive or fused call of the same op, and each fused call to a
+  previous receive, by passing the later call's inputs through ``lax.optimization_barrier``
+  together with a result of the earlier call, so XLA cannot run the later call first. Programs
+  without split calls are left exactly as they were (fused calls are not tied to each other).
+
+Limits: calls in different traces (an inner ``jax.jit``, a ``lax.cond`` branch, the ops that
+autodiff's backward pass emits) are not tied; the state holds weak references only (no tracer
+outlives its trace), so a result that nothing holds any more ties nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import jax
+
+from jax_ep import _vma
+
+try:  # public for library authors since jax 0.4.36 (jax.extend.core)
+    from jax.extend.core import get_opaque_trace_state as _current_trace
+except ImportError:  # pragma: no cover - older jax spells it jax.core.get_opaque_trace_state
+    _current_trace = getattr(jax.core, "get_opaque_trace_state", None)
+
+# Per Buffer and op, the states of this many most recent traces are kept (nested traces, e.g. a
+# jit inside the shard_map body, must not wipe the outer trace's state).
+_TRACES_KEPT = 8
+
+
+class _OpTrace:
+    """The calls of one op of one Buffer in one trace."""
+
+    def __init__(self, trace):
+        self.trace = trace
+        self.pending = False  # a send whose receive is not traced yet
+        self.last = None  # weakref to a result of the last receive or fused call
+        self.last_is_recv = False
+        self.received = []  # weakrefs to the tickets received so far
+
+
+_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Buffer -> {op: [_OpTrace]}
+_STATE_LOCK = threading.Lock()  # traces may run in several threads; an entry is one trace's
+
+
+def _state(buf, op):
+    if _current_trace is None:
+        return None
+    trace = _current_trace()
+    with _STATE_LOCK:
+        traces = _STATE.setdefault(buf, {}).setdefault(op, [])
+        for entry in traces:
+            if entry.trace == trace:
+                return entry
+        entry = _OpTrace(trace)
+        traces.append(entry)
+        del traces[:-_TRACES_KEPT]
+        return entry
+
+
+def _tied_after(buf, entry, inputs):
+    """``inputs`` passed through an optimization barrier with the last call's result."""
+    token = entry.last() if entry.last is not None else None
+    if token is None:
+        return inputs
+    inputs, token = _vma.align(buf.axis_name, (inputs, jax.lax.stop_gradient(token)))
+    inputs, _ = jax.lax.optimization_barrier((inputs, token))
+    return inputs
+
+
+def before_send(buf, op, inputs):
+    """Checks the rule for a send of ``op`` ("low_latency_dispatch" or "low_latency_combine");
+    returns ``inputs`` (a pytree) tied after the last receive or fused call of ``op``."""
+    entry = _state(buf, op)
+    if entry is None:
+        return inputs
+    if entry.pending:
+        raise ValueError(
+            f"{op}_send: an earlier {op}_send on this Buffer has not been received yet "
+            f"({op}_recv). At most one send per Buffer and op may wait for its receive: the "
+            f"regions are double-buffered by call parity. Receive the first pending object "
+            f"before the next send, or use a second Buffer for a second stream of calls.")
+    return _tied_after(buf, entry, inputs)
+
+
+def after_send(buf, op):
+    entry = _state(buf, op)
+    if entry is not None:
+        entry.pending = True
+
+
+def before_recv(buf, op, ticket):
+    """Raises if the pending object holding ``ticket`` was received before in this trace."""
+    entry = _state(buf, op)
+    if entry is not None and any(ref() is ticket for ref in entry.received):
+        raise ValueError(f"{op}_recv: this pending object was already received; every send has "
+                         f"exactly one receive")
+
+
+def after_recv(buf, op, ticket, result):
+    """Records a receive of ``op``; ``result`` (an array of its outputs) ties the next call."""
+    entry = _state(buf, op)
+    if entry is None:
+        return
+    entry.pending = False
+    entry.received.append(weakref.ref(ticket))
+    entry.last, entry.last_is_recv = weakref.ref(result), True
+
+
+def before_fused(buf, op, inputs):
+    """Checks that no send of ``op`` waits for its receive; returns ``inputs`` tied after the
+    previous call when that was a receive (fused-only programs are left unchanged)."""
+    entry = _state(buf, op)
+    if entry is None:
+        return inputs
+    if entry.pending:
+        raise ValueError(
+            f"{op}: called between a {op}_send and its {op}_recv on the same Buffer; receive "
+            f"the pending object first (one call of an op at a time per Buffer).")
+    return _tied_after(buf, entry, inputs) if entry.last_is_recv else inputs
+
+
+def after_fused(buf, op, result):
+    entry = _state(buf, op)
+    if entry is not None:
+        entry.last, entry.last_is_recv = weakref.ref(result), False
