@@ -100,17 +100,19 @@ def machine_name() -> str:
 
 
 def git_commit() -> str:
-    """The checkout's commit; ``$JAX_EP_COMMIT`` where the tree travelled without ``.git``
-    (e.g. to a GPU machine): set it to ``git rev-parse --short HEAD`` before copying."""
-    fallback = os.environ.get("JAX_EP_COMMIT", "unknown")
+    """``$JAX_EP_COMMIT`` when set (the tree travelled to a GPU machine, whose copy may carry a
+    stale ``.git``: set it to ``git rev-parse --short HEAD`` before copying), else the
+    checkout's commit."""
+    if os.environ.get("JAX_EP_COMMIT"):
+        return os.environ["JAX_EP_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
             capture_output=True, text=True, timeout=30,
         )
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else fallback
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
     except (OSError, subprocess.SubprocessError):
-        return fallback
+        return "unknown"
 
 
 def today() -> str:

@@ -142,6 +142,8 @@ def main(argv=None):
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--ops", type=lambda text: set(text.split(",")),
+                        help="comma-separated subset of the ops (default: all)")
     args = parser.parse_args(argv)
     devices = jax.devices()
     R, H, E, K = len(devices), args.hidden, args.experts, args.topk
@@ -172,6 +174,10 @@ def main(argv=None):
                 "ll_dispatch_split_fp8": (SEND_HALF, ("low_latency_dispatch",)),
                 "ll_dispatch_split_bf16": (SEND_HALF, ("low_latency_dispatch",)),
                 "ll_combine_split": (SEND_HALF, ("low_latency_combine",))})
+        ops = {op: v for op, v in ops.items() if args.ops is None or op in args.ops}
+        if not ops:
+            buf.close()
+            continue
         for op, (marker, family) in ops.items():
             program = _program(mesh, buf, mode, op, len(xs))
             results[op] = _profile(program, (gidx, gw, *xs), marker, family, args.iters,

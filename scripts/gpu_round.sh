@@ -24,7 +24,8 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 if has tests; then  # one pytest per file: a kernel that traps takes its process down, not the run
   for f in $TESTS; do step "$(basename "$f" .py)" 200 pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} "$f"; done
 fi
-has multiproc && step mp_tests 200 pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multiprocess.py
+[[ -n "${PRE:-}" ]] && { bash -c "$PRE" > "$OUT/pre.log" 2>&1; cat "$OUT/pre.log"; }
+has multiproc && step mp_tests 200 pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multiprocess.py ${MP_ARGS:-}
 has multiproc && step mp_suite 300 python3 -m jax_ep.launch -n 2 --timeout 280 -- \
   pytest -m gpu -q -p no:cacheprovider tests/test_normal.py tests/test_low_latency.py tests/test_gradients.py
 has memcheck && XLA_PYTHON_CLIENT_ALLOCATOR=platform step memcheck 300 compute-sanitizer --tool memcheck \
@@ -34,11 +35,15 @@ has memcheck && XLA_PYTHON_CLIENT_ALLOCATOR=platform step memcheck 300 compute-s
 cd /tmp  # benchmarks import the installed jax_ep, not the source tree
 if has bench; then
   step bench 300 python3 "$R/benchmarks/bench_ep.py" --out "$OUT" --tag final \
-    --ll-tokens 1,16,64,128,256 --impls jax_ep,all_to_all,ragged_all_to_all --max-minutes 4
+    --ll-tokens "${LL_TOKENS:-1,16,64,128,256}" --impls "${BENCH_IMPLS:-jax_ep,all_to_all,ragged_all_to_all}" \
+    --ops layout,dispatch,combine,low_latency_dispatch,low_latency_combine --max-minutes "${BENCH_MINUTES:-4}"
   step bench_mp 240 python3 -m jax_ep.launch -n 2 --timeout 230 -- python3 \
-    "$R/benchmarks/bench_ep.py" --out "$OUT" --tag 2proc --impls jax_ep --ll-tokens 128
+    "$R/benchmarks/bench_ep.py" --out "$OUT" --tag 2proc --impls jax_ep --ll-tokens 128 \
+    --ops layout,dispatch,combine,low_latency_dispatch,low_latency_combine
 fi
-has moe && step moe 300 python3 "$R/benchmarks/bench_moe_layer.py" --out "$OUT" --max-minutes 4
+has split_bench && step bench_split 120 python3 "$R/benchmarks/bench_ep.py" --out "$OUT" --tag split \
+  --impls jax_ep --ll-tokens 128 --ops low_latency_dispatch_send,low_latency_dispatch_recv,low_latency_combine_send,low_latency_combine_recv
+has moe && step moe 300 python3 "$R/benchmarks/bench_moe_layer.py" --out "$OUT" --max-minutes "${MOE_MINUTES:-4}"
 has first && step first 240 python3 "$R/benchmarks/first_call.py" --out "$OUT" --max-minutes 3
 cd "$R"
 printf '%s\n' "${summary[@]}"

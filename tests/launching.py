@@ -26,11 +26,13 @@ def child_env(platform, extra_env=None):
     return env
 
 
-def run_launcher(*args, platform="cpu", timeout=300, extra_env=None):
-    """``(CompletedProcess, seconds)`` of one launcher run (``--platform`` is passed through)."""
+def run_launcher(*args, platform="cpu", timeout=300, extra_env=None, cwd=ROOT):
+    """``(CompletedProcess, seconds)`` of one launcher run (``--platform`` is passed through).
+    Children of ``python -c`` import from ``cwd`` first: pass another folder than the source
+    tree when they need the installed (compiled) jax_ep."""
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "jax_ep.launch", "--platform", platform, *args], cwd=ROOT,
+        [sys.executable, "-m", "jax_ep.launch", "--platform", platform, *args], cwd=cwd,
         env=child_env(platform, extra_env), capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
 

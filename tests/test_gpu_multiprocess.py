@@ -38,7 +38,7 @@ def test_two_processes_give_the_bits_of_one():
     assert digest_lines(proc.stdout) == want
 
 
-def test_cuda_buffer_names_a_process_that_never_joins():
+def test_cuda_buffer_names_a_process_that_never_joins(tmp_path):
     require_gpus(2)
     script = textwrap.dedent("""
         import sys, time
@@ -59,7 +59,7 @@ def test_cuda_buffer_names_a_process_that_never_joins():
             print(f"error after {time.monotonic() - start:.1f} s: {e}")
     """)
     proc, _ = launching.run_launcher("-n", "2", "--", sys.executable, "-c", script,
-                                     platform="gpu", timeout=120,
+                                     platform="gpu", timeout=120, cwd=tmp_path,
                                      extra_env={"JAX_EP_JOIN_TIMEOUT_S": "3"})
     lines = [x for x in lines_of(proc.stdout, 0) if x.startswith("error")]
     assert len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
