@@ -217,8 +217,8 @@ class Buffer:
     def _agree_across_processes(self, choice):
         """backend="auto" on a mesh of several processes: "cuda" only where every process
         chose it (all processes must run the same programs)."""
-        problem = self._other_hosts() if choice == "cuda" else ""
-        if problem:
+        problem = self._other_hosts()  # collective: every process gathers, whatever its choice
+        if choice == "cuda" and problem:
             choice, self.backend_reasons = "xla", [problem]
         choices = _ipc.all_gather(self, "backend", choice)
         others = sorted(p for p, c in choices.items() if c != "cuda")

@@ -150,7 +150,10 @@ PROTOCOL_SCRIPT = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     experts = 16 if (sys.argv[1] == "mismatch" and me == 1) else 8
     buf = Buffer(mesh, "ep", num_experts=experts, hidden=128, max_tokens_per_rank=4, num_topk=2,
-                 backend="xla")
+                 backend="auto" if sys.argv[1] == "auto" else "xla")
+    if sys.argv[1] == "auto":
+        print("backend", buf.backend)
+        sys.exit(0)
     if sys.argv[1] == "absent" and me == 1:
         time.sleep(20)
         sys.exit(0)
@@ -180,3 +183,14 @@ def test_process_that_never_joins_is_named_within_the_timeout():
     (line,) = [x for x in lines_of(proc.stdout, 0) if x.startswith(("error", "agreed"))]
     assert "process 1 did not publish 'config' within 3 s" in line, line
     assert float(line.split()[2]) < 10, line
+
+
+def test_auto_backend_agrees_across_processes():
+    """backend="auto" on a mesh of two processes: both gather hosts and choices (no process waits
+    for a key another never publishes) and pick the same backend."""
+    proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--", sys.executable, "-c",
+                           PROTOCOL_SCRIPT, "auto", timeout=120,
+                           extra_env={"JAX_EP_JOIN_TIMEOUT_S": "20"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        assert "backend xla" in lines_of(proc.stdout, rank), proc.stdout
