@@ -14,8 +14,14 @@ from jax.sharding import Mesh
 from test_low_latency import E, K, check_low_latency_dispatch, make_buffer
 
 import jax_ep
-from jax_ep import _cuda
+from jax_ep import _cuda, _ordering
 from jax_ep import testing as oracle
+
+
+@pytest.fixture(autouse=True)
+def allow_multiple_split_calls(monkeypatch):
+    """These tests trace several split calls per program on purpose (refused by default)."""
+    monkeypatch.setenv(_ordering.ENV_MULTIPLE_SPLIT, "1")
 
 
 def bits(a):
@@ -431,3 +437,23 @@ def test_gradient_through_split_lowers_for_cuda():
     # The backward passes are the fused ops (as for the fused forward).
     assert f"@{_cuda.target_name('low_latency_dispatch')}(" in text
     assert f"@{_cuda.target_name('low_latency_combine')}(" in text
+
+
+def test_second_split_call_in_a_program_needs_the_opt_in(monkeypatch, rng):
+    """Two split dispatches in one program hang on 2x H200 (open bug): refused unless opted in."""
+    monkeypatch.delenv(_ordering.ENV_MULTIPLE_SPLIT)
+    mesh = ep_mesh("xla")
+    R, T, H = mesh.shape["ep"], 8, 128
+    buf = make_buffer("xla", mesh, H, T)
+    idx, _ = oracle.make_routing("uniform", rng, R, T, E, K)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+
+    def twice(x, idx):
+        first = split_dispatch(buf, x, idx, use_fp8=False)
+        return first.recv_count, split_dispatch(buf, x, idx, use_fp8=False).recv_count
+
+    with pytest.raises(ValueError, match="second split call"):
+        run_sharded(mesh, twice, x, idx)
+    once = run_sharded(mesh, lambda x, idx: split_dispatch(buf, x, idx, use_fp8=False).recv_count,
+                       x, idx)
+    assert once.shape == (R, E // R)
