@@ -16,7 +16,6 @@ each frees its own.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import warnings
 
@@ -32,16 +31,9 @@ def spans_processes(devices) -> bool:
 
 
 def join_timeout_s() -> float:
-    raw = os.environ.get(ENV_JOIN_TIMEOUT)
-    if raw is None:
-        return DEFAULT_JOIN_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_JOIN_TIMEOUT} must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"{ENV_JOIN_TIMEOUT} must be positive, got {raw!r}")
-    return value
+    from jax_ep.buffer import seconds_from_env  # noqa: PLC0415 - buffer imports this module
+
+    return seconds_from_env(ENV_JOIN_TIMEOUT, DEFAULT_JOIN_TIMEOUT_S)
 
 
 def _client():

@@ -35,16 +35,17 @@ def _positive_int(name, value):
     return int(value)
 
 
-def _timeout_from_env():
-    raw = os.environ.get("JAX_EP_TIMEOUT_S")
+def seconds_from_env(name, default):
+    """A positive number of seconds from environment variable ``name``, else ``default``."""
+    raw = os.environ.get(name)
     if raw is None:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"JAX_EP_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"JAX_EP_TIMEOUT_S must be positive, got {raw!r}")
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
     return value
 
 
@@ -119,7 +120,8 @@ class Buffer:
                 raise ValueError(f"capacity must be at most num_ranks * max_tokens_per_rank = "
                                  f"{max_capacity}, got {capacity}")
         self._capacity = capacity
-        self.timeout_s = _timeout_from_env() if timeout_s is None else float(timeout_s)
+        self.timeout_s = (seconds_from_env("JAX_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+                          if timeout_s is None else float(timeout_s))
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if backend not in BACKENDS:

@@ -452,6 +452,17 @@ def low_latency_dispatch_send(buf, x, topk_idx, use_fp8=True,
                                      use_fp8=bool(use_fp8), round_scale=round_scale)
 
 
+def _check_pending(buf, pending, kind, op):
+    """The checks of a receive half: open low-latency Buffer, a pending object of ``op``'s send,
+    not received before in this trace."""
+    buf._check_open()
+    _check_low_latency(buf)
+    if not isinstance(pending, kind):
+        raise ValueError(f"pending must be the {kind.__name__} of {op}_send, got "
+                         f"{type(pending).__name__}")
+    _ordering.before_recv(buf, op, pending.ticket)
+
+
 def low_latency_dispatch_recv(buf, pending) -> LowLatencyDispatched:
     """The receive half of ``low_latency_dispatch``: waits for the rows of ``pending``'s call
     (bounded waits, as the fused op) and writes the outputs.
@@ -465,12 +476,7 @@ def low_latency_dispatch_recv(buf, pending) -> LowLatencyDispatched:
       Differentiable w.r.t. the send's ``x`` when ``use_fp8`` is False (the backward is a
       low-latency combine, as for the fused op).
     """
-    buf._check_open()
-    _check_low_latency(buf)
-    if not isinstance(pending, LowLatencyPendingDispatch):
-        raise ValueError(f"pending must be the LowLatencyPendingDispatch of "
-                         f"low_latency_dispatch_send, got {type(pending).__name__}")
-    _ordering.before_recv(buf, "low_latency_dispatch", pending.ticket)
+    _check_pending(buf, pending, LowLatencyPendingDispatch, "low_latency_dispatch")
     x, topk_idx, ticket = _vma.align(buf.axis_name, (pending.x, pending.topk_idx,
                                                      pending.ticket))
     if pending.use_fp8:
@@ -553,12 +559,7 @@ def low_latency_combine_recv(buf, pending):
       ``[T, H]`` bfloat16, bit-identical to ``low_latency_combine`` with the same inputs.
       Differentiable w.r.t. the send's ``y`` and ``topk_weights`` (as the fused op).
     """
-    buf._check_open()
-    _check_low_latency(buf)
-    if not isinstance(pending, LowLatencyPendingCombine):
-        raise ValueError(f"pending must be the LowLatencyPendingCombine of "
-                         f"low_latency_combine_send, got {type(pending).__name__}")
-    _ordering.before_recv(buf, "low_latency_combine", pending.ticket)
+    _check_pending(buf, pending, LowLatencyPendingCombine, "low_latency_combine")
     args = _vma.align(buf.axis_name, (pending.y, pending.topk_idx, pending.topk_weights,
                                       pending.handle, pending.ticket))
     out = _ll_combine_recv(buf, *args)

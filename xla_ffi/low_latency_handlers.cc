@@ -61,14 +61,24 @@ ffi::Error check_ticket(const char* op, const ffi::AnyBuffer& ticket) {
   return check_array(op, "ticket", ticket, {ffi::DataType::S32}, {1});
 }
 
-// Dispatch input x [T, H] bf16, T <= T_max.
-ffi::Error check_dispatch_x(const char* op, const BufferConfig& config, const ffi::AnyBuffer& x,
-                            LowLatencyDispatchParams* params) {
+// Dispatch options and input x [T, H] bf16 (T <= T_max) of every launch, and topk_idx [T, K]
+// where the launch reads it (fused op and send half; nullptr for the receive half).
+ffi::Error check_dispatch_inputs(const char* op, const BufferConfig& config, bool use_fp8,
+                                 bool round_scale, const ffi::AnyBuffer& x,
+                                 const ffi::AnyBuffer* topk_idx,
+                                 LowLatencyDispatchParams* params) {
   FFI_RETURN_IF_ERROR(check_array(op, "x", x, {ffi::DataType::BF16}, {kAnyDim, config.hidden}));
   const int64_t num_tokens = x.dimensions()[0];
   FFI_RETURN_IF_ERROR(check_num_tokens(op, "x", num_tokens, config));
+  params->use_fp8 = use_fp8;
+  params->round_scale = round_scale;
   params->x = x.untyped_data();
   params->num_tokens = static_cast<int>(num_tokens);
+  if (topk_idx != nullptr) {
+    FFI_RETURN_IF_ERROR(check_array(op, "topk_idx", *topk_idx, {ffi::DataType::S32},
+                                    {num_tokens, config.num_topk}));
+    params->topk_idx = static_cast<const int32_t*>(topk_idx->untyped_data());
+  }
   return ffi::Error::Success();
 }
 
@@ -107,17 +117,13 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t b
   const char* op = kLowLatencyDispatchOp;
   const RankContext* ctx = nullptr;
   FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
-  const BufferConfig& config = ctx->config;
   LowLatencyDispatchParams params;
-  params.use_fp8 = use_fp8;
-  params.round_scale = round_scale;
-  FFI_RETURN_IF_ERROR(check_dispatch_x(op, config, x, &params));
-  FFI_RETURN_IF_ERROR(check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32},
-                                  {params.num_tokens, config.num_topk}));
-  params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
-  FFI_RETURN_IF_ERROR(check_dispatch_results(op, config, use_fp8, *recv_x, *recv_scales,
+  FFI_RETURN_IF_ERROR(
+      check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x, &topk_idx, &params));
+  FFI_RETURN_IF_ERROR(check_dispatch_results(op, ctx->config, use_fp8, *recv_x, *recv_scales,
                                              *recv_count, *recv_src, *recv_k, &params));
-  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_dispatch(*ctx, params, stream));
+  FFI_RETURN_IF_CUDA_ERROR(
+      op, launch_low_latency_dispatch(*ctx, params, LowLatencyHalves::kBoth, stream));
   return ffi::Error::Success();
 }
 
@@ -128,17 +134,13 @@ ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t device, int64
   const char* op = kLowLatencyDispatchSendOp;
   const RankContext* ctx = nullptr;
   FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
-  const BufferConfig& config = ctx->config;
   LowLatencyDispatchParams params;
-  params.use_fp8 = use_fp8;
-  params.round_scale = round_scale;
-  FFI_RETURN_IF_ERROR(check_dispatch_x(op, config, x, &params));
-  FFI_RETURN_IF_ERROR(check_array(op, "topk_idx", topk_idx, {ffi::DataType::S32},
-                                  {params.num_tokens, config.num_topk}));
-  params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
+  FFI_RETURN_IF_ERROR(
+      check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x, &topk_idx, &params));
   FFI_RETURN_IF_ERROR(check_ticket(op, *ticket));
   params.ticket = static_cast<int32_t*>(ticket->untyped_data());
-  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_dispatch_send(*ctx, params, stream));
+  FFI_RETURN_IF_CUDA_ERROR(
+      op, launch_low_latency_dispatch(*ctx, params, LowLatencyHalves::kSend, stream));
   return ffi::Error::Success();
 }
 
@@ -152,15 +154,14 @@ ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t device, int64
   const char* op = kLowLatencyDispatchRecvOp;
   const RankContext* ctx = nullptr;
   FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
-  const BufferConfig& config = ctx->config;
   LowLatencyDispatchParams params;
-  params.use_fp8 = use_fp8;
-  params.round_scale = round_scale;
-  FFI_RETURN_IF_ERROR(check_dispatch_x(op, config, x, &params));
+  FFI_RETURN_IF_ERROR(
+      check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x, nullptr, &params));
   FFI_RETURN_IF_ERROR(check_ticket(op, ticket));
-  FFI_RETURN_IF_ERROR(check_dispatch_results(op, config, use_fp8, *recv_x, *recv_scales,
+  FFI_RETURN_IF_ERROR(check_dispatch_results(op, ctx->config, use_fp8, *recv_x, *recv_scales,
                                              *recv_count, *recv_src, *recv_k, &params));
-  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_dispatch_recv(*ctx, params, stream));
+  FFI_RETURN_IF_CUDA_ERROR(
+      op, launch_low_latency_dispatch(*ctx, params, LowLatencyHalves::kRecv, stream));
   return ffi::Error::Success();
 }
 
@@ -216,7 +217,8 @@ ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t device, int64_t bu
   FFI_RETURN_IF_ERROR(
       check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
   FFI_RETURN_IF_ERROR(check_combine_tokens(op, ctx->config, topk_idx, topk_weights, *out, &params));
-  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_combine(*ctx, params, stream));
+  FFI_RETURN_IF_CUDA_ERROR(
+      op, launch_low_latency_combine(*ctx, params, LowLatencyHalves::kBoth, stream));
   return ffi::Error::Success();
 }
 
@@ -232,7 +234,8 @@ ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t device, int64_
       check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
   FFI_RETURN_IF_ERROR(check_ticket(op, *ticket));
   params.ticket = static_cast<int32_t*>(ticket->untyped_data());
-  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_combine_send(*ctx, params, stream));
+  FFI_RETURN_IF_CUDA_ERROR(
+      op, launch_low_latency_combine(*ctx, params, LowLatencyHalves::kSend, stream));
   return ffi::Error::Success();
 }
 
@@ -249,7 +252,8 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t device, int64_
       check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
   FFI_RETURN_IF_ERROR(check_combine_tokens(op, ctx->config, topk_idx, topk_weights, *out, &params));
   FFI_RETURN_IF_ERROR(check_ticket(op, ticket));
-  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_combine_recv(*ctx, params, stream));
+  FFI_RETURN_IF_CUDA_ERROR(
+      op, launch_low_latency_combine(*ctx, params, LowLatencyHalves::kRecv, stream));
   return ffi::Error::Success();
 }
 

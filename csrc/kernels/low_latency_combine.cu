@@ -452,20 +452,17 @@ cudaError_t launch_combine_halves(const RankContext& ctx, const LowLatencyCombin
 }  // namespace
 
 cudaError_t launch_low_latency_combine(const RankContext& ctx,
-                                       const LowLatencyCombineParams& params, cudaStream_t stream) {
+                                       const LowLatencyCombineParams& params,
+                                       LowLatencyHalves halves, cudaStream_t stream) {
+  switch (halves) {
+    case LowLatencyHalves::kSend:
+      return launch_combine_halves<LowLatencyHalves::kSend>(ctx, params, stream);
+    case LowLatencyHalves::kRecv:
+      return launch_combine_halves<LowLatencyHalves::kRecv>(ctx, params, stream);
+    case LowLatencyHalves::kBoth:
+      break;
+  }
   return launch_combine_halves<LowLatencyHalves::kBoth>(ctx, params, stream);
-}
-
-cudaError_t launch_low_latency_combine_send(const RankContext& ctx,
-                                            const LowLatencyCombineParams& params,
-                                            cudaStream_t stream) {
-  return launch_combine_halves<LowLatencyHalves::kSend>(ctx, params, stream);
-}
-
-cudaError_t launch_low_latency_combine_recv(const RankContext& ctx,
-                                            const LowLatencyCombineParams& params,
-                                            cudaStream_t stream) {
-  return launch_combine_halves<LowLatencyHalves::kRecv>(ctx, params, stream);
 }
 
 cudaError_t preload_low_latency_combine_kernels() {

@@ -18,6 +18,7 @@
 
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
+#include "kernels/low_latency_launch.h"
 #include "kernels/low_latency_layout.cuh"
 #include "runtime/context.h"
 
@@ -26,11 +27,8 @@ namespace jax_ep {
 constexpr int kLowLatencyThreads = 512;
 constexpr int kLowLatencyWarps = kLowLatencyThreads / kWarpSize;
 
-// Which phases of a low-latency op one launch runs. kBoth: the fused op
-// (jax_ep_low_latency_{dispatch,combine}_v1). kSend then kRecv: the split pair
-// (..._send_v1 / ..._recv_v1), with no other call of the same op between them on this rank.
-// The send half never waits for a peer; every wait is in the receive half.
-enum class LowLatencyHalves : int { kSend = 1, kRecv = 2, kBoth = 3 };
+// LowLatencyHalves (low_latency_launch.h) picks the phases of one launch. The send half never
+// waits for a peer; every wait is in the receive half.
 
 __host__ __device__ constexpr bool runs_send_half(LowLatencyHalves halves) {
   return (static_cast<int>(halves) & static_cast<int>(LowLatencyHalves::kSend)) != 0;

@@ -644,20 +644,16 @@ size_t low_latency_workspace_offset(const BufferConfig& config) {
 
 cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
                                         const LowLatencyDispatchParams& params,
-                                        cudaStream_t stream) {
+                                        LowLatencyHalves halves, cudaStream_t stream) {
+  switch (halves) {
+    case LowLatencyHalves::kSend:
+      return launch_dispatch_halves<LowLatencyHalves::kSend>(ctx, params, stream);
+    case LowLatencyHalves::kRecv:
+      return launch_dispatch_halves<LowLatencyHalves::kRecv>(ctx, params, stream);
+    case LowLatencyHalves::kBoth:
+      break;
+  }
   return launch_dispatch_halves<LowLatencyHalves::kBoth>(ctx, params, stream);
-}
-
-cudaError_t launch_low_latency_dispatch_send(const RankContext& ctx,
-                                             const LowLatencyDispatchParams& params,
-                                             cudaStream_t stream) {
-  return launch_dispatch_halves<LowLatencyHalves::kSend>(ctx, params, stream);
-}
-
-cudaError_t launch_low_latency_dispatch_recv(const RankContext& ctx,
-                                             const LowLatencyDispatchParams& params,
-                                             cudaStream_t stream) {
-  return launch_dispatch_halves<LowLatencyHalves::kRecv>(ctx, params, stream);
 }
 
 cudaError_t preload_low_latency_dispatch_kernels() {

@@ -44,30 +44,21 @@ struct LowLatencyCombineParams {
   int32_t* ticket = nullptr;            // [1] (send half)
 };
 
+// Which phases one launch runs: the fused op (kBoth), or one half of the split pair
+// (jax_ep_low_latency_{dispatch,combine}_{send,recv}_v1). Per Buffer and op, a send must be
+// followed by its receive before the next send or fused call of that op on this rank (the
+// regions are double-buffered by call parity and the sequence word advances at the end of the
+// receive).
+enum class LowLatencyHalves : int { kSend = 1, kRecv = 2, kBoth = 3 };
+
 // One kernel launch each on `stream`; no host synchronisation, no host state per call
 // (CUDA-graph replay safe). Return the launch error, if any.
 cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
                                         const LowLatencyDispatchParams& params,
-                                        cudaStream_t stream);
+                                        LowLatencyHalves halves, cudaStream_t stream);
 cudaError_t launch_low_latency_combine(const RankContext& ctx,
-                                       const LowLatencyCombineParams& params, cudaStream_t stream);
-
-// The two halves of the same ops (jax_ep_low_latency_{dispatch,combine}_{send,recv}_v1): the
-// fused kernel's phases in two launches. Per Buffer and op, a send must be followed by its
-// receive before the next send or fused call of that op on this rank (the regions are
-// double-buffered by call parity and the sequence word advances at the end of the receive).
-cudaError_t launch_low_latency_dispatch_send(const RankContext& ctx,
-                                             const LowLatencyDispatchParams& params,
-                                             cudaStream_t stream);
-cudaError_t launch_low_latency_dispatch_recv(const RankContext& ctx,
-                                             const LowLatencyDispatchParams& params,
-                                             cudaStream_t stream);
-cudaError_t launch_low_latency_combine_send(const RankContext& ctx,
-                                            const LowLatencyCombineParams& params,
-                                            cudaStream_t stream);
-cudaError_t launch_low_latency_combine_recv(const RankContext& ctx,
-                                            const LowLatencyCombineParams& params,
-                                            cudaStream_t stream);
+                                       const LowLatencyCombineParams& params,
+                                       LowLatencyHalves halves, cudaStream_t stream);
 
 // Per-file kernel preloading (called by preload_low_latency_kernels()).
 cudaError_t preload_low_latency_dispatch_kernels();
