@@ -46,6 +46,18 @@ def run_sharded(mesh, fn, *arrays, axis="ep"):
     return jax.tree.map(fetch, wrapped(*flat))
 
 
+def sharded_loss(mesh, per_rank_loss, axis="ep"):
+    """A scalar loss over global ``[S, ...]`` arguments: the sum over ranks of
+    ``per_rank_loss`` of each rank's slices (for ``jax.grad`` through the ops)."""
+    spec = shard_spec(mesh, axis)
+
+    def loss(*args):
+        per_rank = jax.shard_map(lambda *xs: per_rank_loss(*(v[0] for v in xs))[None],
+                                 mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec)
+        return jnp.sum(per_rank(*args))
+    return loss
+
+
 def fetch(a):
     """``a`` as one NumPy array, gathered from every process when it is sharded across them (a
     collective: every process runs the same tests in the same order)."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from conftest import ep_mesh
-from harness import fetch, shard_spec
+from harness import fetch, sharded_loss
 
 import jax_ep
 from jax_ep import testing as oracle
@@ -22,16 +22,6 @@ def dense_layer(x, idx, w, a):
     valid = idx >= 0
     gain = jnp.sum(jnp.where(valid, w * a[jnp.where(valid, idx, 0)], 0.0), axis=-1)
     return gain[..., None] * x.astype(jnp.float32)
-
-
-def sharded_loss(mesh, per_rank_loss):
-    spec = shard_spec(mesh)
-
-    def loss(*args):
-        per_rank = jax.shard_map(lambda *xs: per_rank_loss(*(v[0] for v in xs))[None],
-                                 mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec)
-        return jnp.sum(per_rank(*args))
-    return loss
 
 
 def test_dispatch_combine_gradients(backend, rng):

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import ep_mesh
-from harness import fetch, run_sharded, shard_spec
+from harness import fetch, run_sharded, shard_spec, sharded_loss
 from jax.sharding import Mesh
 from test_low_latency import E, K, check_low_latency_dispatch, make_buffer
 
@@ -191,16 +191,6 @@ def test_repeated_calls_with_changing_inputs(backend, rng):
             for i, (count, _, _) in enumerate(got):
                 for r, exp in enumerate(oracle.low_latency_dispatch(x[:, i], idx[:, i], E, T)):
                     np.testing.assert_array_equal(count[r], exp["recv_count"])
-
-
-def sharded_loss(mesh, per_rank_loss):
-    spec = shard_spec(mesh)
-
-    def loss(*args):
-        per_rank = jax.shard_map(lambda *xs: per_rank_loss(*(v[0] for v in xs))[None],
-                                 mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec)
-        return jnp.sum(per_rank(*args))
-    return loss
 
 
 def test_gradients_through_send_and_recv_equal_fused(backend, rng):
