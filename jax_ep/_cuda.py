@@ -142,18 +142,23 @@ class CudaBackend:
             "combine", [y, y_w, handle.send_pos, handle.recv_src, handle.num_recv_tokens],
             [((T, y.shape[1]), y.dtype), ((T, y_w.shape[1]), jnp.float32)]))
 
-    def low_latency_dispatch(self, x, topk_idx, use_fp8, round_scale):
-        H = x.shape[1]
+    def _low_latency_dispatch_call(self, target, operands, use_fp8, round_scale):
+        """The fused dispatch or its receive half: same results, different operands."""
+        H = operands[0].shape[1]
         E_loc, rows = self.num_local_experts, self.num_ranks * self.buf.max_tokens_per_rank
         x_dtype = jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16
         num_scales = H // 128 if use_fp8 else 0
         recv_x, recv_scales, recv_count, recv_src, recv_k = self._call(
-            "low_latency_dispatch", [x, topk_idx],
+            target, operands,
             [((E_loc, rows, H), x_dtype), ((E_loc, rows, num_scales), jnp.float32),
              ((E_loc,), jnp.int32), ((E_loc, rows), jnp.int32), ((E_loc, rows), jnp.int32)],
             use_fp8=bool(use_fp8), round_scale=bool(round_scale))
         return dict(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count,
                     recv_src=recv_src, recv_k=recv_k)
+
+    def low_latency_dispatch(self, x, topk_idx, use_fp8, round_scale):
+        return self._low_latency_dispatch_call("low_latency_dispatch", [x, topk_idx], use_fp8,
+                                               round_scale)
 
     def low_latency_combine(self, y, topk_idx, topk_weights, handle):
         T, H = topk_idx.shape[0], y.shape[-1]
@@ -173,17 +178,8 @@ class CudaBackend:
 
     def low_latency_dispatch_recv(self, x, topk_idx, ticket, use_fp8, round_scale):
         del topk_idx  # the send half consumed it; the receive reads the region and x
-        H = x.shape[1]
-        E_loc, rows = self.num_local_experts, self.num_ranks * self.buf.max_tokens_per_rank
-        x_dtype = jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16
-        num_scales = H // 128 if use_fp8 else 0
-        recv_x, recv_scales, recv_count, recv_src, recv_k = self._call(
-            "low_latency_dispatch_recv", [x, ticket],
-            [((E_loc, rows, H), x_dtype), ((E_loc, rows, num_scales), jnp.float32),
-             ((E_loc,), jnp.int32), ((E_loc, rows), jnp.int32), ((E_loc, rows), jnp.int32)],
-            use_fp8=bool(use_fp8), round_scale=bool(round_scale))
-        return dict(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count,
-                    recv_src=recv_src, recv_k=recv_k)
+        return self._low_latency_dispatch_call("low_latency_dispatch_recv", [x, ticket], use_fp8,
+                                               round_scale)
 
     def low_latency_combine_send(self, y, topk_idx, topk_weights, handle):
         del topk_idx, topk_weights  # read by the receive half only
