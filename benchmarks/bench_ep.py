@@ -236,9 +236,6 @@ def jax_ep_program(jax_ep, buf, case: Case, inputs: Inputs):
 
 
 def split_program(jax_ep, buf, case: Case, inputs: Inputs):
-    # Many split calls in one program: opt in (jax_ep refuses a second split call per program by
-    # default because of an open GPU bug; see NOTES.md).
-    os.environ["JAX_EP_ALLOW_MULTIPLE_SPLIT_CALLS"] = "1"
     """Programs of the halves of a low-latency op. Neither half can be timed alone with the
     public API (every send needs its receive before the next send), so:
 

@@ -95,8 +95,6 @@ def _profile(fn, args, marker, family, iters, label):
 
 def _program(mesh, buf, mode, op, num_inputs):
     """One jitted program running ``op`` once per input ``x`` (distinct inputs: no CSE)."""
-    if op.endswith("split") or "_split_" in op:  # several split calls in one program: opt in
-        os.environ["JAX_EP_ALLOW_MULTIPLE_SPLIT_CALLS"] = "1"
     peer = bench_common.AllToAllPeer(mesh.shape["ep"], buf.num_experts, buf.num_topk)
 
     def body(idx, w, *xs):

@@ -103,7 +103,15 @@ class CudaBackend:
         result_types = [template.update(shape=tuple(shape), dtype=jnp.dtype(dtype))
                         for shape, dtype in results]
         call = jax.ffi.ffi_call(target_name(op), result_types, has_side_effect=True)
-        return call(*operands, buffer_id=np.int64(self.buf.buffer_id), **attrs)
+        # XLA:GPU's dynamic-slice fusion moves a custom call whose operand is a slice (or whose
+        # result feeds a dynamic-update-slice) into a fusion around a clone of it; for a call
+        # with several results it leaves the side-effecting original in place as well, so the
+        # kernel runs twice (jaxlib 0.11.2: a second low-latency receive then waits for a call
+        # that never comes). Optimization barriers hide the slices from that pass; they vanish
+        # after scheduling (a sliced operand is then copied once, a plain one not at all).
+        operands = jax.lax.optimization_barrier(operands)
+        results = call(*operands, buffer_id=np.int64(self.buf.buffer_id), **attrs)
+        return jax.lax.optimization_barrier(results)
 
     def layout(self, topk_idx):
         T = topk_idx.shape[0]

@@ -21,7 +21,6 @@ outlives its trace), so a result that nothing holds any more ties nothing.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
@@ -33,9 +32,6 @@ try:  # public for library authors since jax 0.4.36 (jax.extend.core)
     from jax.extend.core import get_opaque_trace_state as _current_trace
 except ImportError:  # pragma: no cover - older jax spells it jax.core.get_opaque_trace_state
     _current_trace = getattr(jax.core, "get_opaque_trace_state", None)
-
-# Opt-in to more than one split call per op, Buffer and program (see before_send).
-ENV_MULTIPLE_SPLIT = "JAX_EP_ALLOW_MULTIPLE_SPLIT_CALLS"
 
 # Per Buffer and op, the states of this many most recent traces are kept (nested traces, e.g. a
 # jit inside the shard_map body, must not wipe the outer trace's state).
@@ -51,7 +47,6 @@ class _OpTrace:
         self.last = None  # weakref to a result of the last receive or fused call
         self.last_is_recv = False
         self.received = []  # weakrefs to the tickets received so far
-        self.split_calls = 0  # sends traced so far
 
 
 _STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Buffer -> {op: [_OpTrace]}
@@ -95,13 +90,6 @@ def before_send(buf, op, inputs):
             f"({op}_recv). At most one send per Buffer and op may wait for its receive: the "
             f"regions are double-buffered by call parity. Receive the first pending object "
             f"before the next send, or use a second Buffer for a second stream of calls.")
-    if entry.split_calls >= 1 and os.environ.get(ENV_MULTIPLE_SPLIT) != "1":
-        raise ValueError(
-            f"{op}_send: a second split call of {op} on this Buffer in one program. On 2x H200 "
-            f"such programs can stop with a timeout in the receive, which loses the GPU context "
-            f"(open bug, NOTES.md). One split call per op per program is safe; set "
-            f"{ENV_MULTIPLE_SPLIT}=1 to allow more anyway (experimental).")
-    entry.split_calls += 1
     return _tied_after(buf, entry, inputs)
 
 

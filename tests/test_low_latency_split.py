@@ -8,20 +8,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ep_mesh
+from conftest import ep_mesh, require_gpus
 from harness import fetch, run_sharded, shard_spec, sharded_loss
 from jax.sharding import Mesh
 from test_low_latency import E, K, check_low_latency_dispatch, make_buffer
 
 import jax_ep
-from jax_ep import _cuda, _ordering
+from jax_ep import _cuda
 from jax_ep import testing as oracle
-
-
-@pytest.fixture(autouse=True)
-def allow_multiple_split_calls(monkeypatch):
-    """These tests trace several split calls per program on purpose (refused by default)."""
-    monkeypatch.setenv(_ordering.ENV_MULTIPLE_SPLIT, "1")
 
 
 def bits(a):
@@ -429,21 +423,77 @@ def test_gradient_through_split_lowers_for_cuda():
     assert f"@{_cuda.target_name('low_latency_combine')}(" in text
 
 
-def test_second_split_call_in_a_program_needs_the_opt_in(monkeypatch, rng):
-    """Two split dispatches in one program hang on 2x H200 (open bug): refused unless opted in."""
-    monkeypatch.delenv(_ordering.ENV_MULTIPLE_SPLIT)
-    mesh = ep_mesh("xla")
-    R, T, H = mesh.shape["ep"], 8, 128
-    buf = make_buffer("xla", mesh, H, T)
-    idx, _ = oracle.make_routing("uniform", rng, R, T, E, K)
-    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+def sliced_calls_step(buf, kinds):
+    """Per-rank step: one low-latency call pair per kind on slices ``x[i]`` of stacked inputs
+    (micro-batches), the pattern XLA:GPU's dynamic-slice fusion rewrites."""
 
-    def twice(x, idx):
-        first = split_dispatch(buf, x, idx, use_fp8=False)
-        return first.recv_count, split_dispatch(buf, x, idx, use_fp8=False).recv_count
+    def step(x, idx, w):
+        outs = []
+        for i, kind in enumerate(kinds):
+            dispatch = split_dispatch if kind == "split" else jax_ep.low_latency_dispatch
+            combine = split_combine if kind == "split" else jax_ep.low_latency_combine
+            d = dispatch(buf, x[i], idx[i], use_fp8=False)
+            outs.append((d.recv_count, combine(buf, d.recv_x, idx[i], w[i], d.handle)))
+        return outs
+    return step
 
-    with pytest.raises(ValueError, match="second split call"):
-        run_sharded(mesh, twice, x, idx)
-    once = run_sharded(mesh, lambda x, idx: split_dispatch(buf, x, idx, use_fp8=False).recv_count,
-                       x, idx)
-    assert once.shape == (R, E // R)
+
+def fenced_custom_calls(jaxpr):
+    """(call, barrier before it, barrier after it) for every ffi call in ``jaxpr``, recursively."""
+    found = []
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    consumers = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            consumers.setdefault(v, []).append(e)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ffi_call":
+            before = {producer[v].primitive.name if v in producer else "input" for v in eqn.invars}
+            after = {c.primitive.name for v in eqn.outvars for c in consumers.get(v, [])}
+            found.append((eqn.params["target_name"], before, after))
+        for inner in sub_jaxprs(eqn):
+            found += fenced_custom_calls(inner)
+    return found
+
+
+def test_custom_calls_are_fenced_by_optimization_barriers():
+    """Every custom call's operands come from, and its results go to, an optimization barrier:
+    XLA:GPU's dynamic-slice fusion would otherwise clone a multi-result call with sliced
+    operands and keep the side-effecting original too (each kernel would run twice; a second
+    low-latency receive then waits forever)."""
+    mesh, buf = lowering_buffer()
+    R, T, H, K, n = R_LOWER, T_LOWER, H_LOWER, K_LOWER, 3
+    step = sliced_calls_step(buf, ["split", "fused", "split"])
+    spec = shard_spec(mesh)
+    program = jax.jit(jax.shard_map(lambda *a: step(*(v[0] for v in a)), mesh=mesh,
+                                    in_specs=(spec,) * 3, out_specs=spec))
+    args = (jax.ShapeDtypeStruct((R, n, T, H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((R, n, T, K), jnp.int32),
+            jax.ShapeDtypeStruct((R, n, T, K), jnp.float32))
+    calls = fenced_custom_calls(jax.make_jaxpr(program)(*args).jaxpr)
+    assert len(calls) == 10, calls  # 2 split calls x 2 ops x 2 halves + 1 fused call x 2 ops
+    for name, before, after in calls:
+        assert before == {"optimization_barrier"}, (name, before)
+        assert after == {"optimization_barrier"}, (name, after)
+
+
+@pytest.mark.gpu
+def test_each_call_compiles_to_one_custom_call(rng):
+    """On the GPU the compiled program holds each call exactly once although every operand is a
+    slice of a stacked input (the dynamic-slice fusion rewrite must not duplicate any)."""
+    require_gpus(2)
+    mesh = ep_mesh("cuda")
+    R, T, H, kinds = mesh.shape["ep"], 8, 128, ["split", "fused", "split"]
+    buf = make_buffer("cuda", mesh, H, T)
+    spec = shard_spec(mesh)
+    step = sliced_calls_step(buf, kinds)
+    program = jax.jit(jax.shard_map(lambda *a: step(*(v[0] for v in a)), mesh=mesh,
+                                    in_specs=(spec,) * 3, out_specs=spec))
+    args = (jax.ShapeDtypeStruct((R, 3, T, H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((R, 3, T, K), jnp.int32),
+            jax.ShapeDtypeStruct((R, 3, T, K), jnp.float32))
+    text = program.trace(*args).lower().compile().as_text()
+    for op, count in (("dispatch", 1), ("combine", 1), ("dispatch_send", 2),
+                      ("dispatch_recv", 2), ("combine_send", 2), ("combine_recv", 2)):
+        name = _cuda.target_name(f"low_latency_{op}")
+        assert text.count(f'custom_call_target="{name}"') == count, (name, text)
