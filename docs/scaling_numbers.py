@@ -81,8 +81,12 @@ def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2, r_max=None):
     return data, data_bytes, data + data_bytes
 
 
+LL_CHANNELS = 2  # kLowLatencyNumChannels: fused calls, split send/receive pairs
+
+
 def low_latency_bytes(num_ranks, t_max):
-    """make_low_latency_layout() of low_latency_layout.cuh; returns the region's total bytes."""
+    """make_low_latency_layout() of low_latency_layout.cuh times the channels; returns the
+    region's total bytes."""
     e_loc = E // num_ranks
     offset = 0
     for nbytes in (
@@ -95,7 +99,7 @@ def low_latency_bytes(num_ranks, t_max):
         2 * t_max * K * 2 * H,                       # combine_rows
     ):
         offset = align_up(offset + nbytes, LL_ALIGN)
-    return offset
+    return LL_CHANNELS * offset
 
 
 def workspace_bytes(num_ranks, t_max, capacity, dtype_bytes, low_latency):

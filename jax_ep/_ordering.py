@@ -2,21 +2,21 @@
 
 XLA orders custom calls only through data dependences: ``has_side_effect`` keeps a call from
 being removed or merged, not from being moved. A split low-latency call is two custom calls
-(send, then receive, tied by the ticket), and per Buffer and op the calls must run
-send, receive, send, receive, ... with no fused call of that op between a send and its receive
-(the regions are double-buffered by call parity; docs/internals.md). For the calls of one trace
-this module
+(send, then receive, tied by the ticket), and per Buffer and op the split calls must run
+send, receive, send, receive, ... (the split channel's regions are double-buffered by call
+parity; docs/internals.md). Fused calls use their own channel of the workspace and may run
+anywhere, also between a send and its receive (where XLA may place the fused calls of autodiff's
+backward pass). For the split calls of one trace this module
 
-- raises ``ValueError`` when a send or a fused call of an op is traced while a send of the same
-  op and Buffer waits for its receive, or when a pending object is received twice;
-- ties each send to the previous receive or fused call of the same op, and each fused call to a
-  previous receive, by passing the later call's inputs through ``lax.optimization_barrier``
-  together with a result of the earlier call, so XLA cannot run the later call first. Programs
-  without split calls are left exactly as they were (fused calls are not tied to each other).
+- raises ``ValueError`` when a send of an op is traced while a send of the same op and Buffer
+  waits for its receive, or when a pending object is received twice;
+- ties each send to the previous receive of the same op by passing the send's inputs through
+  ``lax.optimization_barrier`` together with a result of that receive, so XLA cannot run the
+  send first. Programs without split calls are left exactly as they were.
 
-Limits: calls in different traces (an inner ``jax.jit``, a ``lax.cond`` branch, the ops that
-autodiff's backward pass emits) are not tied; the state holds weak references only (no tracer
-outlives its trace), so a result that nothing holds any more ties nothing.
+Limits: split calls in different traces (an inner ``jax.jit``, a ``lax.cond`` branch) are not
+tied; the state holds weak references only (no tracer outlives its trace), so a result that
+nothing holds any more ties nothing.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ _TRACES_KEPT = 8
 
 
 class _OpTrace:
-    """The calls of one op of one Buffer in one trace."""
+    """The split calls of one op of one Buffer in one trace."""
 
     def __init__(self, trace):
         self.trace = trace
         self.pending = False  # a send whose receive is not traced yet
-        self.last = None  # weakref to a result of the last receive or fused call
-        self.last_is_recv = False
+        self.last = None  # weakref to a result of the last receive
         self.received = []  # weakrefs to the tickets received so far
 
 
@@ -69,7 +68,7 @@ def _state(buf, op):
 
 
 def _tied_after(buf, entry, inputs):
-    """``inputs`` passed through an optimization barrier with the last call's result."""
+    """``inputs`` passed through an optimization barrier with the last receive's result."""
     token = entry.last() if entry.last is not None else None
     if token is None:
         return inputs
@@ -80,7 +79,7 @@ def _tied_after(buf, entry, inputs):
 
 def before_send(buf, op, inputs):
     """Checks the rule for a send of ``op`` ("low_latency_dispatch" or "low_latency_combine");
-    returns ``inputs`` (a pytree) tied after the last receive or fused call of ``op``."""
+    returns ``inputs`` (a pytree) tied after the last receive of ``op``."""
     entry = _state(buf, op)
     if entry is None:
         return inputs
@@ -88,8 +87,9 @@ def before_send(buf, op, inputs):
         raise ValueError(
             f"{op}_send: an earlier {op}_send on this Buffer has not been received yet "
             f"({op}_recv). At most one send per Buffer and op may wait for its receive: the "
-            f"regions are double-buffered by call parity. Receive the first pending object "
-            f"before the next send, or use a second Buffer for a second stream of calls.")
+            f"split calls' regions are double-buffered by call parity. Receive the first "
+            f"pending object before the next send, or use a second Buffer for a second stream "
+            f"of calls.")
     return _tied_after(buf, entry, inputs)
 
 
@@ -108,29 +108,10 @@ def before_recv(buf, op, ticket):
 
 
 def after_recv(buf, op, ticket, result):
-    """Records a receive of ``op``; ``result`` (an array of its outputs) ties the next call."""
+    """Records a receive of ``op``; ``result`` (an array of its outputs) ties the next send."""
     entry = _state(buf, op)
     if entry is None:
         return
     entry.pending = False
     entry.received.append(weakref.ref(ticket))
-    entry.last, entry.last_is_recv = weakref.ref(result), True
-
-
-def before_fused(buf, op, inputs):
-    """Checks that no send of ``op`` waits for its receive; returns ``inputs`` tied after the
-    previous call when that was a receive (fused-only programs are left unchanged)."""
-    entry = _state(buf, op)
-    if entry is None:
-        return inputs
-    if entry.pending:
-        raise ValueError(
-            f"{op}: called between a {op}_send and its {op}_recv on the same Buffer; receive "
-            f"the pending object first (one call of an op at a time per Buffer).")
-    return _tied_after(buf, entry, inputs) if entry.last_is_recv else inputs
-
-
-def after_fused(buf, op, result):
-    entry = _state(buf, op)
-    if entry is not None:
-        entry.last, entry.last_is_recv = weakref.ref(result), False
+    entry.last = weakref.ref(result)

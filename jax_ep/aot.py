@@ -21,15 +21,23 @@ def _zeros_like(example):
     return jnp.zeros(example.shape, example.dtype, device=sharding)
 
 
+# Executions of the compiled step by aot_compile's warm-up. On 2x H200 the second and third
+# calls of a low-latency step still cost 1.3-2x the steady state (host-side caches of the
+# executable's launch path warming up), the fourth no longer does.
+WARMUP_EXECUTIONS = 3
+
+
 def aot_compile(step, *example_args, warmup=True, warmup_args=None):
-    """Compiles ``step`` for the shapes/shardings of ``example_args`` now, and runs it once.
+    """Compiles ``step`` for the shapes/shardings of ``example_args`` now, and runs it a few times.
 
     Args:
       step: a function (jitted or not) that calls jax_ep ops inside ``jax.shard_map``.
       *example_args: arrays or ``jax.ShapeDtypeStruct``s (with shardings) like the real inputs.
-      warmup: execute the compiled step once (outputs discarded) so that XLA loads its kernels
-        and allocates its buffers before the first real call. The step must be free of side
-        effects other than jax_ep's communication (true of a pure jitted function).
+      warmup: execute the compiled step ``WARMUP_EXECUTIONS`` times (an int: that many times;
+        False: never; outputs discarded) so that XLA loads its kernels, allocates its buffers
+        and warms its launch path before the first real call. The step must be free of side
+        effects other than jax_ep's communication (true of a pure jitted function). Call
+        ``buf.warmup()`` before this, not after: the step's own executions come last.
       warmup_args: inputs for that execution; default ``example_args`` themselves when they are
         all arrays (the first real call with them then finds XLA's command buffers recorded for
         their addresses), else zeros shaped like them (zero expert ids route everything to
@@ -46,7 +54,8 @@ def aot_compile(step, *example_args, warmup=True, warmup_args=None):
         if args is None:
             concrete = all(isinstance(a, jax.Array) for a in jax.tree.leaves(example_args))
             args = example_args if concrete else jax.tree.map(_zeros_like, example_args)
-        jax.block_until_ready(compiled(*args))
+        for _ in range(WARMUP_EXECUTIONS if warmup is True else int(warmup)):
+            jax.block_until_ready(compiled(*args))
     return compiled
 
 

@@ -262,13 +262,11 @@ def low_latency_dispatch(buf, x, topk_idx, use_fp8=True, round_scale=False):
       ``x`` when ``use_fp8`` is False (the backward is a low-latency combine).
     """
     x, topk_idx = _check_ll_dispatch_args(buf, x, topk_idx)
-    x, topk_idx = _ordering.before_fused(buf, "low_latency_dispatch", (x, topk_idx))
     if use_fp8:
         out = buf._impl.low_latency_dispatch(x, topk_idx, True, bool(round_scale))
         result = _low_latency_result(out, with_scales=True)
     else:
         result = _ll_dispatch(buf, x, topk_idx)
-    _ordering.after_fused(buf, "low_latency_dispatch", result.recv_count)
     return result
 
 
@@ -328,10 +326,7 @@ def low_latency_combine(buf, y, topk_idx, topk_weights, handle):
       w.r.t. ``y`` and ``topk_weights``.
     """
     args = _check_ll_combine_args(buf, y, topk_idx, topk_weights, handle)
-    args = _ordering.before_fused(buf, "low_latency_combine", args)
-    out = _ll_combine(buf, *args)
-    _ordering.after_fused(buf, "low_latency_combine", out)
-    return out
+    return _ll_combine(buf, *args)
 
 
 def _check_ll_combine_args(buf, y, topk_idx, topk_weights, handle):
@@ -426,13 +421,14 @@ def low_latency_dispatch_send(buf, x, topk_idx, use_fp8=True,
       ``LowLatencyPendingDispatch`` for ``low_latency_dispatch_recv``. Jit- and CUDA-graph safe.
 
     Rule: per Buffer and op, at most one send may wait for its receive. Call the send, then its
-    receive, before the next send (or the fused op) of the same op on the same Buffer: the
-    regions are double-buffered by call parity and the call's sequence word advances at the end
-    of the receive. Dispatch and combine are independent (a dispatch may be pending while a
-    combine runs, and the reverse). Within one trace this is checked (``ValueError``) and XLA is
-    kept to the program order (each send depends on the previous receive through an
-    optimization barrier); calls in different traces (an inner ``jax.jit``, a ``lax.cond``
-    branch) or emitted by autodiff's backward pass are ordered only by their data.
+    receive, before the next send of the same op on the same Buffer: the split calls' regions
+    are double-buffered by call parity and the call's sequence word advances at the end of the
+    receive. Fused calls (also those of autodiff's backward pass) use a channel of their own and
+    may run anywhere, also between a send and its receive. Dispatch and combine are independent
+    (a dispatch may be pending while a combine runs, and the reverse). Within one trace this is
+    checked (``ValueError``) and XLA is kept to the program order (each send depends on the
+    previous receive through an optimization barrier); split calls in different traces (an
+    inner ``jax.jit``, a ``lax.cond`` branch) are ordered only by their data.
 
     XLA places independent work where it likes; to make it run between the halves, tie it to
     the pending object::

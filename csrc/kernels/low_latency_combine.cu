@@ -24,8 +24,9 @@
 //   4. The block adds the peer rows, rounds to bf16 and stores out[t]; further tokens likewise.
 //   5. The last block to finish advances the combine sequence word.
 //
-// Split (send launch, then receive launch, same grid, one stream, nothing of this op on this
-// Buffer in between on this rank): both read the sequence word at their start and only phase 5
+// Split (send launch, then receive launch, same grid, one stream, no other split call of this op
+// on this Buffer in between on this rank; fused calls use the other channel of the workspace and
+// may run in between): both read the split channel's sequence word at their start and only phase 5
 // advances it, so both use the same tag and parity. The send launch runs phase 1, then every
 // block arrives on the "sent" counter and the last one releases the flag words, as in phase 3;
 // it never waits. The receive launch sums the own rows (read from y, an operand again), waits
@@ -37,8 +38,9 @@
 // the flag words of phase 3 as the words every rank waits for from every other rank in every
 // call: a rank starts combine n only after its combine n-1 saw every peer's flag of n-1, which a
 // peer publishes only after its combine n-2 ended, the last reader of the parity n % 2 region.
-// A split call counts as one call (its receive launch does the waiting and the advancing); the
-// argument needs each send to follow the previous call's receive, as for dispatch.
+// The argument holds per channel; in the split channel a call is a send launch and its receive
+// launch (which does the waiting and the advancing), and each send must follow the previous
+// split call's receive, as for dispatch.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -433,7 +435,7 @@ cudaError_t launch_combine_halves(const RankContext& ctx, const LowLatencyCombin
   if (err != cudaSuccess) return err;
 
   CombineArgs args = {};
-  args.rank = make_low_latency_rank(ctx);
+  args.rank = make_low_latency_rank(ctx, kHalves);
   args.y = static_cast<const __nv_bfloat16*>(params.y);
   args.topk_idx = params.topk_idx;
   args.topk_weights = params.topk_weights;

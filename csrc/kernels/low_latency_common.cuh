@@ -48,10 +48,13 @@ struct LowLatencyRank {
   int rank = 0;
 };
 
-inline LowLatencyRank make_low_latency_rank(const RankContext& ctx) {
+// `halves` picks the channel (low_latency_layout.cuh): fused calls 0, either split half 1.
+inline LowLatencyRank make_low_latency_rank(const RankContext& ctx, LowLatencyHalves halves) {
   LowLatencyRank view;
   view.layout = make_low_latency_layout(ctx.config);
-  const size_t offset = low_latency_workspace_offset(ctx.config);
+  const int channel = halves == LowLatencyHalves::kBoth ? 0 : 1;
+  const size_t offset =
+      low_latency_workspace_offset(ctx.config) + channel * view.layout.total_bytes;
   view.local = ctx.workspace + offset;
   for (int r = 0; r < ctx.config.num_ranks && r < kMaxRanks; ++r) {
     view.peers[r] = ctx.peer_workspaces[r] + offset;

@@ -36,9 +36,10 @@
 //      Then recv_count and the -1 fill of recv_src/recv_k past it.
 //   6. The last block to finish advances the dispatch sequence word and clears the meta counter.
 //
-// Split (send launch = phases 0-4, receive launch = phases 5-6, same grid, one stream, nothing of
-// this op on this Buffer in between on this rank): both launches read the sequence word at their
-// start and only phase 6 advances it, so both use the same tag and parity. The send launch never
+// Split (send launch = phases 0-4, receive launch = phases 5-6, same grid, one stream, no other
+// split call of this op on this Buffer in between on this rank; fused calls may run in between:
+// they use the other channel of the workspace, see low_latency_layout.cuh): both launches read
+// the split channel's sequence word at their start and only phase 6 advances it, so both use the same tag and parity. The send launch never
 // waits. Its blocks still arrive on the meta counter (phase 2), but the receive launch does not
 // wait for it: the kernel boundary already orders the send launch's own-meta stores before every
 // load of the receive launch; its phase 6 clears the counter as the fused launch does. Peer rows,
@@ -64,9 +65,11 @@
 // flags hold the full 64-bit tag and are waited with >=: a stale flag of call n-2 (or older: a
 // slot may stay unused for many calls) is < n, and no rank can already hold a flag of call n+2.
 // Count words are rewritten every call, so comparing their low 32 bits is safe for the same
-// reason. The split pair needs exactly the rule above: two sends of this op without the first
-// one's receive between them would reuse one tag and parity (XLA keeps the order only through
-// data dependences: jax_ep/ops.py chains the calls of one trace).
+// reason. The argument holds per channel (fused calls; split pairs), each channel with its own
+// sequence words and regions. In the split channel a call is a send launch and its receive
+// launch: two sends of this op without the first one's receive between them would reuse one tag
+// and parity (XLA keeps the order only through data dependences: jax_ep/_ordering.py chains the
+// split calls of one trace).
 // Dispatch and combine keep separate sequence words and separate regions: the argument above
 // then involves only the op's own call history, whatever the interleaving of dispatches and
 // combines (forward, backward, dispatch-only programs).
@@ -596,7 +599,7 @@ cudaError_t launch_dispatch_halves(const RankContext& ctx, const LowLatencyDispa
   if (err != cudaSuccess) return err;
 
   DispatchArgs args = {};
-  args.rank = make_low_latency_rank(ctx);
+  args.rank = make_low_latency_rank(ctx, kHalves);
   args.x = static_cast<const __nv_bfloat16*>(params.x);
   args.topk_idx = params.topk_idx;
   args.recv_x = params.recv_x;
@@ -635,7 +638,9 @@ cudaError_t preload_dispatch_halves() {
 }  // namespace
 
 size_t low_latency_workspace_bytes(const BufferConfig& config) {
-  return config.low_latency ? make_low_latency_layout(config).total_bytes : 0;
+  return config.low_latency
+             ? kLowLatencyNumChannels * make_low_latency_layout(config).total_bytes
+             : 0;
 }
 
 size_t low_latency_workspace_offset(const BufferConfig& config) {

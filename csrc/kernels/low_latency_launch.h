@@ -46,9 +46,9 @@ struct LowLatencyCombineParams {
 
 // Which phases one launch runs: the fused op (kBoth), or one half of the split pair
 // (jax_ep_low_latency_{dispatch,combine}_{send,recv}_v1). Per Buffer and op, a send must be
-// followed by its receive before the next send or fused call of that op on this rank (the
-// regions are double-buffered by call parity and the sequence word advances at the end of the
-// receive).
+// followed by its receive before the next send of that op on this rank (the split channel's
+// regions are double-buffered by call parity and its sequence word advances at the end of the
+// receive). Fused calls run in their own channel and may come anywhere.
 enum class LowLatencyHalves : int { kSend = 1, kRecv = 2, kBoth = 3 };
 
 // One kernel launch each on `stream`; no host synchronisation, no host state per call

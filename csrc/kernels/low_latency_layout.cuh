@@ -2,6 +2,11 @@
 //
 // Every rank's workspace has the same layout, so a peer's word or row lives at
 // `peer_workspaces[peer] + low_latency_workspace_offset(config) + <the same offset>`.
+// The low-latency workspace holds two channels of this layout (kLowLatencyNumChannels): fused
+// calls use channel 0, split send/receive pairs channel 1, each with its own sequence words and
+// regions. So any number of fused calls may run between a send and its receive (XLA places the
+// fused calls that autodiff's backward pass emits wherever data allows): the two call streams
+// never share a tag, a parity or a row.
 // All regions that peers write are double-buffered by call parity (see low_latency_dispatch.cu
 // for the safety argument); the control words are written by this rank only.
 //
@@ -38,6 +43,8 @@ namespace jax_ep {
 constexpr size_t kLowLatencyAlignBytes = 256;
 // Number of alternating copies of every peer-written region.
 constexpr int kLowLatencyNumParities = 2;
+// Independent copies of the whole layout: 0 = fused calls, 1 = split send/receive pairs.
+constexpr int kLowLatencyNumChannels = 2;
 
 // Words private to one rank. Counters are reset to 0 by the block that sees them complete, so
 // every launch finds them at 0 (launches on one stream are serialised). The split dispatch's
