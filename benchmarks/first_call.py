@@ -7,9 +7,10 @@ Each case runs in a fresh process (so nothing is warm from an earlier case):
 - ``cold``: the first call of ``jax.jit(step)`` (tracing and compilation included), wall time;
 - ``aot``: ``jax.jit(step).lower(...).compile()`` first (not timed), then the first call,
   without ``buf.warmup()``;
-- ``warm``: the step compiled by ``jax_ep.aot_compile`` (which also runs it once on zeros),
-  ``buf.warmup()``, then the first call;
-  then ``--steady-calls`` more calls, whose median is the steady state.
+- ``warm``: ``buf.warmup()``, the step compiled by ``jax_ep.aot_compile`` (which also runs it
+  ``WARMUP_EXECUTIONS`` times on the example arrays), then the first call;
+  then ``--steady-calls`` more calls, whose median is the steady state; then calls alternating
+  two input sets, and calls each after a 0.1 s pause (``paused_us``).
 
 The step is, per rank, ``dispatch`` (bf16) then ``combine`` of the received rows (normal mode,
 ``--tokens``), or ``low_latency_dispatch`` (fp8) then ``low_latency_combine`` of a given expert
@@ -151,12 +152,13 @@ def run_child(args):
     else:
         start = time.perf_counter()
         if case == "warm":
-            # jax_ep.aot_compile: compile, then one warm-up execution on zeros.
-            fn = jax_ep.aot_compile(step, *step_args)
-            out["compile_s"] = time.perf_counter() - start
-            start = time.perf_counter()
+            # buf.warmup() (every op once), then jax_ep.aot_compile: compile, then warm-up
+            # executions of the step on the example arrays.
             buf.warmup()
             out["warmup_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            fn = jax_ep.aot_compile(step, *step_args)
+            out["compile_s"] = time.perf_counter() - start
         else:
             fn = step.lower(*step_args).compile()
             out["compile_s"] = time.perf_counter() - start
@@ -171,6 +173,13 @@ def run_child(args):
                    for i in range(args.steady_calls)]
     out["fresh_args_us"] = alternating[0]
     out["steady_alternating_us"] = statistics.median(alternating)
+    # A serving loop idles between requests: calls after a pause pay for the idle host thread
+    # and GPU (wake-up, clocks) whatever was warmed up before.
+    paused = []
+    for _ in range(5):
+        time.sleep(0.1)
+        paused.append(wall_us(fn, *step_args))
+    out["paused_us"] = statistics.median(paused)
     if buf is not None:
         buf.close()
     bc.write_json(args.child_out, out)
@@ -218,7 +227,7 @@ def make_record(args, mode, got):
         "aot_ratio": sig(first["aot"] / steady) if first["aot"] else None,
         "steady_calls": args.steady_calls,
     }
-    for key in ("second_us", "fresh_args_us", "steady_alternating_us"):
+    for key in ("second_us", "fresh_args_us", "steady_alternating_us", "paused_us"):
         if key in got[steady_from]:
             rec[key] = sig(got[steady_from][key])
     if first["warm"] and "steady_alternating_us" in rec:

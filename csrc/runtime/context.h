@@ -73,6 +73,8 @@ struct RankContext {
   uint64_t timeout_ns = 0;     // config.timeout_s in nanoseconds
   int num_sms = 0;             // multiprocessors of `device`
   int normal_blocks = 0;       // grid of the normal-mode transfer kernels
+  int low_latency_blocks = 0;  // grid of the low-latency kernels (0: the default, see
+                               // low_latency_grid_size)
   int normal_push_blocks = 0;  // of which the first ones send (push roles)
 };
 

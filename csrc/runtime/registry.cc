@@ -186,6 +186,7 @@ std::string allocate_rank(RankContext& ctx) {
   RETURN_MESSAGE_IF_CUDA_ERROR(
       device, cudaDeviceGetAttribute(&ctx.num_sms, cudaDevAttrMultiProcessorCount, device));
   ctx.normal_blocks = env_int("JAX_EP_NORMAL_BLOCKS", ctx.num_sms * kNormalBlocksPerSm);
+  ctx.low_latency_blocks = env_int("JAX_EP_LOW_LATENCY_BLOCKS", 0);
   ctx.normal_push_blocks =
       env_int("JAX_EP_NORMAL_PUSH_BLOCKS", ctx.normal_blocks / kNormalPushBlocksDivisor > 0
                                                ? ctx.normal_blocks / kNormalPushBlocksDivisor
