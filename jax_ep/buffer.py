@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _cuda, _ipc
+from jax_ep import _cuda, _ipc, _nvshmem
 from jax_ep.reference import ReferenceBackend
 
 BACKENDS = ("auto", "cuda", "xla")
@@ -134,7 +134,12 @@ class Buffer:
         self._allocated = False
         self.backend_reasons = []  # why "auto" did not pick cuda (see `python -m jax_ep.env`)
         self.backend = self._resolve_backend(backend, lowering_only)
+        # How peers' memory is reached (CUDA backend): "local" (one process: unified
+        # addressing), "ipc" (CUDA IPC between the processes of one host) or "nvshmem"
+        # (JAX_EP_TRANSPORT=nvshmem: NVSHMEM's symmetric heap, one process per GPU).
+        self.transport = None
         if self.backend == "cuda":
+            self.transport = self._resolve_transport(lowering_only)
             self._impl = _cuda.CudaBackend(self)
             if not lowering_only:
                 self._allocate()
@@ -205,6 +210,14 @@ class Buffer:
                 raise ValueError(f"backend='cuda': {problem}; use backend='xla'")
         return "cuda"
 
+    def _resolve_transport(self, lowering_only):
+        requested = _nvshmem.requested_transport()
+        if requested == "nvshmem":
+            if not lowering_only:
+                _nvshmem.check_usable(self)
+            return "nvshmem"
+        return "ipc" if _ipc.spans_processes(self.mesh.devices.flat) else "local"
+
     def _other_hosts(self):
         """Why the EP groups cannot use CUDA IPC (a group spans hosts), or ""."""
         hosts = _ipc.hosts(self)
@@ -212,8 +225,9 @@ class Buffer:
             names = sorted({hosts[d.process_index] for d in group})
             if len(names) > 1:
                 return (f"EP group {g} spans hosts {names}: the cuda backend reaches peers over "
-                        f"NVLink within one host (ranks on other hosts need the NVSHMEM "
-                        f"transport, not built yet)")
+                        f"NVLink within one host (ranks on other hosts need device-initiated "
+                        f"NVSHMEM puts, not implemented yet; JAX_EP_TRANSPORT=nvshmem covers "
+                        f"the peers NVSHMEM maps peer-to-peer)")
         return ""
 
     def _agree_across_processes(self, choice):
@@ -255,9 +269,14 @@ class Buffer:
             multiprocess = _ipc.spans_processes(self.mesh.devices.flat)
             if multiprocess:
                 _ipc.check_same_configuration(self)
-            module.create_buffer(self.buffer_id, self._ep_groups(), *self._runtime_config())
+            pes = []
+            if self.transport == "nvshmem":
+                _nvshmem.join(self, module, module.workspace_bytes(*self._runtime_config()[:-1]))
+                pes = _nvshmem.pes(self)
+            module.create_buffer(self.buffer_id, self._ep_groups(), *self._runtime_config(),
+                                 pes=pes)
             self._allocated = True
-            if multiprocess:
+            if multiprocess and not pes:
                 try:
                     _ipc.exchange_workspaces(self, module)
                 except BaseException:
@@ -282,7 +301,9 @@ class Buffer:
         if self._allocated:
             module, _ = _cuda.load_extension()
             self._allocated = False
-            if _ipc.spans_processes(self.mesh.devices.flat):
+            if self.transport == "nvshmem":
+                module.destroy_buffer(self.buffer_id)  # nvshmem_free: a collective barrier
+            elif _ipc.spans_processes(self.mesh.devices.flat):
                 _ipc.release_workspaces(self, module)  # a collective: every process closes
             else:
                 module.destroy_buffer(self.buffer_id)

@@ -10,8 +10,11 @@ Each child gets, besides the launcher's own environment:
 - ``JAX_EP_NUM_PROCESSES``: ``N``; ``JAX_EP_PROCESS_ID``: ``0 .. N-1``.
 - ``JAX_EP_DEVICES_PER_PROCESS``: ``K``.
 - with GPUs: ``CUDA_VISIBLE_DEVICES`` = the GPUs ``[i*K, (i+1)*K)`` of the launcher's visible
-  GPUs (default ``K`` = visible GPUs // N); on CPU: ``XLA_FLAGS`` with
-  ``--xla_force_host_platform_device_count=K`` (default ``K`` = 1).
+  GPUs (default ``K`` = visible GPUs // N); with ``--share-gpus`` every child sees every GPU
+  and ``JAX_EP_LOCAL_DEVICE_IDS`` = ``i*K, ..., (i+1)*K - 1`` (passed to
+  ``jax.distributed.initialize(local_device_ids=...)``: NVSHMEM's peer-to-peer transport wants
+  to see the peers' GPUs); on CPU: ``XLA_FLAGS`` with ``--xla_force_host_platform_device_count=K``
+  (default ``K`` = 1).
 - ``PYTHONUNBUFFERED=1`` (unless set), so output lines arrive as they are printed.
 
 The command then calls :func:`initialize_from_env` (``tests/conftest.py`` does) before it touches
@@ -38,6 +41,7 @@ import time
 
 ENV_COORDINATOR = "JAX_EP_COORDINATOR"
 ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
+ENV_LOCAL_DEVICE_IDS = "JAX_EP_LOCAL_DEVICE_IDS"
 ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "JAX_EP_DEVICES_PER_PROCESS"
 TIMEOUT_EXIT_CODE = 124
@@ -80,8 +84,11 @@ def initialize_from_env() -> bool:
     # by default in older jax); respect an explicit choice such as "mpi".
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],
-                               num_processes=num_processes, process_id=process_id)
+    local_ids = os.environ.get(ENV_LOCAL_DEVICE_IDS)
+    jax.distributed.initialize(
+        coordinator_address=os.environ[ENV_COORDINATOR], num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=[int(i) for i in local_ids.split(",")] if local_ids else None)
     return True
 
 
@@ -115,7 +122,7 @@ def visible_gpus(environ=None) -> list[str]:
 
 
 def child_environments(num_processes, coordinator, devices_per_process=None, platform="auto",
-                       environ=None):
+                       environ=None, share_gpus=False):
     """The environment of every child (see the module docstring). Raises ValueError on a
     request the machine cannot meet."""
     environ = dict(os.environ if environ is None else environ)
@@ -142,7 +149,9 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
         env[ENV_PROCESS_ID] = str(i)
         env[ENV_DEVICES_PER_PROCESS] = str(k)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if use_gpus:
+        if use_gpus and share_gpus:
+            env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in range(i * k, (i + 1) * k))
+        elif use_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * k:(i + 1) * k])
         else:
             flags = _HOST_DEVICES_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
@@ -191,13 +200,15 @@ def _terminate(procs, grace_s, say):
 
 
 def launch(command, num_processes, *, coordinator=None, devices_per_process=None,
-           platform="auto", timeout_s=None, grace_s=10.0, stdout=None, stderr=None) -> int:
+           platform="auto", timeout_s=None, grace_s=10.0, stdout=None, stderr=None,
+           share_gpus=False) -> int:
     """Runs ``command`` (a list) in ``num_processes`` children; returns the exit code (see the
     module docstring)."""
     if not command:
         raise ValueError("no command given (usage: python -m jax_ep.launch -n N -- COMMAND...)")
     coordinator = coordinator or f"127.0.0.1:{free_port()}"
-    envs = child_environments(num_processes, coordinator, devices_per_process, platform)
+    envs = child_environments(num_processes, coordinator, devices_per_process, platform,
+                              share_gpus=share_gpus)
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr.buffer
     lock = threading.Lock()
@@ -299,6 +310,9 @@ def main(argv=None) -> int:
     parser.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",
                         help="auto: GPUs when any is visible, else CPU; cpu also sets "
                              "JAX_PLATFORMS=cpu")
+    parser.add_argument("--share-gpus", action="store_true",
+                        help="every process sees every GPU and uses its own K of them "
+                             "(JAX_EP_LOCAL_DEVICE_IDS) instead of CUDA_VISIBLE_DEVICES")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="terminate everything after S seconds and exit 124")
     parser.add_argument("--grace", type=float, default=10.0, metavar="S",
@@ -313,7 +327,7 @@ def main(argv=None) -> int:
     try:
         return launch(command, args.num_processes, coordinator=args.coordinator,
                       devices_per_process=args.devices_per_process, platform=args.platform,
-                      timeout_s=args.timeout, grace_s=args.grace)
+                      timeout_s=args.timeout, grace_s=args.grace, share_gpus=args.share_gpus)
     except ValueError as e:
         parser.error(str(e))
     except OSError as e:  # the command could not be started

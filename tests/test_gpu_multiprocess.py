@@ -38,6 +38,33 @@ def test_two_processes_give_the_bits_of_one():
     assert digest_lines(proc.stdout) == want
 
 
+def test_nvshmem_transport_gives_the_bits_of_one_process():
+    """JAX_EP_TRANSPORT=nvshmem (workspaces on NVSHMEM's symmetric heap, peers by nvshmem_ptr
+    through NVSHMEM's own peer-to-peer transport): the same bits as 1 process x 2 GPUs."""
+    require_gpus(2)
+    from jax_ep import _cuda, _nvshmem  # noqa: PLC0415
+
+    module, _ = _cuda.load_extension()
+    if not module.nvshmem_built():
+        pytest.skip("jax_ep was built without NVSHMEM's headers")
+    try:
+        _nvshmem.library_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    single = subprocess.run([sys.executable, str(launching.DIGEST_SCRIPT), "cuda"],
+                            env=launching.child_env("gpu"), capture_output=True, text=True,
+                            timeout=300)
+    want = [line for line in single.stdout.splitlines() if line.startswith("DIGEST ")]
+    assert single.returncode == 0 and len(want) == 9, single.stdout + single.stderr[-4000:]
+    # Every process sees both GPUs (--share-gpus): NVSHMEM's peer-to-peer transport looks for
+    # the peer's GPU among the visible ones.
+    proc, _ = launching.run_launcher("-n", "2", "--share-gpus", "--", sys.executable,
+                                     str(launching.DIGEST_SCRIPT), "cuda", platform="gpu",
+                                     extra_env={_nvshmem.ENV_TRANSPORT: "nvshmem"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert digest_lines(proc.stdout) == want
+
+
 def test_cuda_buffer_names_a_process_that_never_joins(tmp_path):
     require_gpus(2)
     script = textwrap.dedent("""

@@ -63,6 +63,18 @@ def test_gpu_slices_and_default_coordinator():
     assert host == "127.0.0.1" and 0 < int(port) < 65536
 
 
+def test_shared_gpus_give_local_device_ids():
+    """--share-gpus: every child sees every GPU and takes its K of them through
+    jax.distributed's local_device_ids (ordinals among the visible GPUs)."""
+    envs = launch.child_environments(2, "h:1", 2, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+                                     share_gpus=True)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4,5,6,7"] * 2
+    assert [e[launch.ENV_LOCAL_DEVICE_IDS] for e in envs] == ["0,1", "2,3"]
+    cpu = launch.child_environments(2, "h:1", 2, platform="cpu", share_gpus=True,
+                                    environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert launch.ENV_LOCAL_DEVICE_IDS not in cpu[0]  # host devices: nothing to share
+
+
 def test_initialize_from_env_without_variables(monkeypatch):
     monkeypatch.delenv(launch.ENV_NUM_PROCESSES, raising=False)
     assert launch.initialize_from_env() is False

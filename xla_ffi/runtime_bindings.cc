@@ -14,6 +14,7 @@
 
 #include "kernels/normal_workspace.h"
 #include "runtime/context.h"
+#include "runtime/nvshmem_host.h"
 #include "runtime/registry.h"
 #include "targets.h"
 
@@ -39,11 +40,12 @@ BufferConfig make_config(int num_ranks, int num_experts, int hidden, int max_tok
 }
 
 void create_buffer_or_raise(int64_t buffer_id, const std::vector<std::vector<int>>& groups,
-                            const BufferConfig& config) {
+                            const BufferConfig& config,
+                            const std::vector<std::vector<int>>& pes = {}) {
   std::string error;
   {
     nb::gil_scoped_release release;
-    error = create_buffer(buffer_id, config, groups);
+    error = create_buffer(buffer_id, config, groups, pes);
   }
   if (!error.empty()) throw std::runtime_error(error);
 }
@@ -116,7 +118,8 @@ void add_runtime_functions(nb::module_& m) {
       "create_buffer",
       [](int64_t buffer_id, const std::vector<std::vector<int>>& groups, int num_ranks,
          int num_experts, int hidden, int max_tokens_per_rank, int num_topk, int capacity,
-         int dtype_bytes, bool low_latency, double timeout_s) {
+         int dtype_bytes, bool low_latency, double timeout_s,
+         const std::vector<std::vector<int>>& pes) {
         for (const auto& group : groups) {
           if (static_cast<int>(group.size()) != num_ranks) {
             throw std::runtime_error("jax_ep: num_ranks=" + std::to_string(num_ranks) +
@@ -127,11 +130,48 @@ void add_runtime_functions(nb::module_& m) {
         create_buffer_or_raise(
             buffer_id, groups,
             make_config(num_ranks, num_experts, hidden, max_tokens_per_rank, num_topk, capacity,
-                        dtype_bytes, low_latency, timeout_s));
+                        dtype_bytes, low_latency, timeout_s),
+            pes);
       },
       nb::arg("buffer_id"), nb::arg("groups"), nb::arg("num_ranks"), nb::arg("num_experts"),
       nb::arg("hidden"), nb::arg("max_tokens_per_rank"), nb::arg("num_topk"), nb::arg("capacity"),
-      nb::arg("dtype_bytes"), nb::arg("low_latency"), nb::arg("timeout_s"));
+      nb::arg("dtype_bytes"), nb::arg("low_latency"), nb::arg("timeout_s"),
+      nb::arg("pes") = std::vector<std::vector<int>>(),
+      "As above, with num_ranks checked against the groups; `pes` (shaped like `groups`): the "
+      "NVSHMEM transport, the PE of every rank (nvshmem_initialize first).");
+
+  m.def("nvshmem_built", &nvshmem_built,
+        "Whether this build has NVSHMEM's types (the wheel's headers were found).");
+  m.def(
+      "nvshmem_load",
+      [](const std::string& library_path) {
+        const std::string error = nvshmem_load(library_path);
+        if (!error.empty()) throw std::runtime_error(error);
+      },
+      nb::arg("library_path"), "Loads NVSHMEM's host library (libnvshmem_host.so.3).");
+  m.def(
+      "nvshmem_unique_id",
+      []() {
+        std::string unique_id;
+        const std::string error = nvshmem_unique_id(&unique_id);
+        if (!error.empty()) throw std::runtime_error(error);
+        return nb::bytes(unique_id.data(), unique_id.size());
+      },
+      "A new NVSHMEM unique id (bytes), made by one process for all.");
+  m.def(
+      "nvshmem_initialize",
+      [](nb::bytes unique_id, int pe, int num_pes, int device) {
+        std::string error;
+        const std::string id(unique_id.c_str(), unique_id.size());
+        {
+          nb::gil_scoped_release release;  // collective: waits for the other PEs
+          error = nvshmem_initialize(id, pe, num_pes, device);
+        }
+        if (!error.empty()) throw std::runtime_error(error);
+      },
+      nb::arg("unique_id"), nb::arg("pe"), nb::arg("num_pes"), nb::arg("device"),
+      "Joins the NVSHMEM job as PE `pe` of `num_pes` on CUDA device `device` (once per process).");
+  m.def("nvshmem_initialized", &nvshmem_initialized);
 
   m.def(
       "export_workspace_handles",

@@ -65,6 +65,7 @@ struct RankContext {
   int device = 0;             // CUDA device ordinal
   char* workspace = nullptr;  // this rank's workspace (device memory)
   size_t workspace_bytes = 0;
+  bool symmetric_workspace = false;  // on NVSHMEM's symmetric heap (runtime/nvshmem_host.h)
   char* peer_workspaces[kMaxRanks] = {};    // every rank's workspace, as seen from this device
   char** peer_workspaces_device = nullptr;  // the same table in device memory
   ErrorCounters* error_counters = nullptr;  // device memory

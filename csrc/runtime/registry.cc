@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "kernels/common/limits.h"
+#include "runtime/nvshmem_host.h"
 
 namespace jax_ep {
 namespace {
@@ -143,10 +144,34 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
 
 // Frees what was allocated for `ctx` (any subset), on its device. Errors are ignored: this runs
 // on failure paths and at close, where nothing better can be done.
+// The NVSHMEM transport: one PE per process and one local rank per PE (NVSHMEM binds a PE to
+// one GPU), `pes` shaped like `groups`.
+std::string validate_symmetric(const std::vector<std::vector<int>>& groups,
+                               const std::vector<std::vector<int>>& pes) {
+  if (pes.size() != groups.size()) return "jax_ep: pes must have one list per EP group";
+  int local_ranks = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (pes[g].size() != groups[g].size()) return "jax_ep: pes must have one PE per rank";
+    for (int device : groups[g]) local_ranks += device != kRemoteRank;
+  }
+  if (local_ranks != 1) {
+    return "jax_ep: the NVSHMEM transport needs exactly one device per process (this process "
+           "drives " + std::to_string(local_ranks) + " ranks of the Buffer)";
+  }
+  if (!nvshmem_initialized()) return "jax_ep: NVSHMEM is not initialised in this process";
+  return "";
+}
+
 void free_rank_context(RankContext& ctx) {
   if (cudaSetDevice(ctx.device) != cudaSuccess) return;
   cudaDeviceSynchronize();
-  if (ctx.workspace != nullptr) cudaFree(ctx.workspace);
+  if (ctx.workspace != nullptr) {
+    if (ctx.symmetric_workspace) {
+      nvshmem_release(ctx.workspace);  // collective: every PE frees its Buffers in one order
+    } else {
+      cudaFree(ctx.workspace);
+    }
+  }
   if (ctx.peer_workspaces_device != nullptr) cudaFree(ctx.peer_workspaces_device);
   if (ctx.error_counters != nullptr) cudaFree(ctx.error_counters);
   if (ctx.timeout_record_host != nullptr) cudaFreeHost(ctx.timeout_record_host);
@@ -162,7 +187,15 @@ void free_rank_context(RankContext& ctx) {
 std::string allocate_rank(RankContext& ctx) {
   const int device = ctx.device;
   RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaSetDevice(device));
-  const cudaError_t status = cudaMalloc(&ctx.workspace, ctx.workspace_bytes);
+  if (ctx.symmetric_workspace) {
+    void* symmetric = nullptr;
+    const std::string error = nvshmem_allocate(ctx.workspace_bytes, &symmetric);
+    if (!error.empty()) return error;
+    ctx.workspace = static_cast<char*>(symmetric);
+  }
+  const cudaError_t status = ctx.symmetric_workspace
+                                 ? cudaSuccess
+                                 : cudaMalloc(&ctx.workspace, ctx.workspace_bytes);
   if (status != cudaSuccess) {
     cudaGetLastError();
     std::ostringstream message;
@@ -238,8 +271,25 @@ std::string upload_peer_table(RankContext& ctx) {
   return "";
 }
 
+// The peer table of a rank whose workspace is on the NVSHMEM heap: rank r's workspace is
+// NVSHMEM PE pes[r]'s copy of the same symmetric object.
+std::string map_symmetric_peers(RankContext& ctx, const std::vector<int>& pes) {
+  for (int r = 0; r < ctx.config.num_ranks; ++r) {
+    ctx.peer_workspaces[r] = static_cast<char*>(nvshmem_peer_address(ctx.workspace, pes[r]));
+    if (ctx.peer_workspaces[r] == nullptr) {
+      return "jax_ep: rank " + std::to_string(r) + " (NVSHMEM PE " + std::to_string(pes[r]) +
+             ") is not reachable by loads and stores from device " + std::to_string(ctx.device) +
+             " (nvshmem_ptr is null: another host). Device-initiated NVSHMEM puts for such "
+             "peers are not implemented yet (issue 8)";
+    }
+  }
+  return "";
+}
+
+// `pes` (NVSHMEM transport, one local rank): the PE of every rank of the group; nullptr: device
+// memory, peers of this process by unified addressing, of other processes by CUDA IPC.
 std::string create_group(const BufferConfig& config, int group_index,
-                         const std::vector<int>& group,
+                         const std::vector<int>& group, const std::vector<int>* pes,
                          std::vector<std::unique_ptr<RankContext>>& contexts) {
   const size_t first = contexts.size();
   std::vector<RankContext*> by_rank(group.size(), nullptr);
@@ -251,12 +301,15 @@ std::string create_group(const BufferConfig& config, int group_index,
     ctx->rank = rank;
     ctx->device = group[rank];
     ctx->workspace_bytes = workspace_bytes(config);
+    ctx->symmetric_workspace = pes != nullptr;
     ctx->timeout_ns = static_cast<uint64_t>(config.timeout_s * 1e9);
     by_rank[rank] = ctx.get();
     contexts.push_back(std::move(ctx));
-    std::string error = enable_peer_access(group[rank], group);
+    std::string error = pes != nullptr ? "" : enable_peer_access(group[rank], group);
     if (error.empty()) error = allocate_rank(*contexts.back());
+    if (error.empty() && pes != nullptr) error = map_symmetric_peers(*contexts.back(), *pes);
     if (!error.empty()) return error;
+    if (pes != nullptr) return upload_peer_table(*contexts.back());
   }
   // Peer tables: with unified addressing a device pointer is valid on every peer that has
   // access, so every local rank sees the same table. Other processes' entries stay null until
@@ -286,8 +339,10 @@ void close_imported(std::vector<std::pair<int, void*>>& imported) {
 }  // namespace
 
 std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
-                          const std::vector<std::vector<int>>& groups) {
+                          const std::vector<std::vector<int>>& groups,
+                          const std::vector<std::vector<int>>& pes) {
   std::string error = validate(config, groups);
+  if (error.empty() && !pes.empty()) error = validate_symmetric(groups, pes);
   if (!error.empty()) return error;
   {
     std::shared_lock<std::shared_mutex> lock(registry_mutex);
@@ -302,7 +357,8 @@ std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
   {
     CurrentDeviceGuard device_guard;
     for (size_t g = 0; g < groups.size(); ++g) {
-      error = create_group(config, static_cast<int>(g), groups[g], state.contexts);
+      error = create_group(config, static_cast<int>(g), groups[g], pes.empty() ? nullptr : &pes[g],
+                           state.contexts);
       if (!error.empty()) break;
     }
     if (!error.empty()) {

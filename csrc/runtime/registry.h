@@ -18,8 +18,12 @@ constexpr int kRemoteRank = -1;
 // device of `groups` (each inner list = device ordinals of one EP group, in rank order;
 // kRemoteRank for a rank of another process, whose workspace import_workspace_handles() maps
 // later). Returns "" on success, else a message naming what failed (device, CUDA error).
+// `pes` non-empty (shaped like `groups`): the NVSHMEM transport (runtime/nvshmem_host.h), the
+// NVSHMEM PE of every rank; the workspace goes on the symmetric heap (a collective: every
+// process creates its Buffers in the same order) and every peer table entry is the PE's copy.
 std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
-                          const std::vector<std::vector<int>>& groups);
+                          const std::vector<std::vector<int>>& groups,
+                          const std::vector<std::vector<int>>& pes = {});
 
 // A CUDA IPC handle of one rank's workspace, for the processes driving the other ranks of its
 // EP group (same host). `handle` holds the bytes of a cudaIpcMemHandle_t.

@@ -1,0 +1,111 @@
+"""The NVSHMEM transport of the CUDA backend (issue 8): ``JAX_EP_TRANSPORT=nvshmem``.
+
+With one process per GPU, a Buffer's workspaces can live on NVSHMEM's symmetric heap instead of
+``cudaMalloc`` + CUDA IPC: every peer table entry is then ``nvshmem_ptr`` of the same symmetric
+object at the peer's PE, and the kernels are unchanged (csrc/runtime/nvshmem_host.h). NVSHMEM is
+joined once per process, at the first such Buffer: process 0 makes a unique id and sends it
+through ``jax.distributed``'s key-value store; every process is PE ``jax.process_index()`` of
+``jax.process_count()``. Peers that NVSHMEM can only reach over the network (other hosts) need
+device-initiated puts, which the kernels do not have yet: creating such a Buffer raises.
+
+Settings: ``JAX_EP_TRANSPORT`` (``ipc``, the default, or ``nvshmem``), ``JAX_EP_NVSHMEM_LIB``
+(the host library; default the nvidia-nvshmem wheel's ``libnvshmem_host.so.3``),
+``NVSHMEM_SYMMETRIC_SIZE`` (the heap; when unset, jax_ep sets it to the first Buffer's workspace
+plus 1 GiB), ``NVSHMEM_REMOTE_TRANSPORT`` (jax_ep sets ``none`` when unset: no network transport
+is used yet). Start the processes with ``python -m jax_ep.launch --share-gpus`` so that each
+sees the peers' GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from jax_ep import _ipc
+
+ENV_TRANSPORT = "JAX_EP_TRANSPORT"
+ENV_LIBRARY = "JAX_EP_NVSHMEM_LIB"
+TRANSPORTS = ("ipc", "nvshmem")
+_UNIQUE_ID_KEY = "jax_ep/nvshmem/unique_id"
+_HEAP_HEADROOM_BYTES = 1 << 30
+
+
+def requested_transport() -> str:
+    """``JAX_EP_TRANSPORT`` (default ``ipc``); ValueError naming the variable when unknown."""
+    value = os.environ.get(ENV_TRANSPORT, "ipc").strip().lower() or "ipc"
+    if value not in TRANSPORTS:
+        raise ValueError(f"{ENV_TRANSPORT}={os.environ[ENV_TRANSPORT]!r}: choose one of "
+                         f"{', '.join(TRANSPORTS)}")
+    return value
+
+
+def _wheel_roots() -> list[str]:
+    """Folders of the nvidia-nvshmem wheel's package (empty when it is not installed)."""
+    try:
+        import nvidia.nvshmem as wheel  # noqa: PLC0415 - optional
+    except ImportError:
+        return []
+    return list(wheel.__path__)
+
+
+def library_path() -> str:
+    """The NVSHMEM host library: ``JAX_EP_NVSHMEM_LIB``, else the nvidia-nvshmem wheel's."""
+    explicit = os.environ.get(ENV_LIBRARY)
+    if explicit:
+        return explicit
+    roots = _wheel_roots()
+    for root in roots:
+        path = os.path.join(root, "lib", "libnvshmem_host.so.3")
+        if os.path.exists(path):
+            return path
+    raise RuntimeError(
+        f"{ENV_TRANSPORT}=nvshmem needs NVSHMEM's host library: install nvidia-nvshmem-cu13 or "
+        f"set {ENV_LIBRARY} (no lib/libnvshmem_host.so.3 in "
+        f"{roots or 'an nvidia.nvshmem package'})")
+
+
+def check_usable(buf) -> None:
+    """The layout the transport needs: one process per GPU (NVSHMEM binds a PE to one GPU)."""
+    local = [d for d in buf.mesh.devices.flat if d.process_index == jax.process_index()]
+    if len(local) != 1 or not _ipc.spans_processes(buf.mesh.devices.flat):
+        raise ValueError(
+            f"{ENV_TRANSPORT}=nvshmem needs one process per GPU (this process drives "
+            f"{len(local)} of the mesh's {buf.mesh.devices.size} devices); start one process per "
+            f"GPU (python -m jax_ep.launch) or use the default transport")
+    processes = _ipc._processes(buf.mesh.devices.flat)
+    if processes != list(range(jax.process_count())):
+        raise ValueError(f"{ENV_TRANSPORT}=nvshmem needs a mesh over every process of the job "
+                         f"(NVSHMEM's PEs), this one has processes {processes} of "
+                         f"{jax.process_count()}")
+
+
+def pes(buf) -> list[list[int]]:
+    """The NVSHMEM PE (= process index) of every rank of every EP group."""
+    return [[d.process_index for d in group] for group in buf._ep_group_devices()]
+
+
+def join(buf, module, workspace_bytes: int) -> None:
+    """Joins NVSHMEM in this process (once; collective over every process of the job)."""
+    if module.nvshmem_initialized():
+        return
+    if not module.nvshmem_built():
+        raise RuntimeError(f"{ENV_TRANSPORT}=nvshmem: jax_ep was built without NVSHMEM's headers "
+                           f"(install nvidia-nvshmem-cu13, then rebuild jax_ep)")
+    module.nvshmem_load(library_path())
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(workspace_bytes + _HEAP_HEADROOM_BYTES))
+    # Only NVSHMEM's peer-to-peer transport is used (peers it cannot map are refused), so do not
+    # let it bring up a network transport (InfiniBand) that nothing would use.
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    client, timeout_s = _ipc._client(), _ipc.join_timeout_s()
+    if jax.process_index() == 0:
+        client.key_value_set(_UNIQUE_ID_KEY, module.nvshmem_unique_id().hex())
+    try:
+        unique_id = bytes.fromhex(client.blocking_key_value_get(_UNIQUE_ID_KEY,
+                                                                int(timeout_s * 1000)))
+    except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
+        raise RuntimeError(f"process 0 did not publish the NVSHMEM unique id within "
+                           f"{timeout_s:g} s ({_ipc.ENV_JOIN_TIMEOUT})") from e
+    (device,) = [d for d in buf.mesh.devices.flat if d.process_index == jax.process_index()]
+    ordinal = device.local_hardware_id if device.local_hardware_id is not None else device.id
+    module.nvshmem_initialize(unique_id, jax.process_index(), jax.process_count(), int(ordinal))

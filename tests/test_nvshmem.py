@@ -1,0 +1,80 @@
+"""The NVSHMEM transport's host-side rules (CPU): the switch, the library lookup, the layout it
+needs. Its GPU test is in test_gpu_multiprocess.py."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from jax_ep import _nvshmem
+
+
+@pytest.mark.parametrize("value,want", [(None, "ipc"), ("", "ipc"), ("ipc", "ipc"),
+                                        ("nvshmem", "nvshmem"), (" NVSHMEM ", "nvshmem")])
+def test_transport_switch(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv(_nvshmem.ENV_TRANSPORT, raising=False)
+    else:
+        monkeypatch.setenv(_nvshmem.ENV_TRANSPORT, value)
+    assert _nvshmem.requested_transport() == want
+
+
+def test_unknown_transport_names_the_variable(monkeypatch):
+    monkeypatch.setenv(_nvshmem.ENV_TRANSPORT, "rdma")
+    with pytest.raises(ValueError, match="JAX_EP_TRANSPORT='rdma'.*ipc, nvshmem"):
+        _nvshmem.requested_transport()
+
+
+def test_library_path_prefers_the_variable(monkeypatch):
+    monkeypatch.setenv(_nvshmem.ENV_LIBRARY, "/opt/nvshmem/lib/libnvshmem_host.so.3")
+    assert _nvshmem.library_path() == "/opt/nvshmem/lib/libnvshmem_host.so.3"
+
+
+def test_library_path_without_the_wheel_says_what_to_install(monkeypatch):
+    monkeypatch.delenv(_nvshmem.ENV_LIBRARY, raising=False)
+    monkeypatch.setattr(_nvshmem, "_wheel_roots", lambda: [])
+    with pytest.raises(RuntimeError, match="nvidia-nvshmem-cu13"):
+        _nvshmem.library_path()
+
+
+def test_library_path_finds_the_wheel(monkeypatch, tmp_path):
+    monkeypatch.delenv(_nvshmem.ENV_LIBRARY, raising=False)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libnvshmem_host.so.3").write_bytes(b"")
+    monkeypatch.setattr(_nvshmem, "_wheel_roots", lambda: [str(tmp_path)])
+    assert _nvshmem.library_path() == str(tmp_path / "lib" / "libnvshmem_host.so.3")
+
+
+class FakeDevice:
+    def __init__(self, id, process_index):
+        self.id, self.process_index = id, process_index
+
+
+class FakeBuffer:
+    """What check_usable and pes read of a Buffer."""
+
+    def __init__(self, devices, groups):
+        self.mesh = types.SimpleNamespace(devices=np.array(devices, dtype=object))
+        self._groups = groups
+
+    def _ep_group_devices(self):
+        return self._groups
+
+
+def test_one_process_driving_several_devices_is_refused():
+    devices = jax.devices("cpu")[:2]
+    buf = FakeBuffer(devices, [devices])
+    with pytest.raises(ValueError, match="one process per GPU .*drives 2"):
+        _nvshmem.check_usable(buf)
+    mesh = Mesh(np.array(devices), ("ep",))  # the real mesh type says the same
+    buf.mesh = mesh
+    with pytest.raises(ValueError, match="one process per GPU"):
+        _nvshmem.check_usable(buf)
+
+
+def test_pes_are_the_process_of_every_rank():
+    groups = [[FakeDevice(0, 0), FakeDevice(1, 1)], [FakeDevice(2, 2), FakeDevice(3, 3)]]
+    buf = FakeBuffer([d for g in groups for d in g], groups)
+    assert _nvshmem.pes(buf) == [[0, 1], [2, 3]]
