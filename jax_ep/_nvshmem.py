@@ -19,6 +19,7 @@ sees the peers' GPUs.
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 
@@ -109,3 +110,16 @@ def join(buf, module, workspace_bytes: int) -> None:
     (device,) = [d for d in buf.mesh.devices.flat if d.process_index == jax.process_index()]
     ordinal = device.local_hardware_id if device.local_hardware_id is not None else device.id
     module.nvshmem_initialize(unique_id, jax.process_index(), jax.process_count(), int(ordinal))
+
+
+def release(buf, module) -> None:
+    """Frees ``buf``'s symmetric workspace. ``nvshmem_free`` waits for every PE without a bound,
+    so the processes first meet at our bounded barrier; if one never comes (it died), the
+    memory is left allocated with a warning instead of waiting forever."""
+    try:
+        _ipc.barrier(buf, "released")
+    except RuntimeError as e:
+        warnings.warn(f"{e}; its NVSHMEM workspace stays allocated (nvshmem_free would wait for "
+                      f"the missing process forever)", RuntimeWarning, stacklevel=3)
+        return
+    module.destroy_buffer(buf.buffer_id)

@@ -302,7 +302,7 @@ class Buffer:
             module, _ = _cuda.load_extension()
             self._allocated = False
             if self.transport == "nvshmem":
-                module.destroy_buffer(self.buffer_id)  # nvshmem_free: a collective barrier
+                _nvshmem.release(self, module)  # a collective: every process closes
             elif _ipc.spans_processes(self.mesh.devices.flat):
                 _ipc.release_workspaces(self, module)  # a collective: every process closes
             else:

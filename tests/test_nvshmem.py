@@ -78,3 +78,29 @@ def test_pes_are_the_process_of_every_rank():
     groups = [[FakeDevice(0, 0), FakeDevice(1, 1)], [FakeDevice(2, 2), FakeDevice(3, 3)]]
     buf = FakeBuffer([d for g in groups for d in g], groups)
     assert _nvshmem.pes(buf) == [[0, 1], [2, 3]]
+
+
+class FakeModule:
+    def __init__(self):
+        self.destroyed = []
+
+    def destroy_buffer(self, buffer_id):
+        self.destroyed.append(buffer_id)
+
+
+def test_release_frees_after_every_process_arrived(monkeypatch):
+    monkeypatch.setattr(_nvshmem._ipc, "barrier", lambda buf, name: None)
+    module = FakeModule()
+    _nvshmem.release(types.SimpleNamespace(buffer_id=7), module)
+    assert module.destroyed == [7]
+
+
+def test_release_never_waits_for_a_dead_process(monkeypatch):
+    def barrier(buf, name):
+        raise RuntimeError(f"not every process reached {name!r}")
+
+    monkeypatch.setattr(_nvshmem._ipc, "barrier", barrier)
+    module = FakeModule()
+    with pytest.warns(RuntimeWarning, match="stays allocated"):
+        _nvshmem.release(types.SimpleNamespace(buffer_id=7), module)
+    assert module.destroyed == []  # nvshmem_free would block on the missing PE
