@@ -3,6 +3,8 @@
 # `timeout`; logs and JSON under $OUT, a short summary last.
 #   tests      single-process GPU suite (test files in $TESTS)
 #   multiproc  tests/test_gpu_multiprocess.py + the GPU suite under `jax_ep.launch -n 2`
+#   nvshmem    the GPU suite and bench_ep under `JAX_EP_TRANSPORT=nvshmem jax_ep.launch -n 2
+#              --share-gpus` (NVSHMEM's symmetric heap and peer-to-peer mappings)
 #   memcheck   compute-sanitizer memcheck over the op tests
 #   bench      bench_ep (normal T=4096 and low-latency T sweep, with peers) + 2-process figures
 #   moe        bench_moe_layer with every transport
@@ -10,7 +12,7 @@
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/gpu_out}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 JAX_EP_COMMIT="${JAX_EP_COMMIT:-unknown}"
-SECTIONS="${SECTIONS:-tests multiproc memcheck bench moe first}"
+SECTIONS="${SECTIONS:-tests multiproc nvshmem memcheck bench moe first}"
 TESTS="${TESTS:-tests/test_normal.py tests/test_low_latency.py tests/test_low_latency_split.py tests/test_gradients.py tests/test_gpu.py tests/test_aot.py}"
 summary=()
 step() {  # step NAME SECONDS CMD...: runs CMD with a timeout, logs to $OUT/NAME.log
@@ -28,6 +30,9 @@ fi
 has multiproc && step mp_tests 200 pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multiprocess.py ${MP_ARGS:-}
 has multiproc && step mp_suite 300 python3 -m jax_ep.launch -n 2 --timeout 280 -- \
   pytest -m gpu -q -p no:cacheprovider tests/test_normal.py tests/test_low_latency.py tests/test_gradients.py
+has nvshmem && JAX_EP_TRANSPORT=nvshmem step nvshmem_suite 300 python3 -m jax_ep.launch -n 2 \
+  --share-gpus --timeout 280 -- pytest -m gpu -q -p no:cacheprovider tests/test_normal.py \
+  tests/test_low_latency.py tests/test_low_latency_split.py tests/test_gradients.py
 has memcheck && XLA_PYTHON_CLIENT_ALLOCATOR=platform step memcheck 300 compute-sanitizer --tool memcheck \
   --report-api-errors no --target-processes all --error-exitcode 9 \
   pytest -m gpu -q -p no:cacheprovider tests/test_normal.py tests/test_low_latency.py \
@@ -41,6 +46,9 @@ if has bench; then
     "$R/benchmarks/bench_ep.py" --out "$OUT" --tag 2proc --impls jax_ep --ll-tokens 128 \
     --ops layout,dispatch,combine,low_latency_dispatch,low_latency_combine
 fi
+has nvshmem && JAX_EP_TRANSPORT=nvshmem step bench_nvshmem 240 python3 -m jax_ep.launch -n 2 \
+  --share-gpus --timeout 230 -- python3 "$R/benchmarks/bench_ep.py" --out "$OUT" --tag nvshmem \
+  --impls jax_ep --ll-tokens 128 --ops layout,dispatch,combine,low_latency_dispatch,low_latency_combine
 has split_bench && step bench_split 120 python3 "$R/benchmarks/bench_ep.py" --out "$OUT" --tag split \
   --impls jax_ep --ll-tokens 128 --ops low_latency_dispatch_send,low_latency_dispatch_recv,low_latency_combine_send,low_latency_combine_recv
 has moe && step moe 300 python3 "$R/benchmarks/bench_moe_layer.py" --out "$OUT" --max-minutes "${MOE_MINUTES:-4}"
