@@ -435,7 +435,7 @@ def _per_rank_leaves(tree):
 
 
 def repeated_program(mesh: Mesh, op: Callable, iterations: int, prologue: Callable | None = None,
-                     epilogue: Callable | None = None):
+                     epilogue: Callable | None = None, outputs: str = "all"):
     """One jitted program that runs ``op`` ``iterations`` times, unrolled.
 
     ``program(fixed, sets)``: ``fixed`` is a tuple of global arrays given to ``prologue`` once
@@ -446,27 +446,34 @@ def repeated_program(mesh: Mesh, op: Callable, iterations: int, prologue: Callab
 
     - Distinct inputs per iteration: no two calls are the same expression, so XLA cannot CSE
       them (an ``optimization_barrier`` alone does not stop that: XLA:CPU removes it first).
-    - Every output of every call is an output of the program (no reduction that XLA could slice
-      through), so no work is dead.
+    - ``outputs="all"``: every output of every call is an output of the program (no reduction
+      that XLA could slice through), so no work is dead. ``"last"``: only the last call's (and
+      the epilogue's); the barriers below keep every earlier call alive, and the program hands
+      back far fewer buffers (a check of how much the per-output host work weighs).
     - Iteration i+1's arguments pass through an ``optimization_barrier`` together with
       iteration i's outputs, asking XLA to run the calls one after the other.
     """
+
+    if outputs not in ("all", "last"):
+        raise ValueError(f"outputs must be 'all' or 'last', got {outputs!r}")
 
     def body(fixed, sets):
         if len(sets) < iterations:
             raise ValueError(f"{iterations} iterations need as many input sets, got {len(sets)}")
         ctx = prologue(*fixed) if prologue is not None else None
         carry = None
-        outputs = []
+        kept = []
         for i in range(iterations):
             args = sets[i]
             if carry is not None:
                 args, carry = lax.optimization_barrier((args, carry))
             carry = op(ctx, *args)
-            outputs.append(carry)
+            kept.append(carry)
+        if outputs == "last":
+            kept = kept[-1:]
         if epilogue is not None:
-            outputs.append(epilogue(ctx, args, carry))
-        return _per_rank_leaves(outputs)
+            kept.append(epilogue(ctx, args, carry))
+        return _per_rank_leaves(kept)
 
     return shard_mapped(mesh, body, 2)
 

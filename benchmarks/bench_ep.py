@@ -87,6 +87,8 @@ def parse_args(argv):
     p.add_argument("--n-short", type=int, help="iterations of the short program (default 2)")
     p.add_argument("--n-long", type=int, help="iterations of the long program (default 12)")
     p.add_argument("--repeats", type=int, help="timed runs of each program (default 20)")
+    p.add_argument("--outputs", choices=("all", "last"), default="all",
+                   help="program outputs: every call's (default) or the last call's only")
     p.add_argument("--warmup", type=int, help="untimed runs of each program first (default 3)")
     p.add_argument("--tag", help="appended to the result file name: <machine>-<date>-<tag>.json")
     p.add_argument("--seed", type=int, default=0)
@@ -332,7 +334,7 @@ def measure(mesh, args, program, pool):
     call_args = (tuple(fixed), tuple(tuple(s) for s in sets))
     start = time.perf_counter()
     lowered = [
-        bc.repeated_program(mesh, op, n, prologue, epilogue).lower(*call_args)
+        bc.repeated_program(mesh, op, n, prologue, epilogue, args.outputs).lower(*call_args)
         for n in (args.n_short, args.n_long)
     ]
     short, long = pool.map(lambda low: low.compile(), lowered)  # compiles run in parallel
@@ -683,7 +685,8 @@ def main(argv=None):
     prefix = os.path.join(args.out, name)
     path = prefix + ".json"
     method = {"n_short": args.n_short, "n_long": args.n_long, "repeats": args.repeats,
-              "warmup": args.warmup, "nvlink_bytes_per_s": bc.NVLINK_BYTES_PER_S}
+              "warmup": args.warmup, "outputs": args.outputs,
+              "nvlink_bytes_per_s": bc.NVLINK_BYTES_PER_S}
 
     def merged(records, errors, skipped):
         records = sorted(records + child[0], key=sort_key)
