@@ -142,8 +142,6 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
   return "";
 }
 
-// Frees what was allocated for `ctx` (any subset), on its device. Errors are ignored: this runs
-// on failure paths and at close, where nothing better can be done.
 // The NVSHMEM transport: one PE per process and one local rank per PE (NVSHMEM binds a PE to
 // one GPU), `pes` shaped like `groups`.
 std::string validate_symmetric(const std::vector<std::vector<int>>& groups,
@@ -162,6 +160,8 @@ std::string validate_symmetric(const std::vector<std::vector<int>>& groups,
   return "";
 }
 
+// Frees what was allocated for `ctx` (any subset), on its device. Errors are ignored: this runs
+// on failure paths and at close, where nothing better can be done.
 void free_rank_context(RankContext& ctx) {
   if (cudaSetDevice(ctx.device) != cudaSuccess) return;
   cudaDeviceSynchronize();
