@@ -455,9 +455,10 @@ def test_gradient_through_split_lowers_for_cuda():
     assert f"@{_cuda.target_name('low_latency_combine')}(" in text
 
 
-def sliced_calls_step(buf, kinds):
-    """Per-rank step: one low-latency call pair per kind on slices ``x[i]`` of stacked inputs
-    (micro-batches), the pattern XLA:GPU's dynamic-slice fusion rewrites."""
+def sliced_calls_program(mesh, buf, kinds, T, H, K):
+    """``(jitted program, argument shapes)``: per rank, one low-latency call pair per kind on
+    slices ``x[i]`` of stacked inputs (micro-batches), the pattern XLA:GPU's dynamic-slice
+    fusion rewrites."""
 
     def step(x, idx, w):
         outs = []
@@ -467,7 +468,14 @@ def sliced_calls_step(buf, kinds):
             d = dispatch(buf, x[i], idx[i], use_fp8=False)
             outs.append((d.recv_count, combine(buf, d.recv_x, idx[i], w[i], d.handle)))
         return outs
-    return step
+
+    R, n, spec = mesh.shape["ep"], len(kinds), shard_spec(mesh)
+    program = jax.jit(jax.shard_map(lambda *a: step(*(v[0] for v in a)), mesh=mesh,
+                                    in_specs=(spec,) * 3, out_specs=spec))
+    args = (jax.ShapeDtypeStruct((R, n, T, H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((R, n, T, K), jnp.int32),
+            jax.ShapeDtypeStruct((R, n, T, K), jnp.float32))
+    return program, args
 
 
 def fenced_custom_calls(jaxpr):
@@ -494,14 +502,8 @@ def test_custom_calls_are_fenced_by_optimization_barriers():
     operands and keep the side-effecting original too (each kernel would run twice; a second
     low-latency receive then waits forever)."""
     mesh, buf = lowering_buffer()
-    R, T, H, K, n = R_LOWER, T_LOWER, H_LOWER, K_LOWER, 3
-    step = sliced_calls_step(buf, ["split", "fused", "split"])
-    spec = shard_spec(mesh)
-    program = jax.jit(jax.shard_map(lambda *a: step(*(v[0] for v in a)), mesh=mesh,
-                                    in_specs=(spec,) * 3, out_specs=spec))
-    args = (jax.ShapeDtypeStruct((R, n, T, H), jnp.bfloat16),
-            jax.ShapeDtypeStruct((R, n, T, K), jnp.int32),
-            jax.ShapeDtypeStruct((R, n, T, K), jnp.float32))
+    program, args = sliced_calls_program(mesh, buf, ["split", "fused", "split"], T_LOWER, H_LOWER,
+                                         K_LOWER)
     calls = fenced_custom_calls(jax.make_jaxpr(program)(*args).jaxpr)
     assert len(calls) == 10, calls  # 2 split calls x 2 ops x 2 halves + 1 fused call x 2 ops
     for name, before, after in calls:
@@ -515,15 +517,9 @@ def test_each_call_compiles_to_one_custom_call(rng):
     slice of a stacked input (the dynamic-slice fusion rewrite must not duplicate any)."""
     require_gpus(2)
     mesh = ep_mesh("cuda")
-    R, T, H, kinds = mesh.shape["ep"], 8, 128, ["split", "fused", "split"]
+    T, H = 8, 128
     buf = make_buffer("cuda", mesh, H, T)
-    spec = shard_spec(mesh)
-    step = sliced_calls_step(buf, kinds)
-    program = jax.jit(jax.shard_map(lambda *a: step(*(v[0] for v in a)), mesh=mesh,
-                                    in_specs=(spec,) * 3, out_specs=spec))
-    args = (jax.ShapeDtypeStruct((R, 3, T, H), jnp.bfloat16),
-            jax.ShapeDtypeStruct((R, 3, T, K), jnp.int32),
-            jax.ShapeDtypeStruct((R, 3, T, K), jnp.float32))
+    program, args = sliced_calls_program(mesh, buf, ["split", "fused", "split"], T, H, K)
     text = program.trace(*args).lower().compile().as_text()
     for op, count in (("dispatch", 1), ("combine", 1), ("dispatch_send", 2),
                       ("dispatch_recv", 2), ("combine_send", 2), ("combine_recv", 2)):
