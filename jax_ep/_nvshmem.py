@@ -23,7 +23,7 @@ import warnings
 
 import jax
 
-from jax_ep import _ipc
+from jax_ep import _ipc, env
 
 ENV_TRANSPORT = "JAX_EP_TRANSPORT"
 ENV_LIBRARY = "JAX_EP_NVSHMEM_LIB"
@@ -41,29 +41,17 @@ def requested_transport() -> str:
     return value
 
 
-def _wheel_roots() -> list[str]:
-    """Folders of the nvidia-nvshmem wheel's package (empty when it is not installed)."""
-    try:
-        import nvidia.nvshmem as wheel  # noqa: PLC0415 - optional
-    except ImportError:
-        return []
-    return list(wheel.__path__)
-
-
 def library_path() -> str:
-    """The NVSHMEM host library: ``JAX_EP_NVSHMEM_LIB``, else the nvidia-nvshmem wheel's."""
+    """The NVSHMEM host library: ``JAX_EP_NVSHMEM_LIB``, else the nvidia-nvshmem wheel's (found
+    as ``python -m jax_ep.env`` finds it)."""
     explicit = os.environ.get(ENV_LIBRARY)
     if explicit:
         return explicit
-    roots = _wheel_roots()
-    for root in roots:
-        path = os.path.join(root, "lib", "libnvshmem_host.so.3")
-        if os.path.exists(path):
-            return path
-    raise RuntimeError(
-        f"{ENV_TRANSPORT}=nvshmem needs NVSHMEM's host library: install nvidia-nvshmem-cu13 or "
-        f"set {ENV_LIBRARY} (no lib/libnvshmem_host.so.3 in "
-        f"{roots or 'an nvidia.nvshmem package'})")
+    found = env.probe_nvshmem()
+    if found.host_library is None:
+        raise RuntimeError(f"{ENV_TRANSPORT}=nvshmem needs NVSHMEM's host library: {found.reason}; "
+                           f"or set {ENV_LIBRARY}")
+    return found.host_library
 
 
 def check_usable(buf) -> None:

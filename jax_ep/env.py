@@ -263,7 +263,7 @@ class ExtensionInfo:
 
 @dataclasses.dataclass(frozen=True)
 class NvshmemInfo:
-    """NVSHMEM (used for EP groups that span hosts).
+    """NVSHMEM (the JAX_EP_TRANSPORT=nvshmem transport, jax_ep/_nvshmem.py).
 
     Attributes:
       package: the installed wheel, e.g. "nvidia-nvshmem-cu12", None if none is installed.
@@ -638,7 +638,7 @@ def probe_extension() -> ExtensionInfo:
     return ExtensionInfo(True, archs, getattr(module, "__file__", None), None)
 
 
-def _probe_nvshmem() -> NvshmemInfo:
+def probe_nvshmem() -> NvshmemInfo:
     for package in _NVSHMEM_PACKAGES:
         try:
             dist = importlib.metadata.distribution(package)
@@ -655,8 +655,8 @@ def _probe_nvshmem() -> NvshmemInfo:
         return NvshmemInfo(package, dist.version, library, reason)
     return NvshmemInfo(
         None, None, None,
-        "not installed; needed only for EP groups across hosts "
-        "(pip install nvidia-nvshmem-cu12, or -cu13 to match jax's CUDA)",
+        "not installed; needed only for JAX_EP_TRANSPORT=nvshmem "
+        "(pip install nvidia-nvshmem-cu13 to match jax's CUDA, or -cu12)",
     )
 
 
@@ -1073,7 +1073,7 @@ def collect(spec: BufferSpec | None = None, *, free_memory: bool = True) -> EnvR
                 f"{len(infos)}: lower --num-ranks (the workspace above is sized for "
                 f"{spec.num_ranks})",
             ))
-    return EnvReport(versions, driver, jax_info, gpus, peers, extension, _probe_nvshmem(),
+    return EnvReport(versions, driver, jax_info, gpus, peers, extension, probe_nvshmem(),
                      xla_memory, workspace, backend)
 
 

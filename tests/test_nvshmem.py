@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jax_ep import _nvshmem
+from jax_ep import _nvshmem, env
 
 
 @pytest.mark.parametrize("value,want", [(None, "ipc"), ("", "ipc"), ("ipc", "ipc"),
@@ -34,17 +34,27 @@ def test_library_path_prefers_the_variable(monkeypatch):
 
 def test_library_path_without_the_wheel_says_what_to_install(monkeypatch):
     monkeypatch.delenv(_nvshmem.ENV_LIBRARY, raising=False)
-    monkeypatch.setattr(_nvshmem, "_wheel_roots", lambda: [])
-    with pytest.raises(RuntimeError, match="nvidia-nvshmem-cu13"):
+    monkeypatch.setattr(env.importlib.metadata, "distribution", missing_distribution)
+    with pytest.raises(RuntimeError, match="nvidia-nvshmem-cu13.*JAX_EP_NVSHMEM_LIB"):
         _nvshmem.library_path()
 
 
 def test_library_path_finds_the_wheel(monkeypatch, tmp_path):
     monkeypatch.delenv(_nvshmem.ENV_LIBRARY, raising=False)
     (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "libnvshmem_host.so.3").write_bytes(b"")
-    monkeypatch.setattr(_nvshmem, "_wheel_roots", lambda: [str(tmp_path)])
-    assert _nvshmem.library_path() == str(tmp_path / "lib" / "libnvshmem_host.so.3")
+    library = tmp_path / "lib" / "libnvshmem_host.so.3"
+    library.write_bytes(b"")
+    wheel = types.SimpleNamespace(
+        version="3.8.0", files=[types.SimpleNamespace(name=library.name)],
+        locate_file=lambda file: library)
+    monkeypatch.setattr(env.importlib.metadata, "distribution",
+                        lambda name: wheel if name == "nvidia-nvshmem-cu13"
+                        else missing_distribution(name))
+    assert _nvshmem.library_path() == str(library)
+
+
+def missing_distribution(name):
+    raise env.importlib.metadata.PackageNotFoundError(name)
 
 
 class FakeDevice:
