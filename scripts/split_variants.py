@@ -1,10 +1,11 @@
-"""Repro of the open split-call bug (NOTES.md, issue 4): which sequences of low-latency calls in
-one program finish on the GPUs. Each run in its own process (a timeout traps the context):
+"""Which sequences of low-latency calls in one program finish on the GPUs, each run in its own
+process (a timeout traps the context). It reproduced the split-call hang that XLA's dynamic-slice
+fusion caused (NOTES.md, issue 4; fixed: every variant passes now) and stays as a quick check:
 
     python scripts/split_variants.py HIDDEN KINDS DTYPE
     # KINDS: comma list of split (send/recv dispatch + send/recv combine), splitd (split
     #        dispatch only), fused; DTYPE: bf16, fp8 or alt (fp8 on odd calls)
-    # e.g. 128 split,split bf16 -> FAIL (timeout in the second receive); 128 split bf16 -> ok
+    # e.g. 128 split,split bf16 (failed at the second receive before the fix)
 
 Prints ``VARIANT ... ok`` or ``VARIANT ... FAIL <error>`` and the Buffer's timeout records.
 """
