@@ -1,6 +1,7 @@
 """Which sequences of low-latency calls in one program finish on the GPUs, each run in its own
 process (a timeout traps the context). It reproduced the split-call hang that XLA's dynamic-slice
-fusion caused (NOTES.md, issue 4; fixed: every variant passes now) and stays as a quick check:
+fusion caused (NOTES.md, issue 4; fixed: the split tests with the same pattern pass since) and
+stays as a quick check:
 
     python scripts/split_variants.py HIDDEN KINDS DTYPE
     # KINDS: comma list of split (send/recv dispatch + send/recv combine), splitd (split
