@@ -97,6 +97,8 @@ def join(buf, module, workspace_bytes: int) -> None:
                            f"{timeout_s:g} s ({_ipc.ENV_JOIN_TIMEOUT})") from e
     (device,) = [d for d in buf.mesh.devices.flat if d.process_index == jax.process_index()]
     ordinal = device.local_hardware_id if device.local_hardware_id is not None else device.id
+    # NVSHMEM's initialisation waits for every PE without a bound: meet at ours first.
+    _ipc.barrier(buf, "nvshmem")
     module.nvshmem_initialize(unique_id, jax.process_index(), jax.process_count(), int(ordinal))
 
 
