@@ -43,7 +43,7 @@ JSON schema (`--json`; `schema_version` 1; keys are stable, `null` where unknown
                "performance_rank": int|null, "link": "nvlink"|"pcie"|"none"|"unknown",
                "link_source": "nvml"|"cuda"|null}],
     "extension": {"importable": bool, "cuda_architectures": str|null, "path": str|null,
-                  "error": str|null},
+                  "error": str|null, "nvshmem_built": bool|null},
     "nvshmem": {"package": str|null, "version": str|null, "host_library": str|null,
                 "reason": str|null},
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
@@ -253,12 +253,15 @@ class ExtensionInfo:
       cuda_architectures: its CMAKE_CUDA_ARCHITECTURES, e.g. "90" or "80;90", None if unknown.
       path: the file it was loaded from.
       error: the import error, when not importable.
+      nvshmem_built: whether it was built with NVSHMEM's headers (JAX_EP_TRANSPORT=nvshmem),
+        None if unknown.
     """
 
     importable: bool
     cuda_architectures: str | None
     path: str | None
     error: str | None
+    nvshmem_built: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,7 +638,9 @@ def probe_extension() -> ExtensionInfo:
         archs = str(module.cuda_architectures())
     except Exception:  # an older build without the function: archs unknown
         pass
-    return ExtensionInfo(True, archs, getattr(module, "__file__", None), None)
+    built = getattr(module, "nvshmem_built", None)
+    return ExtensionInfo(True, archs, getattr(module, "__file__", None), None,
+                         bool(built()) if built is not None else None)
 
 
 def probe_nvshmem() -> NvshmemInfo:
@@ -1177,6 +1182,9 @@ def format_report(report: EnvReport) -> str:
         out.append(f"  {nv.package} {nv.version}; libnvshmem_host: {library}")
     if nv.reason:
         out.append(f"  {nv.reason}")
+    if ext.nvshmem_built is not None:
+        built = "yes" if ext.nvshmem_built else "no"
+        out.append(f"  jax_ep._C built with NVSHMEM's headers: {built}")
     out.append("")
 
     mem = report.xla_memory

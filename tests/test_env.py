@@ -39,7 +39,7 @@ SECTION_KEYS = {
     "jax": {"default_backend": (str, NONE), "process_index": int, "process_count": int,
             "device_count": int, "local_devices": list, "error": (str, NONE)},
     "extension": {"importable": bool, "cuda_architectures": (str, NONE), "path": (str, NONE),
-                  "error": (str, NONE)},
+                  "error": (str, NONE), "nvshmem_built": (bool, NONE)},
     "nvshmem": {"package": (str, NONE), "version": (str, NONE), "host_library": (str, NONE),
                 "reason": (str, NONE)},
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
