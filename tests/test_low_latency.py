@@ -11,11 +11,25 @@ import jax_ep
 from jax_ep import testing as oracle
 
 E, K = 32, 4
+# What every low-latency op test covers: routings, (use_fp8, round_scale), the Buffer's shape.
+ROUTINGS = ["uniform", "with_minus_one", "one_hot_expert", "empty_ranks", "all_minus_one"]
+FP8_MODES = [(False, False), (True, False), (True, True)]
+T_MAX, HIDDEN = 8, 256
 
 
 def make_buffer(backend, mesh, hidden, tokens):
     return jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=hidden, max_tokens_per_rank=tokens,
                          num_topk=K, dtype=jnp.bfloat16, low_latency=True, backend=backend)
+
+
+def routed_inputs(rng, routing, num_ranks):
+    """``(idx, w, x)`` for T_MAX tokens per rank and for fewer; x has 128-channel blocks of
+    different magnitude."""
+    for T in (T_MAX, 3):
+        idx, w = oracle.make_routing(routing, rng, num_ranks, T, E, K)
+        x = rng.standard_normal((num_ranks, T, HIDDEN)).astype(ml_dtypes.bfloat16)
+        x[:, :, :128] *= 100.0
+        yield idx, w, x
 
 
 def fp8_steps_apart(a, b):
@@ -46,17 +60,12 @@ def check_low_latency_dispatch(out, x, idx, T_max, use_fp8, round_scale, backend
             assert fp8_steps_apart(got, want).max() <= 1
 
 
-@pytest.mark.parametrize("use_fp8,round_scale", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("routing", ["uniform", "with_minus_one", "one_hot_expert", "empty_ranks",
-                                     "all_minus_one"])
+@pytest.mark.parametrize("use_fp8,round_scale", FP8_MODES)
+@pytest.mark.parametrize("routing", ROUTINGS)
 def test_low_latency_matches_oracle(backend, rng, routing, use_fp8, round_scale):
     mesh = ep_mesh(backend)
-    R, T_max, H = mesh.shape["ep"], 8, 256
-    buf = make_buffer(backend, mesh, H, T_max)
-    for T in (T_max, 3):  # also fewer tokens than max_tokens_per_rank
-        idx, w = oracle.make_routing(routing, rng, R, T, E, K)
-        x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
-        x[:, :, :128] *= 100.0  # blocks of different magnitude
+    buf = make_buffer(backend, mesh, HIDDEN, T_MAX)
+    for idx, w, x in routed_inputs(rng, routing, mesh.shape["ep"]):
 
         def step(x, idx, w):
             ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=use_fp8,
@@ -66,7 +75,7 @@ def test_low_latency_matches_oracle(backend, rng, routing, use_fp8, round_scale)
             return ll, jax_ep.low_latency_combine(buf, y, idx, w, ll.handle)
 
         ll, combined = run_sharded(mesh, step, x, idx, w)
-        check_low_latency_dispatch(ll, x, idx, T_max, use_fp8, round_scale, backend)
+        check_low_latency_dispatch(ll, x, idx, T_MAX, use_fp8, round_scale, backend)
         # combine of the dispatched rows = sum_k w * x (bf16 / fp8 rounding of x only)
         valid = (idx >= 0)[..., None]
         want = (np.where(valid, w[..., None], 0.0) * x.astype(np.float64)[:, :, None]).sum(2)

@@ -11,7 +11,17 @@ import pytest
 from conftest import ep_mesh, require_gpus
 from harness import fetch, run_sharded, shard_spec, sharded_loss
 from jax.sharding import Mesh
-from test_low_latency import E, K, check_low_latency_dispatch, make_buffer
+from test_low_latency import (
+    FP8_MODES,
+    HIDDEN,
+    ROUTINGS,
+    T_MAX,
+    E,
+    K,
+    check_low_latency_dispatch,
+    make_buffer,
+    routed_inputs,
+)
 
 import jax_ep
 from jax_ep import _cuda
@@ -47,18 +57,14 @@ def split_combine(buf, y, idx, w, handle):
         buf, jax_ep.low_latency_combine_send(buf, y, idx, w, handle))
 
 
-@pytest.mark.parametrize("use_fp8,round_scale", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("routing", ["uniform", "with_minus_one", "one_hot_expert", "empty_ranks",
-                                     "all_minus_one"])
+@pytest.mark.parametrize("use_fp8,round_scale", FP8_MODES)
+@pytest.mark.parametrize("routing", ROUTINGS)
 def test_split_equals_fused(backend, rng, routing, use_fp8, round_scale):
     mesh = ep_mesh(backend)
-    R, T_max, H = mesh.shape["ep"], 8, 256
-    buf = make_buffer(backend, mesh, H, T_max)
-    for T in (T_max, 3):  # also fewer tokens than max_tokens_per_rank
-        idx, w = oracle.make_routing(routing, rng, R, T, E, K)
-        x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
-        x[:, :, :128] *= 100.0
-        y = rng.standard_normal((R, E // R, R * T_max, H)).astype(ml_dtypes.bfloat16)
+    R = mesh.shape["ep"]
+    buf = make_buffer(backend, mesh, HIDDEN, T_MAX)
+    for idx, w, x in routed_inputs(rng, routing, R):
+        y = rng.standard_normal((R, E // R, R * T_MAX, HIDDEN)).astype(ml_dtypes.bfloat16)
 
         def step(x, idx, w, y):
             options = dict(use_fp8=use_fp8, round_scale=round_scale)
@@ -70,7 +76,7 @@ def test_split_equals_fused(backend, rng, routing, use_fp8, round_scale):
 
         fused, split, fused_out, split_out = run_sharded(mesh, step, x, idx, w, y)
         assert_dispatch_equal(split, fused, use_fp8)
-        check_low_latency_dispatch(split, x, idx, T_max, use_fp8, round_scale, backend)
+        check_low_latency_dispatch(split, x, idx, T_MAX, use_fp8, round_scale, backend)
         np.testing.assert_array_equal(bits(split_out), bits(fused_out))
 
 
