@@ -54,9 +54,13 @@ def library_path() -> str:
     return found.host_library
 
 
+def _local_devices(buf) -> list:
+    return [d for d in buf.mesh.devices.flat if d.process_index == jax.process_index()]
+
+
 def check_usable(buf) -> None:
     """The layout the transport needs: one process per GPU (NVSHMEM binds a PE to one GPU)."""
-    local = [d for d in buf.mesh.devices.flat if d.process_index == jax.process_index()]
+    local = _local_devices(buf)
     if len(local) != 1 or not _ipc.spans_processes(buf.mesh.devices.flat):
         raise ValueError(
             f"{ENV_TRANSPORT}=nvshmem needs one process per GPU (this process drives "
@@ -95,7 +99,7 @@ def join(buf, module, workspace_bytes: int) -> None:
     except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
         raise RuntimeError(f"process 0 did not publish the NVSHMEM unique id within "
                            f"{timeout_s:g} s ({_ipc.ENV_JOIN_TIMEOUT})") from e
-    (device,) = [d for d in buf.mesh.devices.flat if d.process_index == jax.process_index()]
+    (device,) = _local_devices(buf)  # check_usable made sure there is exactly one
     ordinal = device.local_hardware_id if device.local_hardware_id is not None else device.id
     # NVSHMEM's initialisation waits for every PE without a bound: meet at ours first.
     _ipc.barrier(buf, "nvshmem")

@@ -271,7 +271,7 @@ class Buffer:
                 _ipc.check_same_configuration(self)
             pes = []
             if self.transport == "nvshmem":
-                _nvshmem.join(self, module, module.workspace_bytes(*self._runtime_config()[:-1]))
+                _nvshmem.join(self, module, self.workspace_bytes)
                 pes = _nvshmem.pes(self)
             module.create_buffer(self.buffer_id, self._ep_groups(), *self._runtime_config(),
                                  pes=pes)
