@@ -11,7 +11,9 @@
 #   first      first_call.py
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/gpu_out}"; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 JAX_EP_COMMIT="${JAX_EP_COMMIT:-unknown}"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH" JAX_EP_COMMIT="${JAX_EP_COMMIT:-unknown}"
+export JAX_EP_TIMEOUT_S="${JAX_EP_TIMEOUT_S:-20}"
 SECTIONS="${SECTIONS:-tests multiproc nvshmem memcheck bench moe first}"
 TESTS="${TESTS:-tests/test_normal.py tests/test_low_latency.py tests/test_low_latency_split.py tests/test_gradients.py tests/test_gpu.py tests/test_aot.py}"
 summary=()
@@ -21,7 +23,10 @@ step() {  # step NAME SECONDS CMD...: runs CMD with a timeout, logs to $OUT/NAME
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   summary+=("$name rc=$rc $(( $(date +%s) - s ))s $(grep -E '^[0-9]+ (passed|failed)|passed|ERROR SUMMARY' "$OUT/$name.log" | tail -1)")
 }
-bash scripts/gpu_session.sh build | head -2
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } \
+  > "$OUT/machine.txt" 2>&1
+step build 500 python3 -m pip install --no-build-isolation --no-deps -v .
+echo "${summary[0]}"; grep -E "error|warning: .*spill" "$OUT/build.log" | head -20
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 if has tests; then  # one pytest per file: a kernel that traps takes its process down, not the run
   for f in $TESTS; do step "$(basename "$f" .py)" 200 pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} "$f"; done
