@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: build, then the sections named in $SECTIONS (default: all), each bounded by
+# One device call: build, then the sections named in $SECTIONS (unset or empty: all), each bounded by
 # `timeout`; logs and JSON under $OUT, a short summary last.
 #   tests      single-process GPU suite (test files in $TESTS)
 #   multiproc  tests/test_gpu_multiprocess.py + the GPU suite under `jax_ep.launch -n 2`
