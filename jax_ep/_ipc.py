@@ -70,6 +70,14 @@ def all_gather(buf, name: str, value: str) -> dict[int, str]:
     return values
 
 
+def sum_over_processes(buf, name: str, counts: dict[str, int]) -> dict[str, int]:
+    """``counts`` summed over every process of ``buf``'s mesh (bounded wait; ``name`` must be
+    new for this Buffer: the store keeps every key)."""
+    values = all_gather(buf, name, json.dumps(counts, sort_keys=True))
+    parts = [json.loads(v) for v in values.values()]
+    return {key: sum(int(p[key]) for p in parts) for key in counts}
+
+
 def configuration(buf) -> dict:
     """What every process must agree on for one Buffer."""
     return {"num_ranks": buf.num_ranks, "num_experts": buf.num_experts, "hidden": buf.hidden,

@@ -59,9 +59,12 @@ def _local_devices(buf) -> list:
 
 
 def check_usable(buf) -> None:
-    """The layout the transport needs: one process per GPU (NVSHMEM binds a PE to one GPU)."""
+    """The layout the transport needs: one process per GPU (NVSHMEM binds a PE to one GPU).
+    A single process with a one-device mesh is a job of one PE (EP=1: it runs the whole path,
+    heap and kernels, on one GPU)."""
     local = _local_devices(buf)
-    if len(local) != 1 or not _ipc.spans_processes(buf.mesh.devices.flat):
+    if len(local) != 1 or (buf.mesh.devices.size > 1
+                           and not _ipc.spans_processes(buf.mesh.devices.flat)):
         raise ValueError(
             f"{ENV_TRANSPORT}=nvshmem needs one process per GPU (this process drives "
             f"{len(local)} of the mesh's {buf.mesh.devices.size} devices); start one process per "
@@ -90,6 +93,11 @@ def join(buf, module, workspace_bytes: int) -> None:
     # Only NVSHMEM's peer-to-peer transport is used (peers it cannot map are refused), so do not
     # let it bring up a network transport (InfiniBand) that nothing would use.
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    (device,) = _local_devices(buf)  # check_usable made sure there is exactly one
+    ordinal = device.local_hardware_id if device.local_hardware_id is not None else device.id
+    if jax.process_count() == 1:  # a job of one PE: nobody to send the id to or wait for
+        module.nvshmem_initialize(module.nvshmem_unique_id(), 0, 1, int(ordinal))
+        return
     client, timeout_s = _ipc._client(), _ipc.join_timeout_s()
     if jax.process_index() == 0:
         client.key_value_set(_UNIQUE_ID_KEY, module.nvshmem_unique_id().hex())
@@ -99,8 +107,6 @@ def join(buf, module, workspace_bytes: int) -> None:
     except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
         raise RuntimeError(f"process 0 did not publish the NVSHMEM unique id within "
                            f"{timeout_s:g} s ({_ipc.ENV_JOIN_TIMEOUT})") from e
-    (device,) = _local_devices(buf)  # check_usable made sure there is exactly one
-    ordinal = device.local_hardware_id if device.local_hardware_id is not None else device.id
     # NVSHMEM's initialisation waits for every PE without a bound: meet at ours first.
     _ipc.barrier(buf, "nvshmem")
     module.nvshmem_initialize(unique_id, jax.process_index(), jax.process_count(), int(ordinal))
@@ -111,7 +117,8 @@ def release(buf, module) -> None:
     so the processes first meet at our bounded barrier; if one never comes (it died), the
     memory is left allocated with a warning instead of waiting forever."""
     try:
-        _ipc.barrier(buf, "released")
+        if jax.process_count() > 1:
+            _ipc.barrier(buf, "released")
     except RuntimeError as e:
         warnings.warn(f"{e}; its NVSHMEM workspace stays allocated (nvshmem_free would wait for "
                       f"the missing process forever)", RuntimeWarning, stacklevel=3)

@@ -15,6 +15,12 @@ Each child gets, besides the launcher's own environment:
   ``jax.distributed.initialize(local_device_ids=...)``: NVSHMEM's peer-to-peer transport wants
   to see the peers' GPUs); on CPU: ``XLA_FLAGS`` with ``--xla_force_host_platform_device_count=K``
   (default ``K`` = 1).
+- with ``--processes-per-gpu P`` (P > 1, GPUs only): ``P`` consecutive processes share each
+  GPU (one GPU per process: process ``i`` gets GPU ``i // P``), and each gets
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` = ``0.7 / P`` unless set. This runs the multi-process
+  protocol (CUDA IPC or NVSHMEM peers) on fewer GPUs than ranks, for correctness only: kernels
+  of processes on one GPU take turns (time slices), so their timings mean nothing, and NCCL
+  refuses two ranks on one GPU (XLA collectives across those processes fail).
 - ``PYTHONUNBUFFERED=1`` (unless set), so output lines arrive as they are printed.
 
 The command then calls :func:`initialize_from_env` (``tests/conftest.py`` does) before it touches
@@ -122,18 +128,33 @@ def visible_gpus(environ=None) -> list[str]:
 
 
 def child_environments(num_processes, coordinator, devices_per_process=None, platform="auto",
-                       environ=None, share_gpus=False):
+                       environ=None, share_gpus=False, processes_per_gpu=1):
     """The environment of every child (see the module docstring). Raises ValueError on a
     request the machine cannot meet."""
     environ = dict(os.environ if environ is None else environ)
     if num_processes < 1:
         raise ValueError(f"-n must be at least 1, got {num_processes}")
+    if processes_per_gpu < 1:
+        raise ValueError(f"--processes-per-gpu must be at least 1, got {processes_per_gpu}")
     if devices_per_process is not None and devices_per_process < 1:
         raise ValueError(f"--devices-per-process must be at least 1, got {devices_per_process}")
     gpus = visible_gpus(environ) if platform in ("auto", "gpu") else []
     if platform == "gpu" and not gpus:
         raise ValueError("--platform gpu: no GPU visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
     use_gpus = bool(gpus)
+    if processes_per_gpu > 1:
+        if not use_gpus:
+            raise ValueError("--processes-per-gpu needs visible GPUs")
+        if devices_per_process not in (None, 1):
+            raise ValueError(f"--processes-per-gpu gives each process one GPU, got "
+                             f"--devices-per-process {devices_per_process}")
+        if num_processes > processes_per_gpu * len(gpus):
+            raise ValueError(f"{num_processes} processes at {processes_per_gpu} per GPU need "
+                             f"{-(-num_processes // processes_per_gpu)} GPUs, {len(gpus)} "
+                             f"visible")
+        # Process i runs on GPU i // P: the device list below then repeats each GPU P times.
+        gpus = [g for g in gpus for _ in range(processes_per_gpu)]
+        devices_per_process = 1
     if use_gpus:
         k = devices_per_process or len(gpus) // num_processes
         if k < 1 or k * num_processes > len(gpus):
@@ -149,8 +170,11 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
         env[ENV_PROCESS_ID] = str(i)
         env[ENV_DEVICES_PER_PROCESS] = str(k)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if processes_per_gpu > 1:
+            env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.7 / processes_per_gpu:.3f}")
         if use_gpus and share_gpus:
-            env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in range(i * k, (i + 1) * k))
+            first = (i * k) // processes_per_gpu  # the index among the visible GPUs
+            env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in range(first, first + k))
         elif use_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * k:(i + 1) * k])
         else:
@@ -201,14 +225,14 @@ def _terminate(procs, grace_s, say):
 
 def launch(command, num_processes, *, coordinator=None, devices_per_process=None,
            platform="auto", timeout_s=None, grace_s=10.0, stdout=None, stderr=None,
-           share_gpus=False) -> int:
+           share_gpus=False, processes_per_gpu=1) -> int:
     """Runs ``command`` (a list) in ``num_processes`` children; returns the exit code (see the
     module docstring)."""
     if not command:
         raise ValueError("no command given (usage: python -m jax_ep.launch -n N -- COMMAND...)")
     coordinator = coordinator or f"127.0.0.1:{free_port()}"
     envs = child_environments(num_processes, coordinator, devices_per_process, platform,
-                              share_gpus=share_gpus)
+                              share_gpus=share_gpus, processes_per_gpu=processes_per_gpu)
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr.buffer
     lock = threading.Lock()
@@ -313,6 +337,9 @@ def main(argv=None) -> int:
     parser.add_argument("--share-gpus", action="store_true",
                         help="every process sees every GPU and uses its own K of them "
                              "(JAX_EP_LOCAL_DEVICE_IDS) instead of CUDA_VISIBLE_DEVICES")
+    parser.add_argument("--processes-per-gpu", type=int, default=1, metavar="P",
+                        help="P processes share each GPU (one GPU each; correctness runs on "
+                             "fewer GPUs than ranks: timings mean nothing, NCCL refuses it)")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="terminate everything after S seconds and exit 124")
     parser.add_argument("--grace", type=float, default=10.0, metavar="S",
@@ -327,7 +354,8 @@ def main(argv=None) -> int:
     try:
         return launch(command, args.num_processes, coordinator=args.coordinator,
                       devices_per_process=args.devices_per_process, platform=args.platform,
-                      timeout_s=args.timeout, grace_s=args.grace, share_gpus=args.share_gpus)
+                      timeout_s=args.timeout, grace_s=args.grace, share_gpus=args.share_gpus,
+                      processes_per_gpu=args.processes_per_gpu)
     except ValueError as e:
         parser.error(str(e))
     except OSError as e:  # the command could not be started

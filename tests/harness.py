@@ -1,9 +1,11 @@
 """Runs per-rank functions under jit + shard_map on global arrays with a leading rank axis."""
 
+import itertools
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -58,12 +60,40 @@ def sharded_loss(mesh, per_rank_loss, axis="ep"):
     return loss
 
 
+_fetches = itertools.count()
+
+
 def fetch(a):
     """``a`` as one NumPy array, gathered from every process when it is sharded across them (a
-    collective: every process runs the same tests in the same order)."""
+    collective: every process runs the same tests in the same order).
+
+    Through jax.distributed's key-value store rather than an XLA all-gather: NCCL refuses
+    processes that share a GPU (``jax_ep.launch --processes-per-gpu``), and the store needs no
+    communicator."""
     if getattr(a, "is_fully_addressable", True) or a.is_fully_replicated:
         return np.asarray(a)
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    from jax._src import distributed  # noqa: PLC0415 - the store has no public API
+
+    client, key = distributed.global_state.client, f"harness/fetch{next(_fetches)}"
+    bounds, data = [], []
+    for shard in a.addressable_shards:
+        bounds.append([(s.start or 0, n if s.stop is None else s.stop)
+                       for s, n in zip(shard.index, a.shape)])
+        data.append(np.ascontiguousarray(np.asarray(shard.data)).tobytes())
+    header = json.dumps(bounds).encode()
+    client.key_value_set_bytes(f"{key}/p{jax.process_index()}",
+                               len(header).to_bytes(8, "little") + header + b"".join(data))
+    out = np.empty(a.shape, a.dtype)
+    for p in range(jax.process_count()):
+        raw = client.blocking_key_value_get_bytes(f"{key}/p{p}", 120_000)
+        size = int.from_bytes(raw[:8], "little")
+        offset = 8 + size
+        for box in json.loads(raw[8:offset]):
+            where = tuple(slice(lo, hi) for lo, hi in box)
+            count = int(np.prod([hi - lo for lo, hi in box]))
+            out[where] = np.frombuffer(raw, a.dtype, count, offset).reshape(out[where].shape)
+            offset += count * a.dtype.itemsize
+    return out
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,

@@ -75,6 +75,31 @@ def test_shared_gpus_give_local_device_ids():
     assert launch.ENV_LOCAL_DEVICE_IDS not in cpu[0]  # host devices: nothing to share
 
 
+def test_processes_per_gpu_share_each_gpu():
+    """--processes-per-gpu P: process i runs on GPU i // P with a 1/P share of its memory."""
+    envs = launch.child_environments(4, "h:1", environ={"CUDA_VISIBLE_DEVICES": "6,7"},
+                                     processes_per_gpu=2)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["6", "6", "7", "7"]
+    assert {e["JAX_EP_DEVICES_PER_PROCESS"] for e in envs} == {"1"}
+    assert {e["XLA_PYTHON_CLIENT_MEM_FRACTION"] for e in envs} == {"0.350"}
+    shared = launch.child_environments(2, "h:1", environ={"CUDA_VISIBLE_DEVICES": "3"},
+                                       share_gpus=True, processes_per_gpu=2)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in shared] == ["3", "3"]
+    assert [e[launch.ENV_LOCAL_DEVICE_IDS] for e in shared] == ["0", "0"]
+    mine = launch.child_environments(2, "h:1", processes_per_gpu=2,
+                                     environ={"CUDA_VISIBLE_DEVICES": "0",
+                                              "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.2"})
+    assert mine[1]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2"  # an explicit share is kept
+    with pytest.raises(ValueError, match="need 2 GPUs, 1 visible"):
+        launch.child_environments(3, "h:1", environ={"CUDA_VISIBLE_DEVICES": "0"},
+                                  processes_per_gpu=2)
+    with pytest.raises(ValueError, match="one GPU"):
+        launch.child_environments(2, "h:1", 2, environ={"CUDA_VISIBLE_DEVICES": "0,1"},
+                                  processes_per_gpu=2)
+    with pytest.raises(ValueError, match="needs visible GPUs"):
+        launch.child_environments(2, "h:1", platform="cpu", processes_per_gpu=2)
+
+
 def test_initialize_from_env_without_variables(monkeypatch):
     monkeypatch.delenv(launch.ENV_NUM_PROCESSES, raising=False)
     assert launch.initialize_from_env() is False

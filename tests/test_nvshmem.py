@@ -84,6 +84,23 @@ def test_one_process_driving_several_devices_is_refused():
         _nvshmem.check_usable(buf)
 
 
+def test_one_process_with_one_device_is_a_job_of_one_pe():
+    (device,) = jax.devices("cpu")[:1]
+    buf = FakeBuffer([device], [[device]])
+    _nvshmem.check_usable(buf)  # no error: EP=1 on one GPU
+    assert _nvshmem.pes(buf) == [[0]]
+
+
+def test_release_of_one_pe_needs_no_barrier(monkeypatch):
+    def barrier(buf, name):
+        raise AssertionError("a job of one PE has nobody to meet")
+
+    monkeypatch.setattr(_nvshmem._ipc, "barrier", barrier)
+    module = FakeModule()
+    _nvshmem.release(types.SimpleNamespace(buffer_id=3), module)
+    assert module.destroyed == [3]
+
+
 def test_pes_are_the_process_of_every_rank():
     groups = [[FakeDevice(0, 0), FakeDevice(1, 1)], [FakeDevice(2, 2), FakeDevice(3, 3)]]
     buf = FakeBuffer([d for g in groups for d in g], groups)
@@ -99,6 +116,7 @@ class FakeModule:
 
 
 def test_release_frees_after_every_process_arrived(monkeypatch):
+    monkeypatch.setattr(_nvshmem.jax, "process_count", lambda: 2)
     monkeypatch.setattr(_nvshmem._ipc, "barrier", lambda buf, name: None)
     module = FakeModule()
     _nvshmem.release(types.SimpleNamespace(buffer_id=7), module)
@@ -109,6 +127,7 @@ def test_release_never_waits_for_a_dead_process(monkeypatch):
     def barrier(buf, name):
         raise RuntimeError(f"not every process reached {name!r}")
 
+    monkeypatch.setattr(_nvshmem.jax, "process_count", lambda: 2)
     monkeypatch.setattr(_nvshmem._ipc, "barrier", barrier)
     module = FakeModule()
     with pytest.warns(RuntimeWarning, match="stays allocated"):
