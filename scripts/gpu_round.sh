@@ -9,6 +9,12 @@
 #   bench      bench_ep (normal T=4096 and low-latency T sweep, with peers) + 2-process figures
 #   moe        bench_moe_layer with every transport
 #   first      first_call.py
+#   one_pe     one GPU: the GPU suite under JAX_EP_TRANSPORT=nvshmem as a job of one PE (EP=1)
+#   shared     one GPU is enough: 2 processes share each GPU (jax_ep.launch --processes-per-gpu 2):
+#              digests of every op with CUDA IPC and with NVSHMEM peers against the reference
+#              backend on 2 host CPU devices, then the op tests (oracle) with IPC peers
+# A wheel in .whl_jax_ep/ (carried) is installed instead of building; a build leaves its wheel
+# in $OUT (cp312: build on the device machine, carry it to the next call).
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/gpu_out}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -23,9 +29,15 @@ step() {  # step NAME SECONDS CMD...: runs CMD with a timeout, logs to $OUT/NAME
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   summary+=("$name rc=$rc $(( $(date +%s) - s ))s $(grep -E '^[0-9]+ (passed|failed)|passed|ERROR SUMMARY' "$OUT/$name.log" | tail -1)")
 }
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } \
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m;
+  command -v nvidia-cuda-mps-control; python3 -c "import nvidia.nvshmem, jax; print(jax.__version__)"; } \
   > "$OUT/machine.txt" 2>&1
-step build 500 python3 -m pip install --no-build-isolation --no-deps -v .
+if ls .whl_jax_ep/jax_ep-*.whl > /dev/null 2>&1; then
+  step build 120 python3 -m pip install --no-deps --force-reinstall .whl_jax_ep/jax_ep-*.whl
+else
+  step build 500 bash -c "python3 -m pip wheel --no-build-isolation --no-deps -v -w '$OUT' . &&
+    python3 -m pip install --no-deps --force-reinstall '$OUT'/jax_ep-*.whl"
+fi
 echo "${summary[0]}"; grep -E "error|warning: .*spill" "$OUT/build.log" | head -20
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 if has tests; then  # one pytest per file: a kernel that traps takes its process down, not the run
@@ -42,6 +54,29 @@ has memcheck && XLA_PYTHON_CLIENT_ALLOCATOR=platform step memcheck 300 compute-s
   --report-api-errors no --target-processes all --error-exitcode 9 \
   pytest -m gpu -q -p no:cacheprovider tests/test_normal.py tests/test_low_latency.py \
   tests/test_low_latency_split.py -k "not data_axis and not gradients"
+if has one_pe; then
+  JAX_EP_TRANSPORT=nvshmem step one_pe 300 python3 -m jax_ep.launch -n 1 --timeout 280 -- \
+    pytest -m gpu -q -p no:cacheprovider tests/test_normal.py tests/test_low_latency.py \
+    tests/test_gradients.py
+fi
+if has shared; then  # digests: process 0 prints "DIGEST name sha"; compare the three layouts
+  DIGEST="$R/tests/multiprocess_digest.py"
+  (cd /tmp && JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+    timeout 200 python3 "$DIGEST" xla > "$OUT/digest_xla.log" 2>&1)
+  step shared_ipc 240 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 230 -- \
+    python3 "$DIGEST" cuda
+  JAX_EP_TRANSPORT=nvshmem step shared_nvshmem 240 python3 -m jax_ep.launch -n 2 \
+    --processes-per-gpu 2 --share-gpus --timeout 230 -- python3 "$DIGEST" cuda
+  for f in xla ipc nvshmem; do
+    log="$OUT/digest_$f.log"; [[ $f != xla ]] && log="$OUT/shared_$f.log"
+    grep -ho "DIGEST .*" "$log" | sort > "$OUT/digests_$f.txt"
+  done
+  echo "digest lines: xla $(wc -l < "$OUT/digests_xla.txt") ipc $(wc -l < "$OUT/digests_ipc.txt") nvshmem $(wc -l < "$OUT/digests_nvshmem.txt")"
+  paste "$OUT/digests_xla.txt" "$OUT/digests_ipc.txt" "$OUT/digests_nvshmem.txt" | awk \
+    '{printf "%-28s ipc==xla %s nvshmem==ipc %s\n", $2, ($6==$3), ($9==$6)}'
+  step shared_suite 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 290 -- \
+    pytest -m gpu -q -p no:cacheprovider ${SHARED_ARGS:-tests/test_normal.py tests/test_low_latency.py}
+fi
 cd /tmp  # benchmarks import the installed jax_ep, not the source tree
 if has bench; then
   step bench 300 python3 "$R/benchmarks/bench_ep.py" --out "$OUT" --tag final \
@@ -60,7 +95,8 @@ has moe && step moe 300 python3 "$R/benchmarks/bench_moe_layer.py" --out "$OUT" 
 has first && step first 240 python3 "$R/benchmarks/first_call.py" --out "$OUT" --max-minutes 3
 cd "$R"
 printf '%s\n' "${summary[@]}"
-grep -h -E "^(E  |FAILED)|Fatal Python|Segmentation" "$OUT"/test_*.log "$OUT"/mp_*.log 2>/dev/null | head -40
+grep -h -E "^(\[[0-9]\] )?(E  |FAILED)|Fatal Python|Segmentation" "$OUT"/test_*.log "$OUT"/mp_*.log \
+  "$OUT"/one_pe.log "$OUT"/shared_*.log 2>/dev/null | head -40
 for f in bench moe first; do [[ -f "$OUT/$f.log" ]] && tail -25 "$OUT/$f.log"; done
 # At most 8 files come back from the device machine: every log in one archive, JSON beside it.
-(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log machine.txt 2>/dev/null; ls)
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null; ls)
