@@ -65,6 +65,51 @@ def test_nvshmem_transport_gives_the_bits_of_one_process():
     assert digest_lines(proc.stdout) == want
 
 
+# What moves data (no sums): equal bits on every backend and process layout (DESIGN section 2).
+# Left out: sums (combine, gradient, low-latency combine) may differ by float32 order, and the
+# low-latency fp8 cast, which the reference backend leaves to XLA:CPU's conversion (one fp8
+# step off at times, NOTES.md).
+DATA_MOVEMENT_DIGESTS = ("dispatch_bf16", "dispatch_fp8", "cached_dispatch", "layout",
+                         "low_latency_dispatch_bf16")
+
+
+def _digests(proc):
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = digest_lines(proc.stdout)
+    assert len(lines) == 9, proc.stdout[-4000:]
+    return dict(line.split()[1:] for line in lines)
+
+
+def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
+    """2 ranks on one GPU (2 processes, launcher --processes-per-gpu 2: kernels take turns):
+    the multi-process protocol with CUDA IPC peers and with NVSHMEM peers (2 PEs on one GPU)
+    gives identical bits, and moves the reference backend's bits. Runs where 2 GPUs are not
+    to be had."""
+    require_gpus(1)
+    from jax_ep import _cuda, _nvshmem  # noqa: PLC0415
+
+    reference = subprocess.run(
+        [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True,
+        timeout=300, env=launching.child_env(
+            "cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
+    want = dict(line.split()[1:] for line in reference.stdout.splitlines()
+                if line.startswith("DIGEST "))
+    assert reference.returncode == 0 and len(want) == 9, reference.stderr[-4000:]
+    shared = ("-n", "2", "--processes-per-gpu", "2")
+    ipc = _digests(launching.run_launcher(*shared, "--", sys.executable,
+                                          str(launching.DIGEST_SCRIPT), "cuda",
+                                          platform="gpu")[0])
+    assert {k: ipc[k] for k in DATA_MOVEMENT_DIGESTS} == {k: want[k] for k in
+                                                         DATA_MOVEMENT_DIGESTS}
+    module, _ = _cuda.load_extension()
+    if not module.nvshmem_built():
+        pytest.skip("jax_ep was built without NVSHMEM's headers (the IPC part passed)")
+    nvshmem = _digests(launching.run_launcher(
+        *shared, "--share-gpus", "--", sys.executable, str(launching.DIGEST_SCRIPT), "cuda",
+        platform="gpu", extra_env={_nvshmem.ENV_TRANSPORT: "nvshmem"})[0])
+    assert nvshmem == ipc
+
+
 def test_cuda_buffer_names_a_process_that_never_joins(tmp_path):
     require_gpus(2)
     script = textwrap.dedent("""
