@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Low-latency kernel probe on whatever GPUs are visible (one is enough: EP = number of GPUs):
+# kernel times over T and grid sizes (CUPTI, profile_ops.py), then Nsight Compute's per-line
+# stall samples of the fp8 dispatch and the combine kernels. Logs and reports under $OUT.
+#   PROBE_TOKENS (default "1 16 128"), PROBE_BLOCKS (grid sizes at T=128, default "32 64 132")
+set -uo pipefail
+R="$PWD"; OUT="${OUT:-$R/probe_out}"; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH"
+if ! python3 -c "import jax_ep._C" 2> /dev/null; then
+  timeout 300 python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1 ||
+    { tail -30 "$OUT/build.log"; exit 1; }
+fi
+PROFILE="$R/benchmarks/profile_ops.py"
+OPS=ll_dispatch_fp8,ll_dispatch_bf16,ll_combine
+cd /tmp
+spans() { grep -E "op span" "$1" | sed 's/ \+/ /g'; }
+for t in ${PROBE_TOKENS:-1 16 128}; do
+  timeout 90 python3 "$PROFILE" --ll-tokens "$t" --ops $OPS --out "/tmp/probe_t$t" \
+    > "$OUT/profile_t$t.log" 2>&1
+  cp "/tmp/probe_t$t/profile.json" "$OUT/profile_t$t.json" 2> /dev/null
+  echo "T=$t"; spans "$OUT/profile_t$t.log"
+done
+for b in ${PROBE_BLOCKS:-32 64 132}; do
+  JAX_EP_LOW_LATENCY_BLOCKS=$b timeout 90 python3 "$PROFILE" --ll-tokens 128 --ops $OPS \
+    --out "/tmp/probe_b$b" > "$OUT/profile_b$b.log" 2>&1
+  echo "T=128 blocks=$b"; spans "$OUT/profile_b$b.log"
+done
+for kernel in low_latency_dispatch_kernel low_latency_combine_kernel; do
+  op=$([[ $kernel == *dispatch* ]] && echo ll_dispatch_fp8 || echo ll_combine)
+  timeout 240 ncu --section SourceCounters --section WarpStateStats --section LaunchStats \
+    --section Occupancy --section SpeedOfLight -k "regex:$kernel" --launch-skip 4 \
+    --launch-count 1 -f -o "$OUT/$kernel" python3 "$PROFILE" --ll-tokens 128 --ops "$op" \
+    --iters 2 --no-trace > "$OUT/ncu_$kernel.log" 2>&1
+  echo "== $kernel"
+  ncu --import "$OUT/$kernel.ncu-rep" --page details 2> /dev/null | grep -E \
+    "^ +(Duration|Registers Per Thread|Achieved Occupancy|Dynamic Shared|Grid Size|Elapsed Cycles|DRAM Throughput|Memory Throughput)" | head -12
+  python3 "$R/benchmarks/ncu_hotspots.py" "$OUT/$kernel.ncu-rep" --top 28 2>&1 | tail -30
+done
+(cd "$OUT" && tar czf probe_logs.tgz --remove-files ./*.log 2> /dev/null; ls)
