@@ -74,8 +74,12 @@ if has shared; then  # digests: process 0 prints "DIGEST name sha"; compare the 
   echo "digest lines: xla $(wc -l < "$OUT/digests_xla.txt") ipc $(wc -l < "$OUT/digests_ipc.txt") nvshmem $(wc -l < "$OUT/digests_nvshmem.txt")"
   paste "$OUT/digests_xla.txt" "$OUT/digests_ipc.txt" "$OUT/digests_nvshmem.txt" | awk \
     '{printf "%-28s ipc==xla %s nvshmem==ipc %s\n", $2, ($6==$3), ($9==$6)}'
+  # The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
   step shared_suite 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 290 -- \
-    pytest -m gpu -q -p no:cacheprovider ${SHARED_ARGS:-tests/test_normal.py tests/test_low_latency.py}
+    pytest -m gpu -q -p no:cacheprovider \
+    --deselect tests/test_gradients.py::test_low_latency_gradients \
+    --deselect tests/test_low_latency_split.py::test_gradients_through_send_and_recv_equal_fused \
+    ${SHARED_ARGS:-tests/test_normal.py tests/test_low_latency.py}
 fi
 cd /tmp  # benchmarks import the installed jax_ep, not the source tree
 if has bench; then

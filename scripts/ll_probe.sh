@@ -2,7 +2,8 @@
 # Low-latency kernel probe on whatever GPUs are visible (one is enough: EP = number of GPUs):
 # kernel times over T and grid sizes (CUPTI, profile_ops.py), then Nsight Compute's per-line
 # stall samples of the fp8 dispatch and the combine kernels. Logs and reports under $OUT.
-#   PROBE_TOKENS (default "1 16 128"), PROBE_BLOCKS (grid sizes at T=128, default "32 64 132")
+#   PROBE_TOKENS (default "1 16 128"), PROBE_BLOCKS (grid sizes at T=128, default "32 64 132"),
+#   PROBE_NCU=0 skips Nsight Compute
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/probe_out}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH"
@@ -25,7 +26,8 @@ for b in ${PROBE_BLOCKS:-32 64 132}; do
     --out "/tmp/probe_b$b" > "$OUT/profile_b$b.log" 2>&1
   echo "T=128 blocks=$b"; spans "$OUT/profile_b$b.log"
 done
-for kernel in low_latency_dispatch_kernel low_latency_combine_kernel; do
+[[ "${PROBE_NCU:-1}" == 0 ]] && KERNELS="" || KERNELS="low_latency_dispatch_kernel low_latency_combine_kernel"
+for kernel in $KERNELS; do
   op=$([[ $kernel == *dispatch* ]] && echo ll_dispatch_fp8 || echo ll_combine)
   timeout 240 ncu --section SourceCounters --section WarpStateStats --section LaunchStats \
     --section Occupancy --section SpeedOfLight -k "regex:$kernel" --launch-skip 4 \

@@ -15,13 +15,15 @@
 //      loaded together (no grid-wide prefix, no barrier before the first store); rows whose
 //      source rank is a peer are copied from y to the peer's region (16-byte loads,
 //      kSendVecsPerLane in flight per lane). Rows of this rank's own tokens are skipped.
-//   2. Owner, first token of the block (t = block, block + grid, ...): one warp per k resolves
-//      (t, k) to a row of y (own expert) or of the local region (peer expert); the block sums
-//      the own rows into float32 registers while the pushed rows are still in flight.
+//   2. Owner, first unit of the block: whole tokens t = block, block + grid, ... while a full
+//      round of the grid remains, then one channel slice of the T mod grid tokens left (they
+//      are cut so that every block gets one slice). One warp per k resolves (t, k) to a row of y
+//      (own expert) or of the local region (peer expert); the block sums the own rows of its
+//      channels into float32 registers while the pushed rows are still in flight.
 //   3. Every thread fences, the block arrives on the "sent" counter; the last block
 //      release-stores the combine flag word [parity][me] = tag at every peer. Then the block
 //      waits for the flag word of every peer (every block, even without tokens: see below).
-//   4. The block adds the peer rows, rounds to bf16 and stores out[t]; further tokens likewise.
+//   4. The block adds the peer rows, rounds to bf16 and stores out[t]; further units likewise.
 //   5. The last block to finish advances the combine sequence word.
 //
 // Split (send launch, then receive launch, same grid, one stream, no other split call of this op
@@ -359,27 +361,28 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatenc
     wait_peer_flags(args, tag, parity, num_ranks, me);
   };
 
-  // Phases 2 and 4.
+  // Phases 2 and 4 for vectors [vec_begin, vec_end) of `token`.
   const int hidden = args.rank.layout.hidden;
   const int vecs = hidden / kBf16PerVector;
   bool peers_arrived = false;
-  for (int token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
+  auto reduce_unit = [&](int token, int vec_begin, int vec_end) {
     find_token_sources(args, token, parity, sources);
-    for (int vec_base = 0; vec_base < vecs; vec_base += kLowLatencyThreads * kOwnerVecsPerThread) {
+    for (int vec_base = vec_begin; vec_base < vec_end;
+         vec_base += kLowLatencyThreads * kOwnerVecsPerThread) {
       float acc[kOwnerVecsPerThread][kBf16PerVector] = {};
       accumulate_rows<true>(acc, sources.rows[0], sources.weights[0], sources.count[0],
-                            vec_base + tid, vecs);
+                            vec_base + tid, vec_end);
       if (!peers_arrived) {  // block-uniform
         arrive_and_wait_peers();
         peers_arrived = true;
       }
       accumulate_rows<false>(acc, sources.rows[1], sources.weights[1], sources.count[1],
-                             vec_base + tid, vecs);
+                             vec_base + tid, vec_end);
       int4* out_row = reinterpret_cast<int4*>(args.out + static_cast<size_t>(token) * hidden);
 #pragma unroll
       for (int j = 0; j < kOwnerVecsPerThread; ++j) {
         const int vec = vec_base + tid + j * kLowLatencyThreads;
-        if (vec >= vecs) continue;
+        if (vec >= vec_end) continue;
         int4 packed;
         __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
 #pragma unroll
@@ -389,7 +392,23 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatenc
         st_v4(out_row + vec, packed);
       }
     }
-    __syncthreads();  // `sources` is rebuilt for the next token
+    __syncthreads();  // `sources` is rebuilt for the next unit
+  };
+  // Units: whole tokens block, block + G, ... up to the last full round of the grid; the
+  // T mod G tokens left (all of them when T < G) are cut into channel slices spread over every
+  // block, so that no block sums two tokens while the others sum one (T=128 on 124 blocks: one
+  // token and 1/31 of another each) and a lone token uses the whole grid.
+  const int grid = static_cast<int>(gridDim.x);
+  const int full_end = args.num_tokens / grid * grid;
+  const int rest = args.num_tokens - full_end;
+  for (int token = blockIdx.x; token < full_end; token += grid) reduce_unit(token, 0, vecs);
+  if (rest > 0) {
+    const int slices = max(1, min(grid / rest, vecs));
+    if (static_cast<int>(blockIdx.x) < rest * slices) {
+      const int slice = static_cast<int>(blockIdx.x) % slices;
+      reduce_unit(full_end + static_cast<int>(blockIdx.x) / slices, vecs * slice / slices,
+                  vecs * (slice + 1) / slices);
+    }
   }
   // Every block waits for every peer, also without tokens: the parity argument needs every call
   // to observe every peer's flag before it ends.

@@ -28,12 +28,15 @@
 //   4. Release: block barrier; the thread of each remote pair stores its meta at the peer, fences
 //      (.sys: every store of the block, ordered before it by the barrier, is then visible at the
 //      peer) and stores the pair's row flag = tag there. No grid-wide counter, no last block.
-//   5. Receive: warps w = e (mod E_loc) share local expert e. They wait for the count words of e
-//      from all R sources and compute the output row of every source. Units (row, chunk) go own
-//      rows first (after the meta counter reaches the grid size, copied from x and cast), then
-//      peer rows: per row, wait for its flag, then copy rows, scales and meta from the region to
-//      the outputs — so a row is copied out as soon as it lands, overlapping the transfer.
-//      Then recv_count and the -1 fill of recv_src/recv_k past it.
+//   5. Receive: every block waits for the count words of all (local expert, source) pairs and
+//      builds the same plan in shared memory: the output rows of every source, and one
+//      numbering of all receive rows, own rows first, then sources rank+1, rank+2, ... (mod R).
+//      Units (row, chunk) go round-robin to all warps of the grid, whatever expert they belong
+//      to (a skewed routing no longer piles one expert's rows onto its few warps): own rows
+//      (after the meta counter reaches the grid size, copied from x and cast), then peer rows:
+//      per row, wait for its flag, then copy rows, scales and meta from the region to the
+//      outputs — so a row is copied out as soon as it lands, overlapping the transfer.
+//      Then recv_count and the -1 fill of recv_src/recv_k past it, over all threads.
 //   6. The last block to finish advances the dispatch sequence word and clears the meta counter.
 //
 // Split (send launch = phases 0-4, receive launch = phases 5-6, same grid, one stream, no other
@@ -57,7 +60,7 @@
 // every rank runs the same calls in the same order) writes peers' words, meta, flags and rows of
 // parity n % 2. A call is one fused launch or one send launch followed by its receive launch.
 // Every call makes every rank wait for a count word that every other rank writes in that same
-// call (phase 5 waits for all (e, s) words, every expert has at least one warp). So when a rank
+// call (every block waits for all (e, s) words in phase 5). So when a rank
 // starts call n (phase 0), its call n-1 has finished phase 5 and seen every peer's call n-1
 // count words, which each peer writes (phase 1) only after its call n-2 ended, phase 6 included
 // (launches on one stream are serialised, and a split call's receive launch precedes the next
@@ -316,59 +319,147 @@ __device__ __forceinline__ void copy_peer_row(const DispatchArgs& args, const ch
   }
 }
 
-// Phase 5 for local expert `expert`, shared by `num_sharers` warps of which this is number
-// `sharer`. Work units (row, chunk of <= kRecvPiecesPerUnit pieces) are numbered in the order:
-// own rows first, then sources rank+1, rank+2, ... (mod R). kOwnMetaInLaunch: the own meta is
-// written by this launch's blocks (fused op), so wait for the meta counter; `own_meta_ready`
-// remembers whether this warp has seen it complete. Otherwise the send launch wrote it and the
-// kernel boundary orders it before this launch.
+// Phase 5's plan, in shared memory; every block builds the same one. Pairs (p, e): source
+// order p (source (rank + p) % R, own rows first) and local expert e, flattened p-major as
+// i = p * E_loc + e. All receive rows are numbered in that order, so that the work units
+// (row, chunk) of every expert and source can be spread evenly over all warps of the grid.
+struct ReceivePlan {
+  int* counts;     // [E_loc * R] rows of local expert e from source s, at e * R + s
+  int* first_row;  // [E_loc * R] output row (within expert e's block) of source s's slot 0
+  int* row_begin;  // [R * E_loc + 1] receive rows before pair i (exclusive prefix; last: total)
+  int* scratch;    // [kLowLatencyWarps] the block scan's warp totals
+};
+
+__host__ __device__ constexpr size_t receive_plan_bytes(int num_experts) {
+  return (3 * static_cast<size_t>(num_experts) + 1 + kLowLatencyWarps) * sizeof(int);
+}
+
+__device__ __forceinline__ ReceivePlan receive_plan_at(unsigned char* base, int num_pairs) {
+  int* ints = reinterpret_cast<int*>(base);
+  return {ints, ints + num_pairs, ints + 2 * num_pairs, ints + 3 * num_pairs + 1};
+}
+
+// Rows of pair i (source order p, expert e) of the plan.
+__device__ __forceinline__ int plan_pair_rows(const ReceivePlan& plan, int i, int num_local,
+                                              int num_ranks, int me) {
+  const int p = i / num_local;
+  const int expert = i - p * num_local;
+  return plan.counts[expert * num_ranks + (me + p) % num_ranks];
+}
+
+// Phase 5, first part (whole block): waits for the count word of every (local expert, source),
+// then fills `plan`. Ends with a block barrier.
+__device__ __forceinline__ void build_receive_plan(const DispatchArgs& args, const ReceivePlan& plan,
+                                                   uint64_t tag, int parity) {
+  const LowLatencyRank& rk = args.rank;
+  const LowLatencyLayout& layout = rk.layout;
+  const int num_ranks = layout.num_ranks;
+  const int num_local = layout.num_local_experts;
+  const int num_pairs = num_local * num_ranks;
+  const int me = rk.rank;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const uint64_t* words = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_counts);
+  for (int g = tid; g < num_pairs; g += blockDim.x) {  // g = e * R + s
+    const int expert = g / num_ranks;
+    const int src = g - expert * num_ranks;
+    const uint32_t value =
+        wait_tagged_count(words + layout.dispatch_count_index(parity, expert, src), tag,
+                          rk.timeout_ns, rk.timeout_record, me, src,
+                          WaitPhase::kLowLatencyDispatchRecv);
+    plan.counts[g] = static_cast<int>(min(value, static_cast<uint32_t>(layout.max_tokens)));
+  }
+  __syncthreads();
+  for (int expert = tid; expert < num_local; expert += blockDim.x) {
+    int running = 0;
+    for (int src = 0; src < num_ranks; ++src) {  // source-ascending order within the expert
+      plan.first_row[expert * num_ranks + src] = running;
+      running += plan.counts[expert * num_ranks + src];
+    }
+  }
+  // Exclusive prefix of the pairs' rows: thread t sums pairs [t * per, (t + 1) * per).
+  const int per = ceil_div(num_pairs, static_cast<int>(blockDim.x));
+  const int i0 = min(num_pairs, tid * per);
+  const int i1 = min(num_pairs, i0 + per);
+  int mine = 0;
+  for (int i = i0; i < i1; ++i) mine += plan_pair_rows(plan, i, num_local, num_ranks, me);
+  const int inclusive = warp_inclusive_sum(mine, lane);
+  if (lane == kWarpSize - 1) plan.scratch[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int total = lane < kLowLatencyWarps ? plan.scratch[lane] : 0;
+    const int scanned = warp_inclusive_sum(total, lane);
+    __syncwarp();
+    if (lane < kLowLatencyWarps) plan.scratch[lane] = scanned - total;  // exclusive
+  }
+  __syncthreads();
+  int running = plan.scratch[warp] + inclusive - mine;
+  for (int i = i0; i < i1; ++i) {
+    plan.row_begin[i] = running;
+    running += plan_pair_rows(plan, i, num_local, num_ranks, me);
+  }
+  if (tid == static_cast<int>(blockDim.x) - 1) plan.row_begin[num_pairs] = running;
+  __syncthreads();
+}
+
+// The pair i of the plan that holds receive row `row` (< the total): the last i with
+// row_begin[i] <= row (that pair is never empty). Warp-uniform.
+__device__ __forceinline__ int plan_pair_of_row(const ReceivePlan& plan, int num_pairs, int row) {
+  int lo = 0, hi = num_pairs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (plan.row_begin[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Phase 5, second part: the work units (row, chunk of <= kRecvPiecesPerUnit pieces) of every
+// local expert and source, in the plan's row order, go round-robin to all W warps of the grid:
+// unit u to warp u % W. So own rows (ready once the meta counter completes) come first
+// everywhere, and no warp holds more than ceil(units / W), whatever the skew of the routing.
+// kOwnMetaInLaunch: the own meta is written by this launch's blocks (fused op), so wait for the
+// meta counter; otherwise the send launch wrote it and the kernel boundary orders it before this
+// launch. Then recv_count and the -1 fill of recv_src / recv_k past it, spread the same way.
 template <bool kUseFp8, bool kOwnMetaInLaunch>
-__device__ __forceinline__ void receive_expert(const DispatchArgs& args, int expert, int sharer,
-                                               int num_sharers, uint64_t tag, int parity,
-                                               bool& own_meta_ready) {
+__device__ __forceinline__ void receive_pass(const DispatchArgs& args, const ReceivePlan& plan,
+                                             uint64_t tag, int parity) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int num_ranks = layout.num_ranks;
+  const int num_local = layout.num_local_experts;
+  const int num_pairs = num_local * num_ranks;
   const int me = rk.rank;
   const int max_tokens = layout.max_tokens;
   const int rows_per_expert = num_ranks * max_tokens;
-
-  // Rows of this expert from each source (lane s): present from the start of s's launch.
-  int count = 0;
-  if (lane < num_ranks) {
-    const uint64_t* word = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_counts) +
-                           layout.dispatch_count_index(parity, expert, lane);
-    const uint32_t value = wait_tagged_count(word, tag, rk.timeout_ns, rk.timeout_record, me, lane,
-                                             WaitPhase::kLowLatencyDispatchRecv);
-    count = static_cast<int>(min(value, static_cast<uint32_t>(max_tokens)));
-  }
-  const int inclusive = warp_inclusive_sum(count, lane);
-  const int first_row = inclusive - count;  // output row of source `lane`'s slot 0
-  const int total = __shfl_sync(kFullMask, inclusive, num_ranks - 1);
-  // Work order: lane p describes source (me + p) % R; lanes >= R hold count 0.
-  const int order_src = lane < num_ranks ? (me + lane) % num_ranks : lane;
-  const int order_count = __shfl_sync(kFullMask, count, order_src);
-  const int order_first_row = __shfl_sync(kFullMask, first_row, order_src);
-  const int order_begin = warp_inclusive_sum(order_count, lane) - order_count;
+  const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
+  const int warp =
+      static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
 
   const int pieces = layout.hidden / kFp8ChannelsPerPiece;
   const int num_chunks = ceil_div(pieces, kRecvPiecesPerUnit);
   const int chunk_pieces =
       ceil_div(ceil_div(pieces, num_chunks), kFp8PiecesPerScale) * kFp8PiecesPerScale;
-  const int unit_end = total * num_chunks;
+  const int unit_end = plan.row_begin[num_pairs] * num_chunks;
   LowLatencyControl* control = low_latency_control(rk);
   const int2* meta_base = reinterpret_cast<const int2*>(rk.local + layout.dispatch_meta);
   const uint64_t* flag_base = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
+  bool own_meta_ready = false;
 
-  for (int unit = sharer; unit < unit_end; unit += num_sharers) {
-    const int order_row = unit / num_chunks;
-    const int chunk = unit - order_row * num_chunks;
-    const int pos =
-        __popc(__ballot_sync(kFullMask, lane < num_ranks && order_begin <= order_row)) - 1;
-    const int src = (me + pos) % num_ranks;
-    const int slot = order_row - __shfl_sync(kFullMask, order_begin, pos);
-    const int out_row = __shfl_sync(kFullMask, order_first_row, pos) + slot;
+  for (int unit = warp; unit < unit_end; unit += num_warps) {
+    const int row = unit / num_chunks;
+    const int chunk = unit - row * num_chunks;
+    const int pair = plan_pair_of_row(plan, num_pairs, row);
+    const int p = pair / num_local;
+    const int expert = pair - p * num_local;
+    const int src = (me + p) % num_ranks;
+    const int slot = row - plan.row_begin[pair];
+    const int out_row = plan.first_row[expert * num_ranks + src] + slot;
     const size_t meta_index = layout.dispatch_meta_index(parity, expert, src, slot);
     const int2* meta = meta_base + meta_index;
     const size_t row_index = static_cast<size_t>(expert) * rows_per_expert + out_row;
@@ -414,34 +505,30 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
     }
   }
 
-  if (sharer == 0 && lane == 0) args.recv_count[expert] = total;
-  const size_t expert_row0 = static_cast<size_t>(expert) * rows_per_expert;
-  for (int row = total + sharer * kWarpSize + lane; row < rows_per_expert;
-       row += num_sharers * kWarpSize) {
-    args.recv_src[expert_row0 + row] = -1;
-    args.recv_k[expert_row0 + row] = -1;
+  // recv_count, and -1 past it: entries (e, row) of [E_loc][R * T_max] over all threads.
+  const int thread = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  const int num_threads = static_cast<int>(gridDim.x * blockDim.x);
+  if (thread < num_local) {
+    const int last = thread * num_ranks + num_ranks - 1;
+    args.recv_count[thread] = plan.first_row[last] + plan.counts[last];
+  }
+  const size_t entries = static_cast<size_t>(num_local) * rows_per_expert;
+  for (size_t entry = thread; entry < entries; entry += num_threads) {
+    const int expert = static_cast<int>(entry / rows_per_expert);
+    const int row = static_cast<int>(entry - static_cast<size_t>(expert) * rows_per_expert);
+    const int last = expert * num_ranks + num_ranks - 1;
+    if (row >= plan.first_row[last] + plan.counts[last]) {
+      args.recv_src[entry] = -1;
+      args.recv_k[entry] = -1;
+    }
   }
 }
 
-// Phase 5 for every expert of this warp: warps w = e (mod E_loc) share expert e; with fewer
-// warps than experts each warp takes experts w, w + W, ...
-template <bool kUseFp8, bool kOwnMetaInLaunch>
-__device__ __forceinline__ void receive_pass(const DispatchArgs& args, uint64_t tag, int parity) {
-  const int num_experts_local = args.rank.layout.num_local_experts;
-  const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
-  const int warp =
-      static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
-  bool own_meta_ready = false;
-  if (num_warps >= num_experts_local) {
-    const int expert = warp % num_experts_local;
-    const int sharers = (num_warps - 1 - expert) / num_experts_local + 1;
-    receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, warp / num_experts_local, sharers,
-                                              tag, parity, own_meta_ready);
-  } else {
-    for (int expert = warp; expert < num_experts_local; expert += num_warps) {
-      receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, 0, 1, tag, parity, own_meta_ready);
-    }
-  }
+// Dynamic shared memory of the send half (see send_half), rounded to 16 bytes.
+__host__ __device__ constexpr size_t send_smem_bytes(int tokens_per_block, int num_topk,
+                                                     int num_experts) {
+  return (static_cast<size_t>(tokens_per_block) * num_topk * (sizeof(RemotePair) + sizeof(int)) +
+          2 * static_cast<size_t>(num_experts) * sizeof(int) + 15) / 16 * 16;
 }
 
 // Phases 0-4 (the send half): histograms, count words, slots and own meta, rows to the peers and
@@ -566,8 +653,8 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
 // Grid: one block per SM (cooperative), kLowLatencyThreads threads. kHalves picks the phases:
 // kBoth (fused op) runs 0-6; kSend runs 0-4 and stores the ticket; kRecv runs 5-6. The send
 // launch and the receive launch of one call read the same sequence word (only phase 6
-// advances it), hence the same tag and parity. Dynamic shared memory: see send_half (none for
-// kRecv).
+// advances it), hence the same tag and parity. Dynamic shared memory: the send half's (see
+// send_half; not for kRecv), then phase 5's ReceivePlan (not for kSend).
 template <bool kUseFp8, LowLatencyHalves kHalves>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     low_latency_dispatch_kernel(const __grid_constant__ DispatchArgs args) {
@@ -580,8 +667,16 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if constexpr (runs_send_half(kHalves)) send_half<kUseFp8>(args, control, tag, parity);
 
   if constexpr (runs_recv_half(kHalves)) {
-    // Phase 5: own rows, then peer rows as they land; recv_count, -1 fill.
-    receive_pass<kUseFp8, runs_send_half(kHalves)>(args, tag, parity);
+    // Phase 5: the plan (after the send half's shared memory), own rows, then peer rows as
+    // they land; recv_count, -1 fill.
+    extern __shared__ __align__(16) unsigned char smem[];
+    const size_t plan_offset =
+        runs_send_half(kHalves)
+            ? send_smem_bytes(args.tokens_per_block, args.rank.layout.num_topk, args.num_experts)
+            : 0;
+    const ReceivePlan plan = receive_plan_at(smem + plan_offset, args.num_experts);
+    build_receive_plan(args, plan, tag, parity);
+    receive_pass<kUseFp8, runs_send_half(kHalves)>(args, plan, tag, parity);
     // Phase 6.
     finish_launch(&control->dispatch_blocks_done, &control->dispatch_seq, seq,
                   &control->dispatch_blocks_meta);
@@ -614,11 +709,10 @@ cudaError_t launch_dispatch_halves(const RankContext& ctx, const LowLatencyDispa
   args.ticket = params.ticket;
 
   const size_t smem_bytes =
-      runs_send_half(kHalves)
-          ? static_cast<size_t>(args.tokens_per_block) * ctx.config.num_topk *
-                    (sizeof(RemotePair) + sizeof(int)) +
-                2 * static_cast<size_t>(ctx.config.num_experts) * sizeof(int)
-          : 0;
+      (runs_send_half(kHalves)
+           ? send_smem_bytes(args.tokens_per_block, ctx.config.num_topk, args.num_experts)
+           : 0) +
+      (runs_recv_half(kHalves) ? receive_plan_bytes(args.num_experts) : 0);
   return params.use_fp8
              ? launch_low_latency_kernel(low_latency_dispatch_kernel<true, kHalves>, num_blocks,
                                          smem_bytes, stream, args)
