@@ -15,15 +15,14 @@
 //      loaded together (no grid-wide prefix, no barrier before the first store); rows whose
 //      source rank is a peer are copied from y to the peer's region (16-byte loads,
 //      kSendVecsPerLane in flight per lane). Rows of this rank's own tokens are skipped.
-//   2. Owner, first unit of the block: whole tokens t = block, block + grid, ... while a full
-//      round of the grid remains, then one channel slice of the T mod grid tokens left (they
-//      are cut so that every block gets one slice). One warp per k resolves (t, k) to a row of y
-//      (own expert) or of the local region (peer expert); the block sums the own rows of its
-//      channels into float32 registers while the pushed rows are still in flight.
+//   2. Owner, first token of the block (t = block, block + grid, ...; with K <= 8 the block
+//      resolves two tokens at once, half the warps each): one warp per k resolves (t, k) to a
+//      row of y (own expert) or of the local region (peer expert); the block sums the own rows
+//      into float32 registers while the pushed rows are still in flight.
 //   3. Every thread fences, the block arrives on the "sent" counter; the last block
 //      release-stores the combine flag word [parity][me] = tag at every peer. Then the block
 //      waits for the flag word of every peer (every block, even without tokens: see below).
-//   4. The block adds the peer rows, rounds to bf16 and stores out[t]; further units likewise.
+//   4. The block adds the peer rows, rounds to bf16 and stores out[t]; further tokens likewise.
 //   5. The last block to finish advances the combine sequence word.
 //
 // Split (send launch, then receive launch, same grid, one stream, no other split call of this op
@@ -211,19 +210,32 @@ __device__ __forceinline__ void send_rows(const CombineArgs& args, int parity) {
   }
 }
 
-// Phase 2 setup: where the K rows of `token` are read from. Warp w resolves k = w, w + 16, ...;
-// warp 0 then compacts them into own / peer lists (k order kept). Block-wide, ends synchronised.
-__device__ __forceinline__ void find_token_sources(const CombineArgs& args, int token, int parity,
-                                                   TokenSources& sources) {
+// Tokens whose rows one block resolves at once: the block's warps split into that many groups
+// when each group still has a warp per k (K <= 8), so a block with two tokens pays the latency
+// of one resolution (T=128 on 124 blocks: 4 blocks have two).
+constexpr int kTokensResolvedTogether = 2;
+
+// Phase 2 setup: where the K rows of tokens first + i * stride (i < num_tokens_here, at most
+// kTokensResolvedTogether) are read from. The warps form num_tokens_here groups; warp w of
+// group i resolves k = w, w + group size, ... of tokens[i], then the group's first warp compacts
+// them into sources[i]'s own / peer lists (k order kept). Block-wide, ends synchronised.
+__device__ __forceinline__ void find_token_sources(const CombineArgs& args, int first, int stride,
+                                                   int num_tokens_here, int parity,
+                                                   TokenSources* all_sources) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int group_warps = kLowLatencyWarps / num_tokens_here;
+  const int group = static_cast<int>(threadIdx.x) / kWarpSize / group_warps;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize % group_warps;
   const int num_topk = layout.num_topk;
   const int num_local = layout.num_local_experts;
   const int rows_per_expert = layout.num_ranks * layout.max_tokens;
+  const bool in_group = group < num_tokens_here;  // kLowLatencyWarps % num_tokens_here == 0
+  const int token = first + (in_group ? group : 0) * stride;
+  TokenSources& sources = all_sources[in_group ? group : 0];
 
-  for (int k = warp; k < num_topk; k += kLowLatencyWarps) {
+  for (int k = warp; in_group && k < num_topk; k += group_warps) {
     const size_t idx = static_cast<size_t>(token) * num_topk + k;
     const int g = __ldg(args.topk_idx + idx);
     int kind = 0;
@@ -253,7 +265,7 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, int 
     }
   }
   __syncthreads();
-  if (warp == 0) {
+  if (in_group && warp == 0) {
     const int kind = lane < num_topk ? sources.entry_kind[lane] : 0;
     const uint32_t lanes_below = (1u << lane) - 1;
 #pragma unroll
@@ -350,7 +362,7 @@ __device__ __forceinline__ void wait_peer_flags(const CombineArgs& args, uint64_
 template <bool kArriveHere>
 __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatencyControl* control,
                                               uint64_t tag, int parity, int num_ranks, int me) {
-  __shared__ TokenSources sources;
+  __shared__ TokenSources sources[kTokensResolvedTogether];
   const int tid = static_cast<int>(threadIdx.x);
 
   // Phase 3 (run inside the first owner pass, after the own rows are summed).
@@ -361,54 +373,48 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatenc
     wait_peer_flags(args, tag, parity, num_ranks, me);
   };
 
-  // Phases 2 and 4 for vectors [vec_begin, vec_end) of `token`.
+  // Phases 2 and 4.
   const int hidden = args.rank.layout.hidden;
   const int vecs = hidden / kBf16PerVector;
   bool peers_arrived = false;
-  auto reduce_unit = [&](int token, int vec_begin, int vec_end) {
-    find_token_sources(args, token, parity, sources);
-    for (int vec_base = vec_begin; vec_base < vec_end;
-         vec_base += kLowLatencyThreads * kOwnerVecsPerThread) {
-      float acc[kOwnerVecsPerThread][kBf16PerVector] = {};
-      accumulate_rows<true>(acc, sources.rows[0], sources.weights[0], sources.count[0],
-                            vec_base + tid, vec_end);
-      if (!peers_arrived) {  // block-uniform
-        arrive_and_wait_peers();
-        peers_arrived = true;
-      }
-      accumulate_rows<false>(acc, sources.rows[1], sources.weights[1], sources.count[1],
-                             vec_base + tid, vec_end);
-      int4* out_row = reinterpret_cast<int4*>(args.out + static_cast<size_t>(token) * hidden);
-#pragma unroll
-      for (int j = 0; j < kOwnerVecsPerThread; ++j) {
-        const int vec = vec_base + tid + j * kLowLatencyThreads;
-        if (vec >= vec_end) continue;
-        int4 packed;
-        __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-        for (int c = 0; c < kBf16PerVector / 2; ++c) {
-          pairs[c] = __floats2bfloat162_rn(acc[j][2 * c], acc[j][2 * c + 1]);
-        }
-        st_v4(out_row + vec, packed);
-      }
-    }
-    __syncthreads();  // `sources` is rebuilt for the next unit
-  };
-  // Units: whole tokens block, block + G, ... up to the last full round of the grid; the
-  // T mod G tokens left (all of them when T < G) are cut into channel slices spread over every
-  // block, so that no block sums two tokens while the others sum one (T=128 on 124 blocks: one
-  // token and 1/31 of another each) and a lone token uses the whole grid.
   const int grid = static_cast<int>(gridDim.x);
-  const int full_end = args.num_tokens / grid * grid;
-  const int rest = args.num_tokens - full_end;
-  for (int token = blockIdx.x; token < full_end; token += grid) reduce_unit(token, 0, vecs);
-  if (rest > 0) {
-    const int slices = max(1, min(grid / rest, vecs));
-    if (static_cast<int>(blockIdx.x) < rest * slices) {
-      const int slice = static_cast<int>(blockIdx.x) % slices;
-      reduce_unit(full_end + static_cast<int>(blockIdx.x) / slices, vecs * slice / slices,
-                  vecs * (slice + 1) / slices);
+  const int together = kTokensResolvedTogether * args.rank.layout.num_topk <= kLowLatencyWarps
+                           ? kTokensResolvedTogether
+                           : 1;
+  static_assert(kLowLatencyWarps % kTokensResolvedTogether == 0, "warp groups of equal size");
+  for (int first = blockIdx.x; first < args.num_tokens; first += together * grid) {
+    const int num_tokens_here = first + grid < args.num_tokens ? together : 1;
+    find_token_sources(args, first, grid, num_tokens_here, parity, sources);
+    for (int i = 0; i < num_tokens_here; ++i) {
+      const TokenSources& src = sources[i];
+      for (int vec_base = 0; vec_base < vecs;
+           vec_base += kLowLatencyThreads * kOwnerVecsPerThread) {
+        float acc[kOwnerVecsPerThread][kBf16PerVector] = {};
+        accumulate_rows<true>(acc, src.rows[0], src.weights[0], src.count[0], vec_base + tid,
+                              vecs);
+        if (!peers_arrived) {  // block-uniform
+          arrive_and_wait_peers();
+          peers_arrived = true;
+        }
+        accumulate_rows<false>(acc, src.rows[1], src.weights[1], src.count[1], vec_base + tid,
+                               vecs);
+        int4* out_row =
+            reinterpret_cast<int4*>(args.out + static_cast<size_t>(first + i * grid) * hidden);
+#pragma unroll
+        for (int j = 0; j < kOwnerVecsPerThread; ++j) {
+          const int vec = vec_base + tid + j * kLowLatencyThreads;
+          if (vec >= vecs) continue;
+          int4 packed;
+          __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+          for (int c = 0; c < kBf16PerVector / 2; ++c) {
+            pairs[c] = __floats2bfloat162_rn(acc[j][2 * c], acc[j][2 * c + 1]);
+          }
+          st_v4(out_row + vec, packed);
+        }
+      }
     }
+    __syncthreads();  // `sources` is rebuilt for the next tokens
   }
   // Every block waits for every peer, also without tokens: the parity argument needs every call
   // to observe every peer's flag before it ends.

@@ -420,7 +420,8 @@ __device__ __forceinline__ int plan_pair_of_row(const ReceivePlan& plan, int num
 
 // Phase 5, second part: the work units (row, chunk of <= kRecvPiecesPerUnit pieces) of every
 // local expert and source, in the plan's row order, go round-robin to all W warps of the grid:
-// unit u to warp u % W. So own rows (ready once the meta counter completes) come first
+// unit u to warp u % W, warps counted from the first block that had no tokens to send (with
+// few tokens, all units then go to blocks that were idle). So own rows (ready once the meta counter completes) come first
 // everywhere, and no warp holds more than ceil(units / W), whatever the skew of the routing.
 // kOwnMetaInLaunch: the own meta is written by this launch's blocks (fused op), so wait for the
 // meta counter; otherwise the send launch wrote it and the kernel boundary orders it before this
@@ -438,8 +439,14 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, const Rec
   const int max_tokens = layout.max_tokens;
   const int rows_per_expert = num_ranks * max_tokens;
   const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
-  const int warp =
-      static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
+  // Warps are numbered from the first block without tokens (blocks [0, that) spent the send
+  // half on their tokens), so the first units go to blocks that are idle by then.
+  const int first_idle_block =
+      min(static_cast<int>(gridDim.x), ceil_div(args.num_tokens, max(args.tokens_per_block, 1)));
+  const int block_order =
+      (static_cast<int>(blockIdx.x) - first_idle_block + static_cast<int>(gridDim.x)) %
+      static_cast<int>(gridDim.x);
+  const int warp = block_order * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
 
   const int pieces = layout.hidden / kFp8ChannelsPerPiece;
   const int num_chunks = ceil_div(pieces, kRecvPiecesPerUnit);
@@ -512,10 +519,10 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, const Rec
     const int last = thread * num_ranks + num_ranks - 1;
     args.recv_count[thread] = plan.first_row[last] + plan.counts[last];
   }
-  const size_t entries = static_cast<size_t>(num_local) * rows_per_expert;
-  for (size_t entry = thread; entry < entries; entry += num_threads) {
-    const int expert = static_cast<int>(entry / rows_per_expert);
-    const int row = static_cast<int>(entry - static_cast<size_t>(expert) * rows_per_expert);
+  const int entries = num_local * rows_per_expert;  // E * T_max: far below 2^31
+  for (int entry = thread; entry < entries; entry += num_threads) {
+    const int expert = entry / rows_per_expert;
+    const int row = entry - expert * rows_per_expert;
     const int last = expert * num_ranks + num_ranks - 1;
     if (row >= plan.first_row[last] + plan.counts[last]) {
       args.recv_src[entry] = -1;
