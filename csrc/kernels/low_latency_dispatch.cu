@@ -420,8 +420,8 @@ __device__ __forceinline__ int plan_pair_of_row(const ReceivePlan& plan, int num
 
 // Phase 5, second part: the work units (row, chunk of <= kRecvPiecesPerUnit pieces) of every
 // local expert and source, in the plan's row order, go round-robin to all W warps of the grid:
-// unit u to warp u % W, warps counted from the first block that had no tokens to send (with
-// few tokens, all units then go to blocks that were idle). So own rows (ready once the meta counter completes) come first
+// unit u to block u % G, blocks counted from the first one that had no tokens to send (with few
+// tokens, all units then go to blocks that were idle, one SM each). So own rows (ready once the meta counter completes) come first
 // everywhere, and no warp holds more than ceil(units / W), whatever the skew of the routing.
 // kOwnMetaInLaunch: the own meta is written by this launch's blocks (fused op), so wait for the
 // meta counter; otherwise the send launch wrote it and the kernel boundary orders it before this
@@ -439,14 +439,17 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, const Rec
   const int max_tokens = layout.max_tokens;
   const int rows_per_expert = num_ranks * max_tokens;
   const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
-  // Warps are numbered from the first block without tokens (blocks [0, that) spent the send
+  // Blocks are counted from the first one without tokens (blocks [0, that) spent the send
   // half on their tokens), so the first units go to blocks that are idle by then.
   const int first_idle_block =
       min(static_cast<int>(gridDim.x), ceil_div(args.num_tokens, max(args.tokens_per_block, 1)));
   const int block_order =
       (static_cast<int>(blockIdx.x) - first_idle_block + static_cast<int>(gridDim.x)) %
       static_cast<int>(gridDim.x);
-  const int warp = block_order * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
+  // Unit u goes to block u % G (in that order), warp (u / G) % 16 there: consecutive units (the
+  // chunks of one row, the rows of few tokens) land on different SMs.
+  const int first_unit =
+      block_order + static_cast<int>(gridDim.x) * (static_cast<int>(threadIdx.x) / kWarpSize);
 
   const int pieces = layout.hidden / kFp8ChannelsPerPiece;
   const int num_chunks = ceil_div(pieces, kRecvPiecesPerUnit);
@@ -458,7 +461,7 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, const Rec
   const uint64_t* flag_base = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
   bool own_meta_ready = false;
 
-  for (int unit = warp; unit < unit_end; unit += num_warps) {
+  for (int unit = first_unit; unit < unit_end; unit += num_warps) {
     const int row = unit / num_chunks;
     const int chunk = unit - row * num_chunks;
     const int pair = plan_pair_of_row(plan, num_pairs, row);
