@@ -419,9 +419,9 @@ __device__ __forceinline__ int plan_pair_of_row(const ReceivePlan& plan, int num
 }
 
 // Phase 5, second part: the work units (row, chunk of <= kRecvPiecesPerUnit pieces) of every
-// local expert and source, in the plan's row order, go round-robin to all W warps of the grid:
-// unit u to block u % G, blocks counted from the first one that had no tokens to send (with few
-// tokens, all units then go to blocks that were idle, one SM each). So own rows (ready once the meta counter completes) come first
+// local expert and source, in the plan's row order, go round-robin to all W warps of the grid
+// (blocks counted from the first one that had no tokens to send: with few tokens, the units then
+// go to blocks that were idle, one SM each when they fit). So own rows (ready once the meta counter completes) come first
 // everywhere, and no warp holds more than ceil(units / W), whatever the skew of the routing.
 // kOwnMetaInLaunch: the own meta is written by this launch's blocks (fused op), so wait for the
 // meta counter; otherwise the send launch wrote it and the kernel boundary orders it before this
@@ -446,16 +446,19 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, const Rec
   const int block_order =
       (static_cast<int>(blockIdx.x) - first_idle_block + static_cast<int>(gridDim.x)) %
       static_cast<int>(gridDim.x);
-  // Unit u goes to block u % G (in that order), warp (u / G) % 16 there: consecutive units (the
-  // chunks of one row, the rows of few tokens) land on different SMs.
-  const int first_unit =
-      block_order + static_cast<int>(gridDim.x) * (static_cast<int>(threadIdx.x) / kWarpSize);
-
+  const int warp_in_block = static_cast<int>(threadIdx.x) / kWarpSize;
   const int pieces = layout.hidden / kFp8ChannelsPerPiece;
   const int num_chunks = ceil_div(pieces, kRecvPiecesPerUnit);
   const int chunk_pieces =
       ceil_div(ceil_div(pieces, num_chunks), kFp8PiecesPerScale) * kFp8PiecesPerScale;
   const int unit_end = plan.row_begin[num_pairs] * num_chunks;
+  // Unit u goes to warp u % W in that block order, or, when there are at most G units (a few
+  // tokens), to block u (warp 0): one SM each. Measured on one H200 (EP=1): T=1 fp8 6.6 us
+  // spread vs 7.8 packed; T=16 8.3 packed vs 9.2 spread, T=128 17.0 vs 19.1.
+  const bool one_unit_per_block = unit_end <= static_cast<int>(gridDim.x);
+  const int first_unit = one_unit_per_block
+                             ? block_order + static_cast<int>(gridDim.x) * warp_in_block
+                             : block_order * kLowLatencyWarps + warp_in_block;
   LowLatencyControl* control = low_latency_control(rk);
   const int2* meta_base = reinterpret_cast<const int2*>(rk.local + layout.dispatch_meta);
   const uint64_t* flag_base = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
