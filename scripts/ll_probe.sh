@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Low-latency kernel probe on whatever GPUs are visible (one is enough: EP = number of GPUs):
-# kernel times over T and grid sizes (CUPTI, profile_ops.py), then Nsight Compute's per-line
-# stall samples of the fp8 dispatch and the combine kernels. Logs and reports under $OUT.
+# kernel times over T and grid sizes (CUPTI, profile_ops.py), then Nsight Compute's summary
+# (duration, SM active cycles, occupancy, stall hints) of the fp8 dispatch and the combine
+# kernels. Logs and reports under $OUT.
 #   PROBE_TOKENS (default "1 16 128"), PROBE_BLOCKS (grid sizes at T=128, default "32 64 132"),
 #   PROBE_NCU=0 skips Nsight Compute
 set -uo pipefail
@@ -34,8 +35,9 @@ for kernel in $KERNELS; do
     --launch-count 1 -f -o "$OUT/$kernel" python3 "$PROFILE" --ll-tokens 128 --ops "$op" \
     --iters 2 --no-trace > "$OUT/ncu_$kernel.log" 2>&1
   echo "== $kernel"
-  ncu --import "$OUT/$kernel.ncu-rep" --page details 2> /dev/null | grep -E \
-    "^ +(Duration|Registers Per Thread|Achieved Occupancy|Dynamic Shared|Grid Size|Elapsed Cycles|DRAM Throughput|Memory Throughput)" | head -12
-  python3 "$R/benchmarks/ncu_hotspots.py" "$OUT/$kernel.ncu-rep" --top 28 2>&1 | tail -30
+  # The details page (the source page's CSV of ncu 2025.3 carries no stall columns).
+  ncu --import "$OUT/$kernel.ncu-rep" --page details > "$OUT/ncu_$kernel.details.log" 2>&1
+  grep -E "^ +(Duration|Elapsed Cycles|SM Active Cycles|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued)|Est\. (Local )?Speedup|stalled" \
+    "$OUT/ncu_$kernel.details.log" | head -20
 done
 (cd "$OUT" && tar czf probe_logs.tgz --remove-files ./*.log 2> /dev/null; ls)

@@ -78,7 +78,7 @@ def fetch(a):
     bounds, data = [], []
     for shard in a.addressable_shards:
         bounds.append([(s.start or 0, n if s.stop is None else s.stop)
-                       for s, n in zip(shard.index, a.shape)])
+                       for s, n in zip(shard.index, a.shape, strict=True)])
         data.append(np.ascontiguousarray(np.asarray(shard.data)).tobytes())
     header = json.dumps(bounds).encode()
     client.key_value_set_bytes(f"{key}/p{jax.process_index()}",
