@@ -37,6 +37,8 @@
 //      per row, wait for its flag, then copy rows, scales and meta from the region to the
 //      outputs — so a row is copied out as soon as it lands, overlapping the transfer.
 //      Then recv_count and the -1 fill of recv_src/recv_k past it, over all threads.
+//      With few rows (T * K <= grid) the plan's block barriers cost more than they balance:
+//      then warps w = e (mod E_loc) share expert e and wait only for its words (receive_expert).
 //   6. The last block to finish advances the dispatch sequence word and clears the meta counter.
 //
 // Split (send launch = phases 0-4, receive launch = phases 5-6, same grid, one stream, no other
@@ -60,7 +62,7 @@
 // every rank runs the same calls in the same order) writes peers' words, meta, flags and rows of
 // parity n % 2. A call is one fused launch or one send launch followed by its receive launch.
 // Every call makes every rank wait for a count word that every other rank writes in that same
-// call (every block waits for all (e, s) words in phase 5). So when a rank
+// call (phase 5 waits for every (e, s) word, by plan or by expert). So when a rank
 // starts call n (phase 0), its call n-1 has finished phase 5 and seen every peer's call n-1
 // count words, which each peer writes (phase 1) only after its call n-2 ended, phase 6 included
 // (launches on one stream are serialised, and a split call's receive launch precedes the next
@@ -319,6 +321,89 @@ __device__ __forceinline__ void copy_peer_row(const DispatchArgs& args, const ch
   }
 }
 
+// How a row splits into receive units: chunks of at most kRecvPiecesPerUnit pieces, whole scale
+// groups each.
+struct RowChunks {
+  int pieces;        // 16-channel pieces of a row
+  int num_chunks;    // units per row
+  int chunk_pieces;  // pieces per unit (the last one may have fewer)
+};
+
+__device__ __forceinline__ RowChunks row_chunks(int hidden) {
+  RowChunks c;
+  c.pieces = hidden / kFp8ChannelsPerPiece;
+  c.num_chunks = ceil_div(c.pieces, kRecvPiecesPerUnit);
+  c.chunk_pieces =
+      ceil_div(ceil_div(c.pieces, c.num_chunks), kFp8PiecesPerScale) * kFp8PiecesPerScale;
+  return c;
+}
+
+// One receive work unit: pieces [chunk * chunk_pieces, +chunk_pieces) of the row of (local
+// expert, source, slot), written to output row `out_row` of the expert's block (own rows: from
+// x, cast; peer rows: from the region once their flag has the tag), and at chunk 0 its
+// recv_src / recv_k. Whole warp, uniform arguments. kOwnMetaInLaunch: the own meta is written
+// by this launch's blocks (fused op), so the first own unit of a warp waits for the meta counter
+// (`own_meta_ready` remembers it); otherwise the send launch wrote it and the kernel boundary
+// orders it before this launch.
+template <bool kUseFp8, bool kOwnMetaInLaunch>
+__device__ __forceinline__ void receive_unit(const DispatchArgs& args, int expert, int src,
+                                             int slot, int out_row, int chunk, uint64_t tag,
+                                             int parity, bool& own_meta_ready) {
+  const LowLatencyRank& rk = args.rank;
+  const LowLatencyLayout& layout = rk.layout;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int me = rk.rank;
+  const int max_tokens = layout.max_tokens;
+  const int rows_per_expert = layout.num_ranks * max_tokens;
+  const RowChunks chunks = row_chunks(layout.hidden);
+  LowLatencyControl* control = low_latency_control(rk);
+  const int2* meta_base = reinterpret_cast<const int2*>(rk.local + layout.dispatch_meta);
+  const uint64_t* flag_base = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
+  const size_t meta_index = layout.dispatch_meta_index(parity, expert, src, slot);
+  const int2* meta = meta_base + meta_index;
+  const size_t row_index = static_cast<size_t>(expert) * rows_per_expert + out_row;
+  const int piece0 = chunk * chunks.chunk_pieces;
+  const int piece_end = min(chunks.pieces, piece0 + chunks.chunk_pieces);
+  if (src == me) {
+    if constexpr (kOwnMetaInLaunch) {
+      if (!own_meta_ready) {  // own meta: written by every block of this launch in phase 2
+        if (lane == 0) {
+          wait_flag_at_least(reinterpret_cast<const uint64_t*>(&control->dispatch_blocks_meta),
+                             gridDim.x, rk.timeout_ns, rk.timeout_record, me, me,
+                             WaitPhase::kLowLatencyDispatchRecv);
+        }
+        __syncwarp();
+        own_meta_ready = true;
+      }
+    }
+    const int token = ld_cg_s32(&meta->x);
+    const int k = ld_cg_s32(&meta->y);
+    if (chunk == 0 && lane == 0) {
+      args.recv_src[row_index] = src * max_tokens + token;
+      args.recv_k[row_index] = k;
+    }
+    if (token < 0 || token >= args.num_tokens) return;  // guards x; not for well-formed meta
+    copy_own_row<kUseFp8>(args, token, row_index, piece0, piece_end, lane);
+  } else {
+    if (lane == 0) {
+      wait_flag_at_least(flag_base + meta_index, tag, rk.timeout_ns, rk.timeout_record, me, src,
+                         WaitPhase::kLowLatencyDispatchRecv);
+    }
+    __syncwarp();  // lane 0's acquire orders the whole warp's loads below
+    int token = 0, k = 0;
+    if (chunk == 0 && lane == 0) {  // issued before the row loads, consumed after them
+      token = ld_cg_s32(&meta->x);
+      k = ld_cg_s32(&meta->y);
+    }
+    const char* src_row = rk.local + layout.dispatch_row_offset(parity, expert, src, me, slot);
+    copy_peer_row<kUseFp8>(args, src_row, row_index, piece0, piece_end, lane);
+    if (chunk == 0 && lane == 0) {
+      args.recv_src[row_index] = src * max_tokens + token;
+      args.recv_k[row_index] = k;
+    }
+  }
+}
+
 // Phase 5's plan, in shared memory; every block builds the same one. Pairs (p, e): source
 // order p (source (rank + p) % R, own rows first) and local expert e, flattened p-major as
 // i = p * E_loc + e. All receive rows are numbered in that order, so that the work units
@@ -427,17 +512,14 @@ __device__ __forceinline__ int plan_pair_of_row(const ReceivePlan& plan, int num
 // meta counter; otherwise the send launch wrote it and the kernel boundary orders it before this
 // launch. Then recv_count and the -1 fill of recv_src / recv_k past it, spread the same way.
 template <bool kUseFp8, bool kOwnMetaInLaunch>
-__device__ __forceinline__ void receive_pass(const DispatchArgs& args, const ReceivePlan& plan,
-                                             uint64_t tag, int parity) {
-  const LowLatencyRank& rk = args.rank;
-  const LowLatencyLayout& layout = rk.layout;
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+__device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const ReceivePlan& plan,
+                                                uint64_t tag, int parity) {
+  const LowLatencyLayout& layout = args.rank.layout;
   const int num_ranks = layout.num_ranks;
   const int num_local = layout.num_local_experts;
   const int num_pairs = num_local * num_ranks;
-  const int me = rk.rank;
-  const int max_tokens = layout.max_tokens;
-  const int rows_per_expert = num_ranks * max_tokens;
+  const int me = args.rank.rank;
+  const int rows_per_expert = num_ranks * layout.max_tokens;
   const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
   // Blocks are counted from the first one without tokens (blocks [0, that) spent the send
   // half on their tokens), so the first units go to blocks that are idle by then.
@@ -447,21 +529,15 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, const Rec
       (static_cast<int>(blockIdx.x) - first_idle_block + static_cast<int>(gridDim.x)) %
       static_cast<int>(gridDim.x);
   const int warp_in_block = static_cast<int>(threadIdx.x) / kWarpSize;
-  const int pieces = layout.hidden / kFp8ChannelsPerPiece;
-  const int num_chunks = ceil_div(pieces, kRecvPiecesPerUnit);
-  const int chunk_pieces =
-      ceil_div(ceil_div(pieces, num_chunks), kFp8PiecesPerScale) * kFp8PiecesPerScale;
+  const int num_chunks = row_chunks(layout.hidden).num_chunks;
   const int unit_end = plan.row_begin[num_pairs] * num_chunks;
-  // Unit u goes to warp u % W in that block order, or, when there are at most G units (a few
-  // tokens), to block u (warp 0): one SM each. Measured on one H200 (EP=1): T=1 fp8 6.6 us
-  // spread vs 7.8 packed; T=16 8.3 packed vs 9.2 spread, T=128 17.0 vs 19.1.
+  // Unit u goes to warp u % W in that block order, or, when there are at most G units, to
+  // block u (warp 0): one SM each. Measured on one H200 (EP=1): T=16 fp8 8.3 us packed vs 9.2
+  // spread, T=128 17.0 vs 19.1.
   const bool one_unit_per_block = unit_end <= static_cast<int>(gridDim.x);
   const int first_unit = one_unit_per_block
                              ? block_order + static_cast<int>(gridDim.x) * warp_in_block
                              : block_order * kLowLatencyWarps + warp_in_block;
-  LowLatencyControl* control = low_latency_control(rk);
-  const int2* meta_base = reinterpret_cast<const int2*>(rk.local + layout.dispatch_meta);
-  const uint64_t* flag_base = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
   bool own_meta_ready = false;
 
   for (int unit = first_unit; unit < unit_end; unit += num_warps) {
@@ -473,49 +549,8 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, const Rec
     const int src = (me + p) % num_ranks;
     const int slot = row - plan.row_begin[pair];
     const int out_row = plan.first_row[expert * num_ranks + src] + slot;
-    const size_t meta_index = layout.dispatch_meta_index(parity, expert, src, slot);
-    const int2* meta = meta_base + meta_index;
-    const size_t row_index = static_cast<size_t>(expert) * rows_per_expert + out_row;
-    const int piece0 = chunk * chunk_pieces;
-    const int piece_end = min(pieces, piece0 + chunk_pieces);
-    if (src == me) {
-      if constexpr (kOwnMetaInLaunch) {
-        if (!own_meta_ready) {  // own meta: written by every block of this launch in phase 2
-          if (lane == 0) {
-            wait_flag_at_least(reinterpret_cast<const uint64_t*>(&control->dispatch_blocks_meta),
-                               gridDim.x, rk.timeout_ns, rk.timeout_record, me, me,
-                               WaitPhase::kLowLatencyDispatchRecv);
-          }
-          __syncwarp();
-          own_meta_ready = true;
-        }
-      }
-      const int token = ld_cg_s32(&meta->x);
-      const int k = ld_cg_s32(&meta->y);
-      if (chunk == 0 && lane == 0) {
-        args.recv_src[row_index] = src * max_tokens + token;
-        args.recv_k[row_index] = k;
-      }
-      if (token < 0 || token >= args.num_tokens) continue;  // guards x; not for well-formed meta
-      copy_own_row<kUseFp8>(args, token, row_index, piece0, piece_end, lane);
-    } else {
-      if (lane == 0) {
-        wait_flag_at_least(flag_base + meta_index, tag, rk.timeout_ns, rk.timeout_record, me, src,
-                           WaitPhase::kLowLatencyDispatchRecv);
-      }
-      __syncwarp();  // lane 0's acquire orders the whole warp's loads below
-      int token = 0, k = 0;
-      if (chunk == 0 && lane == 0) {  // issued before the row loads, consumed after them
-        token = ld_cg_s32(&meta->x);
-        k = ld_cg_s32(&meta->y);
-      }
-      const char* src_row = rk.local + layout.dispatch_row_offset(parity, expert, src, me, slot);
-      copy_peer_row<kUseFp8>(args, src_row, row_index, piece0, piece_end, lane);
-      if (chunk == 0 && lane == 0) {
-        args.recv_src[row_index] = src * max_tokens + token;
-        args.recv_k[row_index] = k;
-      }
-    }
+    receive_unit<kUseFp8, kOwnMetaInLaunch>(args, expert, src, slot, out_row, chunk, tag,
+                                            parity, own_meta_ready);
   }
 
   // recv_count, and -1 past it: entries (e, row) of [E_loc][R * T_max] over all threads.
@@ -533,6 +568,85 @@ __device__ __forceinline__ void receive_pass(const DispatchArgs& args, const Rec
     if (row >= plan.first_row[last] + plan.counts[last]) {
       args.recv_src[entry] = -1;
       args.recv_k[entry] = -1;
+    }
+  }
+}
+
+// Phase 5 for few rows (T * K <= grid size, e.g. T=1): warps w = e (mod E_loc) share local
+// expert e, wait only for e's R count words and need no block barrier, which the plan's
+// construction costs (EP=1 on one H200, T=1 fp8: 5.4 us this way, 6.7 us by plan). With more rows
+// the plan wins (T=16: 8.4 vs 9.3 us; T=128: 17.0 vs 21.2): here the busiest expert's few warps
+// would do all its rows. This warp is number `sharer` of `num_sharers` on `expert`; units in
+// the order own rows first, then sources rank+1, rank+2, ... (mod R).
+template <bool kUseFp8, bool kOwnMetaInLaunch>
+__device__ __forceinline__ void receive_expert(const DispatchArgs& args, int expert, int sharer,
+                                               int num_sharers, uint64_t tag, int parity,
+                                               bool& own_meta_ready) {
+  const LowLatencyRank& rk = args.rank;
+  const LowLatencyLayout& layout = rk.layout;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int num_ranks = layout.num_ranks;
+  const int me = rk.rank;
+  const int max_tokens = layout.max_tokens;
+  const int rows_per_expert = num_ranks * max_tokens;
+
+  // Rows of this expert from each source (lane s): present from the start of s's launch.
+  int count = 0;
+  if (lane < num_ranks) {
+    const uint64_t* word = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_counts) +
+                           layout.dispatch_count_index(parity, expert, lane);
+    const uint32_t value = wait_tagged_count(word, tag, rk.timeout_ns, rk.timeout_record, me, lane,
+                                             WaitPhase::kLowLatencyDispatchRecv);
+    count = static_cast<int>(min(value, static_cast<uint32_t>(max_tokens)));
+  }
+  const int inclusive = warp_inclusive_sum(count, lane);
+  const int first_row = inclusive - count;  // output row of source `lane`'s slot 0
+  const int total = __shfl_sync(kFullMask, inclusive, num_ranks - 1);
+  // Work order: lane p describes source (me + p) % R; lanes >= R hold count 0.
+  const int order_src = lane < num_ranks ? (me + lane) % num_ranks : lane;
+  const int order_count = __shfl_sync(kFullMask, count, order_src);
+  const int order_first_row = __shfl_sync(kFullMask, first_row, order_src);
+  const int order_begin = warp_inclusive_sum(order_count, lane) - order_count;
+
+  const int num_chunks = row_chunks(layout.hidden).num_chunks;
+  for (int unit = sharer; unit < total * num_chunks; unit += num_sharers) {
+    const int order_row = unit / num_chunks;
+    const int chunk = unit - order_row * num_chunks;
+    const int pos =
+        __popc(__ballot_sync(kFullMask, lane < num_ranks && order_begin <= order_row)) - 1;
+    const int slot = order_row - __shfl_sync(kFullMask, order_begin, pos);
+    const int out_row = __shfl_sync(kFullMask, order_first_row, pos) + slot;
+    receive_unit<kUseFp8, kOwnMetaInLaunch>(args, expert, (me + pos) % num_ranks, slot, out_row,
+                                            chunk, tag, parity, own_meta_ready);
+  }
+
+  if (sharer == 0 && lane == 0) args.recv_count[expert] = total;
+  const size_t expert_row0 = static_cast<size_t>(expert) * rows_per_expert;
+  for (int row = total + sharer * kWarpSize + lane; row < rows_per_expert;
+       row += num_sharers * kWarpSize) {
+    args.recv_src[expert_row0 + row] = -1;
+    args.recv_k[expert_row0 + row] = -1;
+  }
+}
+
+// Phase 5 by expert for every expert of this warp: warps w = e (mod E_loc) share expert e; with
+// fewer warps than experts each warp takes experts w, w + W, ...
+template <bool kUseFp8, bool kOwnMetaInLaunch>
+__device__ __forceinline__ void receive_by_expert(const DispatchArgs& args, uint64_t tag,
+                                                  int parity) {
+  const int num_experts_local = args.rank.layout.num_local_experts;
+  const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
+  const int warp =
+      static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
+  bool own_meta_ready = false;
+  if (num_warps >= num_experts_local) {
+    const int expert = warp % num_experts_local;
+    const int sharers = (num_warps - 1 - expert) / num_experts_local + 1;
+    receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, warp / num_experts_local, sharers,
+                                              tag, parity, own_meta_ready);
+  } else {
+    for (int expert = warp; expert < num_experts_local; expert += num_warps) {
+      receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, 0, 1, tag, parity, own_meta_ready);
     }
   }
 }
@@ -687,9 +801,13 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
         runs_send_half(kHalves)
             ? send_smem_bytes(args.tokens_per_block, args.rank.layout.num_topk, args.num_experts)
             : 0;
-    const ReceivePlan plan = receive_plan_at(smem + plan_offset, args.num_experts);
-    build_receive_plan(args, plan, tag, parity);
-    receive_pass<kUseFp8, runs_send_half(kHalves)>(args, plan, tag, parity);
+    if (args.num_tokens * args.rank.layout.num_topk <= static_cast<int>(gridDim.x)) {
+      receive_by_expert<kUseFp8, runs_send_half(kHalves)>(args, tag, parity);
+    } else {
+      const ReceivePlan plan = receive_plan_at(smem + plan_offset, args.num_experts);
+      build_receive_plan(args, plan, tag, parity);
+      receive_by_plan<kUseFp8, runs_send_half(kHalves)>(args, plan, tag, parity);
+    }
     // Phase 6.
     finish_launch(&control->dispatch_blocks_done, &control->dispatch_seq, seq,
                   &control->dispatch_blocks_meta);
