@@ -9,6 +9,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_ep import _ipc
+
 
 def shard_spec(mesh, axis="ep"):
     others = tuple(a for a in mesh.axis_names if a != axis)
@@ -72,9 +74,7 @@ def fetch(a):
     communicator."""
     if getattr(a, "is_fully_addressable", True) or a.is_fully_replicated:
         return np.asarray(a)
-    from jax._src import distributed  # noqa: PLC0415 - the store has no public API
-
-    client, key = distributed.global_state.client, f"harness/fetch{next(_fetches)}"
+    client, key = _ipc._client(), f"harness/fetch{next(_fetches)}"  # the store's one accessor
     bounds, data = [], []
     for shard in a.addressable_shards:
         bounds.append([(s.start or 0, n if s.stop is None else s.stop)
