@@ -217,7 +217,7 @@ constexpr int kTokensResolvedTogether = 2;
 
 // Phase 2 setup: where the K rows of tokens first + i * stride (i < num_tokens_here, at most
 // kTokensResolvedTogether) are read from. The warps form num_tokens_here groups; warp w of
-// group i resolves k = w, w + group size, ... of tokens[i], then the group's first warp compacts
+// group i resolves k = w, w + group size, ... of its token, then the group's first warp compacts
 // them into sources[i]'s own / peer lists (k order kept). Block-wide, ends synchronised.
 __device__ __forceinline__ void find_token_sources(const CombineArgs& args, int first, int stride,
                                                    int num_tokens_here, int parity,
