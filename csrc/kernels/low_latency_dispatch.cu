@@ -411,17 +411,20 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
 struct ReceivePlan {
   int* counts;     // [E_loc * R] rows of local expert e from source s, at e * R + s
   int* first_row;  // [E_loc * R] output row (within expert e's block) of source s's slot 0
-  int* row_begin;  // [R * E_loc + 1] receive rows before pair i (exclusive prefix; last: total)
-  int* scratch;    // [kLowLatencyWarps] the block scan's warp totals
+  int* row_begin;    // [R * E_loc + 1] receive rows before pair i (exclusive prefix; last: total)
+  int* expert_rows;  // [E_loc] rows of local expert e from all sources (its recv_count)
+  int* scratch;      // [kLowLatencyWarps] the block scan's warp totals
 };
 
+// E_loc <= E: the expert totals fit in a fourth array of E ints.
 __host__ __device__ constexpr size_t receive_plan_bytes(int num_experts) {
-  return (3 * static_cast<size_t>(num_experts) + 1 + kLowLatencyWarps) * sizeof(int);
+  return (4 * static_cast<size_t>(num_experts) + 1 + kLowLatencyWarps) * sizeof(int);
 }
 
 __device__ __forceinline__ ReceivePlan receive_plan_at(unsigned char* base, int num_pairs) {
   int* ints = reinterpret_cast<int*>(base);
-  return {ints, ints + num_pairs, ints + 2 * num_pairs, ints + 3 * num_pairs + 1};
+  return {ints, ints + num_pairs, ints + 2 * num_pairs, ints + 3 * num_pairs + 1,
+          ints + 4 * num_pairs + 1};
 }
 
 // Rows of pair i (source order p, expert e) of the plan.
@@ -462,6 +465,7 @@ __device__ __forceinline__ void build_receive_plan(const DispatchArgs& args, con
       plan.first_row[expert * num_ranks + src] = running;
       running += plan.counts[expert * num_ranks + src];
     }
+    plan.expert_rows[expert] = running;
   }
   // Exclusive prefix of the pairs' rows: thread t sums pairs [t * per, (t + 1) * per).
   const int per = ceil_div(num_pairs, static_cast<int>(blockDim.x));
@@ -504,10 +508,12 @@ __device__ __forceinline__ int plan_pair_of_row(const ReceivePlan& plan, int num
 }
 
 // Phase 5, second part: the work units (row, chunk of <= kRecvPiecesPerUnit pieces) of every
-// local expert and source, in the plan's row order, go round-robin to all W warps of the grid
-// (blocks counted from the first one that had no tokens to send: with few tokens, the units then
-// go to blocks that were idle, one SM each when they fit). So own rows (ready once the meta counter completes) come first
-// everywhere, and no warp holds more than ceil(units / W), whatever the skew of the routing.
+// local expert and source, in the plan's row order, go round-robin to all W warps of the grid:
+// unit u to warp u % W, consecutive units to the warps of one block, blocks counted from the
+// first one that had no tokens to send. So own rows (ready once the meta counter completes)
+// come first everywhere, and no warp holds more than ceil(units / W), whatever the skew of the
+// routing (EP=1 on one H200, T=128 fp8: 17.0 us; 19.1 with consecutive units on different
+// blocks).
 // kOwnMetaInLaunch: the own meta is written by this launch's blocks (fused op), so wait for the
 // meta counter; otherwise the send launch wrote it and the kernel boundary orders it before this
 // launch. Then recv_count and the -1 fill of recv_src / recv_k past it, spread the same way.
@@ -528,16 +534,10 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
   const int block_order =
       (static_cast<int>(blockIdx.x) - first_idle_block + static_cast<int>(gridDim.x)) %
       static_cast<int>(gridDim.x);
-  const int warp_in_block = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int first_unit =
+      block_order * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
   const int num_chunks = row_chunks(layout.hidden).num_chunks;
   const int unit_end = plan.row_begin[num_pairs] * num_chunks;
-  // Unit u goes to warp u % W in that block order, or, when there are at most G units, to
-  // block u (warp 0): one SM each. Measured on one H200 (EP=1): T=16 fp8 8.3 us packed vs 9.2
-  // spread, T=128 17.0 vs 19.1.
-  const bool one_unit_per_block = unit_end <= static_cast<int>(gridDim.x);
-  const int first_unit = one_unit_per_block
-                             ? block_order + static_cast<int>(gridDim.x) * warp_in_block
-                             : block_order * kLowLatencyWarps + warp_in_block;
   bool own_meta_ready = false;
 
   for (int unit = first_unit; unit < unit_end; unit += num_warps) {
@@ -556,16 +556,12 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
   // recv_count, and -1 past it: entries (e, row) of [E_loc][R * T_max] over all threads.
   const int thread = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   const int num_threads = static_cast<int>(gridDim.x * blockDim.x);
-  if (thread < num_local) {
-    const int last = thread * num_ranks + num_ranks - 1;
-    args.recv_count[thread] = plan.first_row[last] + plan.counts[last];
-  }
+  if (thread < num_local) args.recv_count[thread] = plan.expert_rows[thread];
   const int entries = num_local * rows_per_expert;  // E * T_max: far below 2^31
   for (int entry = thread; entry < entries; entry += num_threads) {
     const int expert = entry / rows_per_expert;
     const int row = entry - expert * rows_per_expert;
-    const int last = expert * num_ranks + num_ranks - 1;
-    if (row >= plan.first_row[last] + plan.counts[last]) {
+    if (row >= plan.expert_rows[expert]) {
       args.recv_src[entry] = -1;
       args.recv_k[entry] = -1;
     }
