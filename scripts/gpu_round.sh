@@ -11,8 +11,9 @@
 #   first      first_call.py
 #   one_pe     one GPU: the GPU suite under JAX_EP_TRANSPORT=nvshmem as a job of one PE (EP=1)
 #   shared     one GPU is enough: 2 processes share each GPU (jax_ep.launch --processes-per-gpu 2):
-#              digests of every op with CUDA IPC and with NVSHMEM peers against the reference
-#              backend on 2 host CPU devices, then the op tests (oracle) with IPC peers
+#              every op's bits with CUDA IPC and with NVSHMEM peers against the reference backend
+#              (test_processes_sharing_one_gpu_move_the_bits_of_the_reference), then the op tests
+#              (oracle) with IPC peers
 # A wheel in .whl_jax_ep/ (carried) is installed instead of building; a build leaves its wheel
 # in $OUT (cp312: build on the device machine, carry it to the next call).
 set -uo pipefail
@@ -59,21 +60,9 @@ if has one_pe; then
     pytest -m gpu -q -p no:cacheprovider tests/test_normal.py tests/test_low_latency.py \
     tests/test_gradients.py
 fi
-if has shared; then  # digests: process 0 prints "DIGEST name sha"; compare the three layouts
-  DIGEST="$R/tests/multiprocess_digest.py"
-  (cd /tmp && JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
-    timeout 200 python3 "$DIGEST" xla > "$OUT/digest_xla.log" 2>&1)
-  step shared_ipc 240 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 230 -- \
-    python3 "$DIGEST" cuda
-  JAX_EP_TRANSPORT=nvshmem step shared_nvshmem 240 python3 -m jax_ep.launch -n 2 \
-    --processes-per-gpu 2 --share-gpus --timeout 230 -- python3 "$DIGEST" cuda
-  for f in xla ipc nvshmem; do
-    log="$OUT/digest_$f.log"; [[ $f != xla ]] && log="$OUT/shared_$f.log"
-    grep -ho "DIGEST .*" "$log" | sort > "$OUT/digests_$f.txt"
-  done
-  echo "digest lines: xla $(wc -l < "$OUT/digests_xla.txt") ipc $(wc -l < "$OUT/digests_ipc.txt") nvshmem $(wc -l < "$OUT/digests_nvshmem.txt")"
-  paste "$OUT/digests_xla.txt" "$OUT/digests_ipc.txt" "$OUT/digests_nvshmem.txt" | awk \
-    '{printf "%-28s ipc==xla %s nvshmem==ipc %s\n", $2, ($6==$3), ($9==$6)}'
+if has shared; then  # digests of IPC and NVSHMEM peers against the reference, then the op tests
+  step shared_digests 300 pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multiprocess.py \
+    -k sharing_one_gpu
   # The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
   step shared_suite 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 290 -- \
     pytest -m gpu -q -p no:cacheprovider \
@@ -103,4 +92,4 @@ grep -h -E "^(\[[0-9]\] )?(E  |FAILED)|Fatal Python|Segmentation" "$OUT"/test_*.
   "$OUT"/one_pe.log "$OUT"/shared_*.log 2>/dev/null | head -40
 for f in bench moe first; do [[ -f "$OUT/$f.log" ]] && tail -25 "$OUT/$f.log"; done
 # At most 8 files come back from the device machine: every log in one archive, JSON beside it.
-(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null; ls)
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log machine.txt 2>/dev/null; ls)

@@ -73,11 +73,16 @@ DATA_MOVEMENT_DIGESTS = ("dispatch_bf16", "dispatch_fp8", "cached_dispatch", "la
                          "low_latency_dispatch_bf16")
 
 
+def _by_name(lines):
+    """{name: sha} of ``DIGEST name sha`` lines."""
+    return dict(line.split()[1:] for line in lines)
+
+
 def _digests(proc):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = digest_lines(proc.stdout)
     assert len(lines) == 9, proc.stdout[-4000:]
-    return dict(line.split()[1:] for line in lines)
+    return _by_name(lines)
 
 
 def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
@@ -92,8 +97,7 @@ def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
         [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True,
         timeout=300, env=launching.child_env(
             "cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
-    want = dict(line.split()[1:] for line in reference.stdout.splitlines()
-                if line.startswith("DIGEST "))
+    want = _by_name(line for line in reference.stdout.splitlines() if line.startswith("DIGEST "))
     assert reference.returncode == 0 and len(want) == 9, reference.stderr[-4000:]
     shared = ("-n", "2", "--processes-per-gpu", "2")
     ipc = _digests(launching.run_launcher(*shared, "--", sys.executable,
