@@ -15,8 +15,10 @@ backward pass). For the split calls of one trace this module
   send first. Programs without split calls are left exactly as they were.
 
 Limits: split calls in different traces (an inner ``jax.jit``, a ``lax.cond`` branch) are not
-tied; the state holds weak references only (no tracer outlives its trace), so a result that
-nothing holds any more ties nothing.
+tied. The state holds the last receive's result strongly: a program that keeps only some of a
+receive's outputs (``recv(...).recv_x``) must still tie its next send (a weak reference died
+with the dropped result and the sends ran ahead of their receives). It is released when the
+Buffer goes or when ``_TRACES_KEPT`` newer traces replace its entry.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class _OpTrace:
     def __init__(self, trace):
         self.trace = trace
         self.pending = False  # a send whose receive is not traced yet
-        self.last = None  # weakref to a result of the last receive
+        self.last = None  # a result of the last receive (a tracer of this trace)
         self.received = []  # weakrefs to the tickets received so far
 
 
@@ -69,7 +71,7 @@ def _state(buf, op):
 
 def _tied_after(buf, entry, inputs):
     """``inputs`` passed through an optimization barrier with the last receive's result."""
-    token = entry.last() if entry.last is not None else None
+    token = entry.last
     if token is None:
         return inputs
     inputs, token = _vma.align(buf.axis_name, (inputs, jax.lax.stop_gradient(token)))
@@ -114,4 +116,4 @@ def after_recv(buf, op, ticket, result):
         return
     entry.pending = False
     entry.received.append(weakref.ref(ticket))
-    entry.last = weakref.ref(result)
+    entry.last = result

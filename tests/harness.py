@@ -22,13 +22,14 @@ def spans_processes(mesh):
     return any(d.process_index != jax.process_index() for d in mesh.devices.flat)
 
 
-def run_sharded(mesh, fn, *arrays, axis="ep"):
+def run_sharded(mesh, fn, *arrays, axis="ep", compiler_options=None):
     """``arrays`` are ``[S, ...]`` (S = number of devices in the mesh, EP axis fastest);
     ``fn`` gets the per-rank ``[...]`` slices and returns a pytree of per-rank arrays
     (scalars allowed). Returns the pytree with a leading ``[S]`` axis, as NumPy arrays.
 
     When the mesh spans processes every process passes the same full ``arrays`` (deterministic
-    seeds), places its own shards of them, and gets the full gathered result back."""
+    seeds), places its own shards of them, and gets the full gathered result back.
+    ``compiler_options``: XLA options of this compile (e.g. ``xla_gpu_enable_command_buffer``)."""
     spec = shard_spec(mesh, axis)
     num_shards = mesh.devices.size
 
@@ -41,12 +42,14 @@ def run_sharded(mesh, fn, *arrays, axis="ep"):
     if not spans_processes(mesh):
         flat = [jnp.asarray(a) for a in arrays]
         assert all(a.shape[0] == num_shards for a in flat), [a.shape for a in flat]
-        return jax.tree.map(np.asarray, wrapped(*flat))
-    sharding = NamedSharding(mesh, spec)
-    full = [np.asarray(a) for a in arrays]
-    assert all(a.shape[0] == num_shards for a in full), [a.shape for a in full]
-    flat = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
-            for a in full]
+    else:
+        sharding = NamedSharding(mesh, spec)
+        full = [np.asarray(a) for a in arrays]
+        assert all(a.shape[0] == num_shards for a in full), [a.shape for a in full]
+        flat = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+                for a in full]
+    if compiler_options:
+        wrapped = wrapped.lower(*flat).compile(compiler_options=compiler_options)
     return jax.tree.map(fetch, wrapped(*flat))
 
 

@@ -395,13 +395,11 @@ def shard_map_body(jaxpr):
     return None
 
 
-def test_every_call_depends_on_the_previous_receive_of_its_op():
-    """XLA orders custom calls only by data: in the step's shard_map body, each send of an op
-    must depend on the previous receive of the same op, and each receive on its send."""
-    mesh, buf = lowering_buffer()
-    body = shard_map_body(jax.make_jaxpr(cuda_step(mesh, buf))(*lowering_args()).jaxpr)
-    # Each eqn of the body with the custom calls it holds (a receive sits in a custom_vjp).
-    calls = [(eqn, custom_calls([eqn])) for eqn in body.eqns]
+def assert_split_calls_ordered(body, num_pairs, ops=("dispatch", "combine")):
+    """In the shard_map ``body``, the split calls of each op come as ``num_pairs`` (send,
+    receive) pairs, and each call depends on the one before it: a receive on its send, a send on
+    the previous receive of its op (XLA orders custom calls only by data)."""
+    calls = [(eqn, name) for eqn in body.eqns for name in custom_calls([eqn])]
     producer = {v: eqn for eqn in body.eqns for v in eqn.outvars}
 
     def ancestors(eqn):
@@ -413,13 +411,22 @@ def test_every_call_depends_on_the_previous_receive_of_its_op():
                 todo += [v for v in e.invars if not hasattr(v, "val")]
         return seen
 
-    for op in ("dispatch", "combine"):
+    for op in ops:
         send = _cuda.target_name(f"low_latency_{op}_send")
         recv = _cuda.target_name(f"low_latency_{op}_recv")
-        ordered = [(eqn, name) for eqn, names in calls for name in names if name in (send, recv)]
-        assert [name for _, name in ordered] == [send, recv, send, recv], ordered
-        for (earlier, _), (later, _) in zip(ordered[:-1], ordered[1:], strict=True):
-            assert id(earlier) in ancestors(later), op
+        ordered = [(eqn, name) for eqn, name in calls if name in (send, recv)]
+        assert [name for _, name in ordered] == [send, recv] * num_pairs, (op, ordered)
+        for i, ((earlier, _), (later, _)) in enumerate(zip(ordered[:-1], ordered[1:],
+                                                           strict=True)):
+            assert id(earlier) in ancestors(later), f"{op}: call {i + 1} does not wait for call {i}"
+
+
+def test_every_call_depends_on_the_previous_receive_of_its_op():
+    """XLA orders custom calls only by data: in the step's shard_map body, each send of an op
+    must depend on the previous receive of the same op, and each receive on its send."""
+    mesh, buf = lowering_buffer()
+    body = shard_map_body(jax.make_jaxpr(cuda_step(mesh, buf))(*lowering_args()).jaxpr)
+    assert_split_calls_ordered(body, 2)
 
 
 def test_split_lowers_for_cuda():

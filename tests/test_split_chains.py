@@ -1,0 +1,161 @@
+"""Chains of low-latency send/receive pairs in one program: 1 to 16 pairs of dispatch and of
+combine, alone, with fused calls between the halves and with other XLA work between them, and
+(on the GPU) with XLA command buffers on and off.
+
+The programs keep only part of what each receive returns (``recv(...).recv_x``, the combined
+rows): a send must still wait for the previous receive of its op, whatever the program keeps.
+On the GPU a send that runs ahead of the previous receive waits for a call that never comes
+(the bounded wait then traps), so these programs finishing with the fused ops' bits is the test.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import ep_mesh, require_gpus
+from harness import run_sharded, shard_spec
+from test_low_latency import E, K, make_buffer
+from test_low_latency_split import assert_split_calls_ordered, lowering_buffer, shard_map_body
+
+import jax_ep
+from jax_ep import testing as oracle
+
+T, H = 8, 128
+CHAIN_LENGTHS = (1, 2, 3, 8, 16)
+PATTERNS = ("alone", "fused_between", "xla_between")
+
+
+def between(pattern, buf, x, idx, h, pending):
+    """What runs between a send and its receive: nothing, a fused call of the same op's
+    Buffer, or XLA work tied between the halves. Returns ``(h, pending, extra output)``."""
+    if pattern == "fused_between":
+        fused = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
+        return h, pending, fused.recv_count
+    if pattern == "xla_between":
+        h, pending = jax.lax.optimization_barrier((h, pending))
+        h = jnp.tanh(h) * 1.5
+        h, pending = jax.lax.optimization_barrier((h, pending))
+    return h, pending, None
+
+
+def chain(buf, n, pattern, split, with_combine=True):
+    """Per-rank step over ``n`` micro-batches: dispatch, stand-in expert, combine, each op split
+    into halves (``split``) or fused (the reference). Keeps the combined rows and, of every
+    dispatch, its received rows only. ``with_combine=False``: dispatches only (the combined rows
+    are then the expert's output summed over experts, computed by XLA)."""
+
+    def step(x, idx, w):
+        h = x[0].astype(jnp.float32)
+        outs = []
+        for i in range(n):
+            use_fp8 = i % 2 == 1
+            extra = None
+            if not split:
+                d = jax_ep.low_latency_dispatch(buf, x[i], idx[i], use_fp8=use_fp8)
+                if pattern == "fused_between":
+                    extra = jax_ep.low_latency_dispatch(buf, x[i], idx[i], use_fp8=False)
+                    extra = extra.recv_count
+            else:
+                pending = jax_ep.low_latency_dispatch_send(buf, x[i], idx[i], use_fp8=use_fp8)
+                h, pending, extra = between(pattern, buf, x[i], idx[i], h, pending)
+                if with_combine:
+                    d = jax_ep.low_latency_dispatch_recv(buf, pending)
+                else:  # keep the received rows only: the counts and the handle are dropped
+                    received = jax_ep.low_latency_dispatch_recv(buf, pending)
+                    d = types.SimpleNamespace(recv_x=received.recv_x,
+                                              recv_scales=received.recv_scales)
+                    del received
+            y = (jax_ep.per_token_cast_from_fp8(d.recv_x, d.recv_scales) if use_fp8
+                 else d.recv_x)
+            y = (y.astype(jnp.float32) * (i + 2)).astype(jnp.bfloat16)
+            if not with_combine:
+                out = jnp.sum(y.astype(jnp.float32), axis=0)
+            elif split:
+                pending = jax_ep.low_latency_combine_send(buf, y, idx[i], w[i], d.handle)
+                h, pending, _ = between(pattern, buf, x[i], idx[i], h, pending)
+                # Only a function of the received rows is kept (the receive's own result goes).
+                out = jax_ep.low_latency_combine_recv(buf, pending).astype(jnp.float32)
+            else:
+                out = jax_ep.low_latency_combine(buf, y, idx[i], w[i], d.handle)
+                out = out.astype(jnp.float32)
+            outs.append((d.recv_x, out) if extra is None else (d.recv_x, out, extra))
+            del d
+        if pattern == "xla_between":
+            outs.append(h)
+        return outs
+
+    return step
+
+
+def inputs(rng, R, n):
+    routings = [oracle.make_routing("with_minus_one", rng, R, T, E, K) for _ in range(n)]
+    idx = np.stack([r[0] for r in routings], axis=1)  # [R, n, T, K]
+    w = np.stack([r[1] for r in routings], axis=1)
+    x = rng.standard_normal((R, n, T, H)).astype(ml_dtypes.bfloat16)
+    return x, idx, w
+
+
+def assert_chain_equal(got, want, x, idx, n):
+    """Combined rows bit for bit; received rows bit for bit up to each expert's count (the
+    oracle's: the programs do not keep recv_count)."""
+    for i in range(n):
+        np.testing.assert_array_equal(np.asarray(got[i][1]).view(np.uint32),
+                                      np.asarray(want[i][1]).view(np.uint32), err_msg=f"pair {i}")
+        for r, exp in enumerate(oracle.low_latency_dispatch(x[:, i], idx[:, i], E, T)):
+            for e, count in enumerate(exp["recv_count"]):
+                a = np.asarray(got[i][0][r, e, :count]).view(np.uint8)
+                b = np.asarray(want[i][0][r, e, :count]).view(np.uint8)
+                np.testing.assert_array_equal(a, b, err_msg=f"pair {i} rank {r} expert {e}")
+        for extra_got, extra_want in zip(got[i][2:], want[i][2:], strict=True):
+            np.testing.assert_array_equal(extra_got, extra_want)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("n", CHAIN_LENGTHS)
+def test_chain_of_split_pairs_equals_fused(backend, rng, n, pattern):
+    mesh = ep_mesh(backend)
+    R = mesh.shape["ep"]
+    buf = make_buffer(backend, mesh, H, T)
+    x, idx, w = inputs(rng, R, n)
+    got = run_sharded(mesh, chain(buf, n, pattern, split=True), x, idx, w)
+    want = run_sharded(mesh, chain(buf, n, pattern, split=False), x, idx, w)
+    assert_chain_equal(got, want, x, idx, n)
+
+
+@pytest.mark.parametrize("n", (2, 16))
+def test_chain_ties_every_send_to_the_previous_receive(n):
+    """In the traced program (lowered for CUDA), each send of an op depends on the previous
+    receive of that op, although the program drops most of what the receives return."""
+    mesh, buf = lowering_buffer()
+    R, spec = mesh.shape["ep"], shard_spec(mesh)
+    shape = (R, n, buf.max_tokens_per_rank)
+    args = (jax.ShapeDtypeStruct((*shape, buf.hidden), jnp.bfloat16),
+            jax.ShapeDtypeStruct((*shape, buf.num_topk), jnp.int32),
+            jax.ShapeDtypeStruct((*shape, buf.num_topk), jnp.float32))
+    for with_combine, ops in ((False, ("dispatch",)), (True, ("dispatch", "combine"))):
+        step = chain(buf, n, "alone", split=True, with_combine=with_combine)
+        program = jax.jit(jax.shard_map(
+            lambda *a, step=step: jax.tree.map(lambda v: v[None], step(*(v[0] for v in a))),
+            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        body = shard_map_body(jax.make_jaxpr(program)(*args).jaxpr)
+        assert_split_calls_ordered(body, n, ops)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("command_buffers", ("default", "off"))
+def test_chain_of_16_pairs_with_and_without_command_buffers(rng, command_buffers):
+    """The longest chain, every pattern, compiled with XLA's default command buffers and with
+    them off (``xla_gpu_enable_command_buffer`` empty): the same bits as the fused ops."""
+    require_gpus(1)
+    mesh = ep_mesh("cuda")
+    R, n = mesh.shape["ep"], 16
+    buf = make_buffer("cuda", mesh, H, T)
+    options = {} if command_buffers == "default" else {"xla_gpu_enable_command_buffer": ""}
+    for pattern in PATTERNS:
+        x, idx, w = inputs(rng, R, n)
+        got, want = (run_sharded(mesh, chain(buf, n, pattern, split), x, idx, w,
+                                 compiler_options=options) for split in (True, False))
+        assert_chain_equal(got, want, x, idx, n)
