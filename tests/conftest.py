@@ -10,6 +10,9 @@ import zlib
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# XLA takes its memory as it needs it rather than 75% of the GPU at the first GPU test: tests
+# that start other processes on the same GPU (launcher --processes-per-gpu) need the rest.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Never use NVLink multicast on shared machines.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -33,7 +36,8 @@ def gpu_devices():
 
 
 def require_gpus(count=1):
-    """Skips (saying why) unless jax sees `count` GPUs and jax_ep._C is built."""
+    """Skips (saying why) unless jax sees `count` GPUs. Fails when it sees a GPU but jax_ep._C
+    is missing or cannot load: on a GPU machine the GPU suite must not pass by skipping."""
     gpus = gpu_devices()
     if len(gpus) < count:
         pytest.skip(f"needs {count} CUDA GPU(s), jax sees {len(gpus)}")
@@ -41,7 +45,7 @@ def require_gpus(count=1):
 
     module, reason = _cuda.load_extension()
     if module is None:
-        pytest.skip(reason)
+        pytest.fail(f"jax sees {len(gpus)} GPU(s) but {reason}")
     return gpus
 
 

@@ -1,0 +1,372 @@
+"""What a JAX program pays per MoE step: jax_ep against its peers inside one jitted program.
+
+    python benchmarks/bench_step.py [--ops decode_step,normal_step] [--impls jax_ep,all_to_all,...]
+                                    [--tokens 4096] [--ll-tokens 128] [--out benchmarks/results]
+
+A step is what a model layer does with the communication, its results consumed in the program:
+- ``decode_step``: low-latency dispatch (bf16 or fp8 rows) -> a stand-in expert (each local
+  expert scales its rows) -> low-latency combine, at ``--ll-tokens`` per rank;
+- ``normal_step``: dispatch -> the stand-in expert -> combine, forward and backward (the
+  gradient of a loss w.r.t. the tokens and the routing weights), at ``--tokens`` per rank.
+The peers run the same step with ``jax.lax.all_to_all`` (capacity-padded) and
+``jax.lax.ragged_all_to_all`` (benchmarks/bench_common.py).
+
+Each program chains ``N`` steps like the layers of a model (step i+1 takes step i's output as
+its tokens, each layer its own routing), and only the last output leaves the program. Three
+measures per step, each the difference of N=12 and N=2 programs divided by 10 (so the fixed
+cost of a call cancels):
+- ``time_us``: wall time, from the call to its results being ready (what the program pays);
+- ``kernel_us``: the device's busy time (the sum of every kernel's and copy's duration, from a
+  CUPTI trace through ``jax.profiler``): what the GPU works;
+- ``enqueue_us``: the host time until the call returns (XLA enqueues the work): when it is
+  larger than ``kernel_us`` the GPU waits for the host.
+Writes ``<out>/<machine>-<date>-step[-tag].json`` (one record per op, impl, dtype) and prints a
+table last. Runs at EP=1 on one GPU and on any number of GPUs (one process, or every process
+under ``python -m jax_ep.launch``); on CPU only the peers and the reference backend run
+(``--quick`` shapes for testing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import bench_common as bc
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("jax_ep", "all_to_all", "ragged_all_to_all")
+OPS = ("decode_step", "normal_step")
+N_SHORT, N_LONG = 2, 12
+QUICK = {"tokens": 64, "ll_tokens": 8, "hidden": 256, "experts": 16, "repeats": 3}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", type=lambda s: tuple(s.split(",")), default=OPS)
+    p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=IMPLS,
+                   help="jax_ep (CUDA kernels; the reference backend on CPU), all_to_all, "
+                        "ragged_all_to_all")
+    p.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=("bf16", "fp8"),
+                   help="decode_step's dispatch rows (normal_step is bf16)")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--ll-tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=30, help="timed calls of each program")
+    p.add_argument("--no-kernel-trace", action="store_true", help="skip the CUPTI trace")
+    p.add_argument("--host-trace", action="store_true",
+                   help="print where jax_ep's host time goes (host events of a profiler trace)")
+    p.add_argument("--quick", action="store_true", help="small shapes, for CPU tests")
+    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
+    p.add_argument("--tag")
+    args = p.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    return args
+
+
+# ------------------------------------------------------------------------------- steps
+
+
+def stand_in_expert(rows, scale):
+    """Each local expert scales its rows (a cheap, fused XLA op in place of the expert MLP)."""
+    return (rows.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+def local_expert_scales(num_local_experts):
+    return 1.0 + jnp.arange(num_local_experts, dtype=jnp.float32) / num_local_experts
+
+
+def jax_ep_decode(jax_ep, buf, use_fp8):
+    E_loc = buf.num_local_experts
+    scale = local_expert_scales(E_loc)[:, None, None]
+
+    def step(x, idx, w):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=use_fp8)
+        rows = (jax_ep.per_token_cast_from_fp8(d.recv_x, d.recv_scales) if use_fp8
+                else d.recv_x)
+        return jax_ep.low_latency_combine(buf, stand_in_expert(rows, scale), idx, w, d.handle)
+
+    return step
+
+
+def peer_decode(peer, use_fp8):
+    """The peer's decode step: dispatch, the expert on every received row (weighted at the
+    expert, as jax_ep's low-latency combine weights at the owner), combine."""
+    E_loc = peer.experts_per_rank
+    scales = local_expert_scales(E_loc)
+
+    def step(x, idx, w):
+        payload = [*bc.cast_fp8(x)] if use_fp8 else [x]
+        got = peer.dispatch(payload, idx, w)
+        rows = (got[0].astype(jnp.float32) * jnp.repeat(got[1], bc.FP8_BLOCK, axis=1)
+                if use_fp8 else got[0])
+        local_idx, local_w = got[-2], got[-1]
+        factor = jnp.sum(jnp.where(local_idx >= 0, local_w * scales[local_idx], 0.0), axis=1)
+        y = (rows.astype(jnp.float32) * factor[:, None]).astype(jnp.bfloat16)
+        plan = peer.plan(idx)
+        return peer.combine(y, plan)
+
+    return step
+
+
+def jax_ep_normal(jax_ep, buf):
+    scale = local_expert_scales(buf.num_local_experts)
+
+    def step(x, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w)
+        local = d.recv_topk_idx
+        factor = jnp.sum(jnp.where(local >= 0, d.recv_topk_weights * scale[local], 0.0), axis=1)
+        y = (d.recv_x.astype(jnp.float32) * factor[:, None]).astype(x.dtype)
+        return jax_ep.combine(buf, y, d.handle)[0]
+
+    return step
+
+
+def peer_normal(peer):
+    scale = local_expert_scales(peer.experts_per_rank)
+
+    def step(x, idx, w):
+        got_x, local_idx, local_w = peer.dispatch([x], idx, w)
+        factor = jnp.sum(jnp.where(local_idx >= 0, local_w * scale[local_idx], 0.0), axis=1)
+        y = (got_x.astype(jnp.float32) * factor[:, None]).astype(x.dtype)
+        return peer.combine(y, peer.plan(idx))
+
+    return step
+
+
+def chained(step, num_steps, backward):
+    """Per-rank program of ``num_steps`` layers: layer i's output is layer i+1's input (a
+    residual add keeps the values in range); only the last output (forward) or the gradients
+    w.r.t. the input and every layer's weights (backward) leave the program."""
+
+    def forward(x, idx, w):  # idx, w: [T, N_LONG, K], layer i takes [:, i]
+        for i in range(num_steps):
+            out = step(x, idx[:, i], w[:, i])
+            x = (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 0.5).astype(x.dtype)
+        return x
+
+    if not backward:
+        return forward
+
+    def loss(x, w, idx):
+        return jnp.sum(forward(x, idx, w).astype(jnp.float32) ** 2)
+
+    def grads(x, idx, w):
+        gx, gw = jax.grad(loss, argnums=(0, 1))(x, w, idx)
+        return gx, gw
+
+    return grads
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+def host_clocks(fn, args, repeats):
+    """Medians of (enqueue, ready) microseconds over ``repeats`` calls after 3 warm ones."""
+    rows = []
+    for i in range(3 + repeats):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        del out
+        if i >= 3:
+            rows.append((t1 - t0, t2 - t0))
+    return [statistics.median(r[j] for r in rows) * 1e6 for j in range(2)]
+
+
+def device_busy_us(fn, args, calls=3):
+    """Sum of the durations of every GPU kernel and copy of one call (median of ``calls``
+    traced calls), per device; the maximum over this process's devices."""
+    from jax.profiler import ProfileData  # noqa: PLC0415
+
+    trace_dir = tempfile.mkdtemp(prefix="jax_ep_step_trace_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    busy = []
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        total = sum(e.duration_ns for line in plane.lines if "stream" in line.name.lower()
+                    for e in line.events)
+        busy.append(total / 1e3 / calls)
+    return max(busy) if busy else None
+
+
+def host_events(fn, args, calls=10, top=30):
+    """Where the host's time goes in one call: the host-side events of a ``jax.profiler`` trace
+    (XLA's thunks and command buffers, PjRt, our handlers' CUDA calls), summed by name per call,
+    the largest first: ``[(name, us per call, count per call)]``."""
+    from jax.profiler import ProfileData  # noqa: PLC0415
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp(prefix="jax_ep_host_trace_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    totals = {}
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                if e.name.startswith("$"):  # Python frames: they nest the events below
+                    continue
+                key = f"{line.name[:18]}|{e.name[:90]}"
+                t, c = totals.get(key, (0.0, 0))
+                totals[key] = (t + e.duration_ns / 1e3, c + 1)
+    rows = sorted(((k, t / calls, c / calls) for k, (t, c) in totals.items()),
+                  key=lambda r: -r[1])
+    return rows[:top]
+
+
+def measure(programs, args, repeats, trace):
+    """Per step: (time_us, kernel_us, enqueue_us) from the N_SHORT and N_LONG programs."""
+    clocks = {}
+    for _ in range(2):  # interleave: drift hits both programs
+        for n, fn in programs.items():
+            clocks.setdefault(n, []).append(host_clocks(fn, args, repeats // 2 or 1))
+    enq = {n: statistics.median(c[0] for c in v) for n, v in clocks.items()}
+    wall = {n: statistics.median(c[1] for c in v) for n, v in clocks.items()}
+    span = N_LONG - N_SHORT
+    kernel = None
+    if trace:
+        busy = {n: device_busy_us(fn, args) for n, fn in programs.items()}
+        if None not in busy.values():
+            kernel = (busy[N_LONG] - busy[N_SHORT]) / span
+    return ((wall[N_LONG] - wall[N_SHORT]) / span, kernel,
+            (enq[N_LONG] - enq[N_SHORT]) / span, wall)
+
+
+def build_programs(mesh, step, backward):
+    return {n: bc.shard_mapped(mesh, chained(step, n, backward), 3) for n in (N_SHORT, N_LONG)}
+
+
+def step_inputs(mesh, tokens, args, seed):
+    """Tokens ``[R*T, H]`` and N_LONG routings stacked as ``[R*T, N_LONG, K]`` (one per layer,
+    sharded along the tokens like everything else)."""
+    R = mesh.shape[bc.AXIS]
+    x = bc.random_rows(mesh, seed, (R * tokens, args.hidden))
+    routings = [bc.random_routing(mesh, seed + 1 + i, tokens, args.experts, args.topk)
+                for i in range(N_LONG)]
+    stack = jax.jit(lambda *a: jnp.stack(a, axis=1), out_shardings=bc.sharded(mesh))
+    idx = stack(*(r[0] for r in routings))  # [R*T, N, K]: sharded along axis 0
+    w = stack(*(r[1] for r in routings))
+    return x, idx, w
+
+
+def run_case(jax_ep, mesh, args, op, impl, dtype):
+    R = mesh.shape[bc.AXIS]
+    decode = op == "decode_step"
+    tokens = args.ll_tokens if decode else args.tokens
+    buf = None
+    if impl == "jax_ep":
+        backend = "cuda" if bc.on_gpu() else "xla"
+        buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+                            max_tokens_per_rank=tokens, num_topk=args.topk,
+                            low_latency=decode, backend=backend)
+        step = (jax_ep_decode(jax_ep, buf, dtype == "fp8") if decode
+                else jax_ep_normal(jax_ep, buf))
+    else:
+        peer = bc.PEER_CLASSES[impl](R, args.experts, args.topk)
+        step = peer_decode(peer, dtype == "fp8") if decode else peer_normal(peer)
+
+    programs = build_programs(mesh, step, backward=not decode)
+    call_args = step_inputs(mesh, tokens, args, seed=7)
+    compiled = programs  # called as a user calls a jitted step (its C++ fast path)
+    counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
+    time_us, kernel_us, enqueue_us, wall = measure(compiled, call_args, args.repeats,
+                                                   bc.on_gpu() and not args.no_kernel_trace)
+    if args.host_trace and impl == "jax_ep":
+        record_host = host_events(compiled[N_LONG], call_args)
+        print(f"host events of one {op} ({dtype}) program of {N_LONG} steps, us and count per call:")
+        for name, us, count in record_host:
+            print(f"  {us:9.1f} us  x{count:6.1f}  {name}")
+    record = {"op": op, "impl": impl, "dtype": dtype if decode else "bf16", "ranks": R,
+              "tokens": tokens, "hidden": args.hidden, "experts": args.experts,
+              "topk": args.topk, "time_us": time_us, "kernel_us": kernel_us,
+              "enqueue_us": enqueue_us, "wall_short_us": wall[N_SHORT],
+              "wall_long_us": wall[N_LONG]}
+    if counts_before is not None:
+        calls, captured = (a - b for a, b in zip(_handler_counts(jax_ep), counts_before,
+                                                 strict=True))
+        record["handler_calls"], record["handler_calls_captured"] = calls, captured
+    if buf is not None:
+        buf.close()
+    return record
+
+
+def _handler_counts(jax_ep):
+    from jax_ep import _cuda  # noqa: PLC0415
+
+    module, _ = _cuda.load_extension()
+    counts = module.handler_call_counts()
+    return counts["calls"], counts["captured"]
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    bc.join_processes()
+    jax_ep, reason = bc.import_jax_ep()
+    mesh = bc.make_mesh()
+    records = []
+    for op in args.ops:
+        dtypes = args.dtypes if op == "decode_step" else ("bf16",)
+        for dtype in dtypes:
+            for impl in args.impls:
+                if impl == "jax_ep" and jax_ep is None:
+                    print(f"skip jax_ep: {reason}")
+                    continue
+                if impl == "ragged_all_to_all" and not bc.on_gpu():
+                    continue  # XLA:CPU has no ragged_all_to_all
+                try:
+                    rec = run_case(jax_ep, mesh, args, op, impl, dtype)
+                except Exception as e:  # noqa: BLE001 - one failing case must not end the run
+                    traceback.print_exc()
+                    rec = {"op": op, "impl": impl, "dtype": dtype, "error": repr(e)[:500]}
+                records.append(rec)
+                if bc.is_reporter():
+                    print(format_row(rec), flush=True)
+    if bc.is_reporter():
+        name = f"{bc.machine_name()}-{bc.today()}-step" + (f"-{args.tag}" if args.tag else "")
+        path = os.path.join(args.out, name + ".json")
+        bc.write_json(path, {**bc.result_header(sys.argv[1:] if argv is None else argv),
+                             "method": __doc__.split("\n\n")[2].strip(), "records": records})
+        print(f"\nwrote {path}\n")
+        print(HEADER)
+        for rec in records:
+            print(format_row(rec))
+
+
+HEADER = (f"{'op':<12} {'impl':<18} {'dtype':<5} {'R':>2} {'T':>5} {'time_us':>9} "
+          f"{'kernel_us':>9} {'enqueue_us':>10}")
+
+
+def format_row(rec):
+    if "error" in rec:
+        return f"{rec['op']:<12} {rec['impl']:<18} {rec['dtype']:<5} error: {rec['error'][:80]}"
+
+    def f(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    return (f"{rec['op']:<12} {rec['impl']:<18} {rec['dtype']:<5} {rec['ranks']:>2} "
+            f"{rec['tokens']:>5} {f(rec['time_us']):>9} {f(rec['kernel_us']):>9} "
+            f"{f(rec['enqueue_us']):>10}")
+
+
+if __name__ == "__main__":
+    main()
