@@ -6,8 +6,9 @@
 A step is what a model layer does with the communication, its results consumed in the program:
 - ``decode_step``: low-latency dispatch (bf16 or fp8 rows) -> a stand-in expert (each local
   expert scales its rows) -> low-latency combine, at ``--ll-tokens`` per rank;
-- ``normal_step``: dispatch -> the stand-in expert -> combine, forward and backward (the
-  gradient of a loss w.r.t. the tokens and the routing weights), at ``--tokens`` per rank.
+- ``normal_step``: dispatch -> the stand-in expert -> combine (forward), at ``--tokens`` per
+  rank; ``normal_train_step``: the same forward and backward (the gradients of a loss w.r.t.
+  the tokens and the routing weights: a cached dispatch and a combine more per layer).
 The peers run the same step with ``jax.lax.all_to_all`` (capacity-padded) and
 ``jax.lax.ragged_all_to_all`` (benchmarks/bench_common.py).
 
@@ -17,7 +18,8 @@ measures per step, each the difference of N=12 and N=2 programs divided by 10 (s
 cost of a call cancels):
 - ``time_us``: wall time, from the call to its results being ready (what the program pays);
 - ``kernel_us``: the device's busy time (the sum of every kernel's and copy's duration, from a
-  CUPTI trace through ``jax.profiler``): what the GPU works;
+  CUPTI trace through ``jax.profiler``): what the GPU works; ``ep_kernel_us``: of that, jax_ep's
+  own kernels;
 - ``enqueue_us``: the host time until the call returns (XLA enqueues the work): when it is
   larger than ``kernel_us`` the GPU waits for the host.
 Writes ``<out>/<machine>-<date>-step[-tag].json`` (one record per op, impl, dtype) and prints a
@@ -42,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("jax_ep", "all_to_all", "ragged_all_to_all")
-OPS = ("decode_step", "normal_step")
+OPS = ("decode_step", "normal_step", "normal_train_step")
 N_SHORT, N_LONG = 2, 12
 QUICK = {"tokens": 64, "ll_tokens": 8, "hidden": 256, "experts": 16, "repeats": 3}
 
@@ -86,15 +88,38 @@ def local_expert_scales(num_local_experts):
     return 1.0 + jnp.arange(num_local_experts, dtype=jnp.float32) / num_local_experts
 
 
-def jax_ep_decode(jax_ep, buf, use_fp8):
-    E_loc = buf.num_local_experts
-    scale = local_expert_scales(E_loc)[:, None, None]
+def valid_slots(recv_count, rows_per_expert, max_rows):
+    """``(expert, row)`` of every valid slot of the low-latency layout (row < recv_count[e]), in
+    expert order, padded to ``max_rows`` entries with expert = E_loc (out of range: dropped)."""
+    ends = jnp.cumsum(recv_count)
+    flat = jnp.arange(max_rows, dtype=jnp.int32)
+    expert = jnp.searchsorted(ends, flat, side="right").astype(jnp.int32)
+    row = flat - (ends - recv_count)[jnp.minimum(expert, recv_count.shape[0] - 1)]
+    valid = flat < ends[-1]
+    return jnp.where(valid, expert, recv_count.shape[0]), jnp.where(valid, row, 0)
 
-    def step(x, idx, w):
+
+def jax_ep_decode(jax_ep, buf, use_fp8):
+    """Decode step with jax_ep's low-latency ops. The stand-in expert touches only the valid rows
+    of the ``[E_loc, R*T_max, H]`` layout, as a masked grouped GEMM does: bf16 rows are its
+    output in place (``y = recv_x``: no traffic of its own); fp8 rows are dequantized, scaled
+    and written into a bf16 output buffer carried from layer to layer (rows past recv_count are
+    unspecified, and combine reads only valid rows)."""
+    E_loc, T_max = buf.num_local_experts, buf.max_tokens_per_rank
+    scale = local_expert_scales(E_loc)
+
+    def step(x, idx, w, carry):
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=use_fp8)
-        rows = (jax_ep.per_token_cast_from_fp8(d.recv_x, d.recv_scales) if use_fp8
-                else d.recv_x)
-        return jax_ep.low_latency_combine(buf, stand_in_expert(rows, scale), idx, w, d.handle)
+        if not use_fp8:
+            return jax_ep.low_latency_combine(buf, d.recv_x, idx, w, d.handle), carry
+        rows_bound = buf.num_ranks * T_max * buf.num_topk  # every selection of every source
+        expert, row = valid_slots(d.recv_count, buf.num_ranks * T_max, rows_bound)
+        safe = jnp.minimum(expert, E_loc - 1)
+        rows = d.recv_x[safe, row].astype(jnp.float32)
+        rows = rows * jnp.repeat(d.recv_scales[safe, row], bc.FP8_BLOCK, axis=1)
+        y = carry.at[expert, row].set((rows * scale[safe][:, None]).astype(jnp.bfloat16),
+                                      mode="drop")
+        return jax_ep.low_latency_combine(buf, y, idx, w, d.handle), y
 
     return step
 
@@ -105,7 +130,7 @@ def peer_decode(peer, use_fp8):
     E_loc = peer.experts_per_rank
     scales = local_expert_scales(E_loc)
 
-    def step(x, idx, w):
+    def step(x, idx, w, carry):
         payload = [*bc.cast_fp8(x)] if use_fp8 else [x]
         got = peer.dispatch(payload, idx, w)
         rows = (got[0].astype(jnp.float32) * jnp.repeat(got[1], bc.FP8_BLOCK, axis=1)
@@ -113,8 +138,7 @@ def peer_decode(peer, use_fp8):
         local_idx, local_w = got[-2], got[-1]
         factor = jnp.sum(jnp.where(local_idx >= 0, local_w * scales[local_idx], 0.0), axis=1)
         y = (rows.astype(jnp.float32) * factor[:, None]).astype(jnp.bfloat16)
-        plan = peer.plan(idx)
-        return peer.combine(y, plan)
+        return peer.combine(y, peer.plan(idx)), carry
 
     return step
 
@@ -122,12 +146,12 @@ def peer_decode(peer, use_fp8):
 def jax_ep_normal(jax_ep, buf):
     scale = local_expert_scales(buf.num_local_experts)
 
-    def step(x, idx, w):
+    def step(x, idx, w, carry):
         d = jax_ep.dispatch(buf, x, idx, w)
         local = d.recv_topk_idx
         factor = jnp.sum(jnp.where(local >= 0, d.recv_topk_weights * scale[local], 0.0), axis=1)
         y = (d.recv_x.astype(jnp.float32) * factor[:, None]).astype(x.dtype)
-        return jax_ep.combine(buf, y, d.handle)[0]
+        return jax_ep.combine(buf, y, d.handle)[0], carry
 
     return step
 
@@ -135,11 +159,11 @@ def jax_ep_normal(jax_ep, buf):
 def peer_normal(peer):
     scale = local_expert_scales(peer.experts_per_rank)
 
-    def step(x, idx, w):
+    def step(x, idx, w, carry):
         got_x, local_idx, local_w = peer.dispatch([x], idx, w)
         factor = jnp.sum(jnp.where(local_idx >= 0, local_w * scale[local_idx], 0.0), axis=1)
         y = (got_x.astype(jnp.float32) * factor[:, None]).astype(x.dtype)
-        return peer.combine(y, peer.plan(idx))
+        return peer.combine(y, peer.plan(idx)), carry
 
     return step
 
@@ -147,23 +171,23 @@ def peer_normal(peer):
 def chained(step, num_steps, backward):
     """Per-rank program of ``num_steps`` layers: layer i's output is layer i+1's input (a
     residual add keeps the values in range); only the last output (forward) or the gradients
-    w.r.t. the input and every layer's weights (backward) leave the program."""
+    w.r.t. the input and every layer's weights (backward) leave the program. ``carry`` (an
+    expert output buffer some steps reuse, else a placeholder) goes from layer to layer."""
 
-    def forward(x, idx, w):  # idx, w: [T, N_LONG, K], layer i takes [:, i]
+    def forward(x, idx, w, carry):  # idx, w: [T, N_LONG, K], layer i takes [:, i]
         for i in range(num_steps):
-            out = step(x, idx[:, i], w[:, i])
+            out, carry = step(x, idx[:, i], w[:, i], carry)
             x = (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 0.5).astype(x.dtype)
         return x
 
     if not backward:
         return forward
 
-    def loss(x, w, idx):
-        return jnp.sum(forward(x, idx, w).astype(jnp.float32) ** 2)
+    def loss(x, w, idx, carry):
+        return jnp.sum(forward(x, idx, w, carry).astype(jnp.float32) ** 2)
 
-    def grads(x, idx, w):
-        gx, gw = jax.grad(loss, argnums=(0, 1))(x, w, idx)
-        return gx, gw
+    def grads(x, idx, w, carry):
+        return jax.grad(loss, argnums=(0, 1))(x, w, idx, carry)
 
     return grads
 
@@ -187,8 +211,9 @@ def host_clocks(fn, args, repeats):
 
 
 def device_busy_us(fn, args, calls=3):
-    """Sum of the durations of every GPU kernel and copy of one call (median of ``calls``
-    traced calls), per device; the maximum over this process's devices."""
+    """``(all, ours)``: the sum of the durations of every GPU kernel and copy of one call, and
+    of jax_ep's own kernels alone (mean of ``calls`` traced calls); the maximum over this
+    process's devices."""
     from jax.profiler import ProfileData  # noqa: PLC0415
 
     trace_dir = tempfile.mkdtemp(prefix="jax_ep_step_trace_")
@@ -196,14 +221,15 @@ def device_busy_us(fn, args, calls=3):
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
     path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
-    busy = []
+    busy, ours = [], []
     for plane in ProfileData.from_file(path).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        total = sum(e.duration_ns for line in plane.lines if "stream" in line.name.lower()
-                    for e in line.events)
-        busy.append(total / 1e3 / calls)
-    return max(busy) if busy else None
+        events = [e for line in plane.lines if "stream" in line.name.lower()
+                  for e in line.events]
+        busy.append(sum(e.duration_ns for e in events) / 1e3 / calls)
+        ours.append(sum(e.duration_ns for e in events if "jax_ep" in e.name) / 1e3 / calls)
+    return (max(busy), max(ours)) if busy else (None, None)
 
 
 def host_events(fn, args, calls=10, top=30):
@@ -235,7 +261,8 @@ def host_events(fn, args, calls=10, top=30):
 
 
 def measure(programs, args, repeats, trace):
-    """Per step: (time_us, kernel_us, enqueue_us) from the N_SHORT and N_LONG programs."""
+    """Per step: (time_us, kernel_us, ep_kernel_us, enqueue_us, walls) from the N_SHORT and
+    N_LONG programs."""
     clocks = {}
     for _ in range(2):  # interleave: drift hits both programs
         for n, fn in programs.items():
@@ -243,17 +270,18 @@ def measure(programs, args, repeats, trace):
     enq = {n: statistics.median(c[0] for c in v) for n, v in clocks.items()}
     wall = {n: statistics.median(c[1] for c in v) for n, v in clocks.items()}
     span = N_LONG - N_SHORT
-    kernel = None
+    kernel = ours = None
     if trace:
         busy = {n: device_busy_us(fn, args) for n, fn in programs.items()}
-        if None not in busy.values():
-            kernel = (busy[N_LONG] - busy[N_SHORT]) / span
-    return ((wall[N_LONG] - wall[N_SHORT]) / span, kernel,
+        if busy[N_LONG][0] is not None:
+            kernel = (busy[N_LONG][0] - busy[N_SHORT][0]) / span
+            ours = (busy[N_LONG][1] - busy[N_SHORT][1]) / span
+    return ((wall[N_LONG] - wall[N_SHORT]) / span, kernel, ours,
             (enq[N_LONG] - enq[N_SHORT]) / span, wall)
 
 
 def build_programs(mesh, step, backward):
-    return {n: bc.shard_mapped(mesh, chained(step, n, backward), 3) for n in (N_SHORT, N_LONG)}
+    return {n: bc.shard_mapped(mesh, chained(step, n, backward), 4) for n in (N_SHORT, N_LONG)}
 
 
 def step_inputs(mesh, tokens, args, seed):
@@ -272,6 +300,7 @@ def step_inputs(mesh, tokens, args, seed):
 def run_case(jax_ep, mesh, args, op, impl, dtype):
     R = mesh.shape[bc.AXIS]
     decode = op == "decode_step"
+    backward = op == "normal_train_step"
     tokens = args.ll_tokens if decode else args.tokens
     buf = None
     if impl == "jax_ep":
@@ -285,12 +314,16 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
         peer = bc.PEER_CLASSES[impl](R, args.experts, args.topk)
         step = peer_decode(peer, dtype == "fp8") if decode else peer_normal(peer)
 
-    programs = build_programs(mesh, step, backward=not decode)
-    call_args = step_inputs(mesh, tokens, args, seed=7)
+    programs = build_programs(mesh, step, backward=backward)
+    carry_shape = ((R * args.experts // R, R * tokens, args.hidden) if decode and dtype == "fp8"
+                   and impl == "jax_ep" else (R, 1))
+    carry = jax.jit(lambda: jnp.zeros(carry_shape, jnp.bfloat16),
+                    out_shardings=bc.sharded(mesh))()
+    call_args = (*step_inputs(mesh, tokens, args, seed=7), carry)
     compiled = programs  # called as a user calls a jitted step (its C++ fast path)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
-    time_us, kernel_us, enqueue_us, wall = measure(compiled, call_args, args.repeats,
-                                                   bc.on_gpu() and not args.no_kernel_trace)
+    time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
+        compiled, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep":
         record_host = host_events(compiled[N_LONG], call_args)
         print(f"host events of one {op} ({dtype}) program of {N_LONG} steps, us and count per call:")
@@ -299,6 +332,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     record = {"op": op, "impl": impl, "dtype": dtype if decode else "bf16", "ranks": R,
               "tokens": tokens, "hidden": args.hidden, "experts": args.experts,
               "topk": args.topk, "time_us": time_us, "kernel_us": kernel_us,
+              "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
               "enqueue_us": enqueue_us, "wall_short_us": wall[N_SHORT],
               "wall_long_us": wall[N_LONG]}
     if counts_before is not None:
@@ -352,20 +386,20 @@ def main(argv=None):
             print(format_row(rec))
 
 
-HEADER = (f"{'op':<12} {'impl':<18} {'dtype':<5} {'R':>2} {'T':>5} {'time_us':>9} "
-          f"{'kernel_us':>9} {'enqueue_us':>10}")
+HEADER = (f"{'op':<17} {'impl':<18} {'dtype':<5} {'R':>2} {'T':>5} {'time_us':>9} "
+          f"{'kernel_us':>9} {'ep_kern_us':>10} {'enqueue_us':>10}")
 
 
 def format_row(rec):
     if "error" in rec:
-        return f"{rec['op']:<12} {rec['impl']:<18} {rec['dtype']:<5} error: {rec['error'][:80]}"
+        return f"{rec['op']:<17} {rec['impl']:<18} {rec['dtype']:<5} error: {rec['error'][:80]}"
 
     def f(v):
         return "-" if v is None else f"{v:.1f}"
 
-    return (f"{rec['op']:<12} {rec['impl']:<18} {rec['dtype']:<5} {rec['ranks']:>2} "
+    return (f"{rec['op']:<17} {rec['impl']:<18} {rec['dtype']:<5} {rec['ranks']:>2} "
             f"{rec['tokens']:>5} {f(rec['time_us']):>9} {f(rec['kernel_us']):>9} "
-            f"{f(rec['enqueue_us']):>10}")
+            f"{f(rec['ep_kernel_us']):>10} {f(rec['enqueue_us']):>10}")
 
 
 if __name__ == "__main__":

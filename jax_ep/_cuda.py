@@ -22,7 +22,7 @@ from jax_ep._types import DispatchHandle, Layout
 # Bump the suffix whenever an operand, result, attribute or semantic changes: a program (or a
 # persistent-cache entry) compiled against another version then fails to find its target
 # instead of running the wrong kernel.
-TARGET_VERSION = "v1"
+TARGET_VERSION = "v2"
 TARGETS = ("layout", "dispatch", "cached_dispatch", "combine",
            "low_latency_dispatch", "low_latency_combine",
            "low_latency_dispatch_send", "low_latency_dispatch_recv",
@@ -83,6 +83,12 @@ def register_targets() -> None:
         raise RuntimeError(reason)
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+def _order(after):
+    """The send halves' ordering operand: the previous receive's result, or for the first send
+    of a trace a one-element constant (nothing to wait for)."""
+    return jnp.zeros((1,), jnp.int32) if after is None else after
 
 
 class CudaBackend:
@@ -178,10 +184,12 @@ class CudaBackend:
 
     # Send/receive halves of the two ops above. The send's only result is the ticket [1] int32
     # that the receive takes as an operand (so XLA keeps send -> receive); the receive takes the
-    # fused op's operands again where its half reads them (x, y: own rows; the routing).
-    def low_latency_dispatch_send(self, x, topk_idx, use_fp8, round_scale):
-        (ticket,) = self._call("low_latency_dispatch_send", [x, topk_idx], [((1,), jnp.int32)],
-                               use_fp8=bool(use_fp8), round_scale=bool(round_scale))
+    # fused op's operands again where its half reads them (x, y: own rows; the routing). The
+    # send's last operand `after`, never read, keeps it after the previous receive of its op.
+    def low_latency_dispatch_send(self, x, topk_idx, after, use_fp8, round_scale):
+        (ticket,) = self._call("low_latency_dispatch_send", [x, topk_idx, _order(after)],
+                               [((1,), jnp.int32)], use_fp8=bool(use_fp8),
+                               round_scale=bool(round_scale))
         return ticket
 
     def low_latency_dispatch_recv(self, x, topk_idx, ticket, use_fp8, round_scale):
@@ -189,10 +197,11 @@ class CudaBackend:
         return self._low_latency_dispatch_call("low_latency_dispatch_recv", [x, ticket], use_fp8,
                                                round_scale)
 
-    def low_latency_combine_send(self, y, topk_idx, topk_weights, handle):
+    def low_latency_combine_send(self, y, topk_idx, topk_weights, handle, after):
         del topk_idx, topk_weights  # read by the receive half only
         (ticket,) = self._call(
-            "low_latency_combine_send", [y, handle.recv_src, handle.recv_k, handle.recv_count],
+            "low_latency_combine_send",
+            [y, handle.recv_src, handle.recv_k, handle.recv_count, _order(after)],
             [((1,), jnp.int32)])
         return ticket
 

@@ -10,9 +10,11 @@ backward pass). For the split calls of one trace this module
 
 - raises ``ValueError`` when a send of an op is traced while a send of the same op and Buffer
   waits for its receive, or when a pending object is received twice;
-- ties each send to the previous receive of the same op by passing the send's inputs through
-  ``lax.optimization_barrier`` together with a result of that receive, so XLA cannot run the
-  send first. Programs without split calls are left exactly as they were.
+- hands each send a result of the previous receive of the same op (``after``), which the send's
+  custom call takes as an operand it never reads, so XLA cannot run the send first. (An
+  optimization barrier is not enough: XLA prunes a barrier's unused values, and scheduled all
+  sends of a chain before their receives when only a barrier tied them.) Programs without
+  split calls are left exactly as they were.
 
 Limits: split calls in different traces (an inner ``jax.jit``, a ``lax.cond`` branch) are not
 tied. The state holds the last receive's result strongly: a program that keeps only some of a
@@ -28,7 +30,6 @@ import weakref
 
 import jax
 
-from jax_ep import _vma
 
 try:  # public for library authors since jax 0.4.36 (jax.extend.core)
     from jax.extend.core import get_opaque_trace_state as _current_trace
@@ -69,22 +70,13 @@ def _state(buf, op):
         return entry
 
 
-def _tied_after(buf, entry, inputs):
-    """``inputs`` passed through an optimization barrier with the last receive's result."""
-    token = entry.last
-    if token is None:
-        return inputs
-    inputs, token = _vma.align(buf.axis_name, (inputs, jax.lax.stop_gradient(token)))
-    inputs, _ = jax.lax.optimization_barrier((inputs, token))
-    return inputs
-
-
-def before_send(buf, op, inputs):
+def before_send(buf, op):
     """Checks the rule for a send of ``op`` ("low_latency_dispatch" or "low_latency_combine");
-    returns ``inputs`` (a pytree) tied after the last receive of ``op``."""
+    returns the value the send must take as its ``after`` operand: a result of the last receive
+    of ``op`` in this trace (gradient stopped), or None when there is none."""
     entry = _state(buf, op)
     if entry is None:
-        return inputs
+        return None
     if entry.pending:
         raise ValueError(
             f"{op}_send: an earlier {op}_send on this Buffer has not been received yet "
@@ -92,7 +84,7 @@ def before_send(buf, op, inputs):
             f"split calls' regions are double-buffered by call parity. Receive the first "
             f"pending object before the next send, or use a second Buffer for a second stream "
             f"of calls.")
-    return _tied_after(buf, entry, inputs)
+    return None if entry.last is None else jax.lax.stop_gradient(entry.last)
 
 
 def after_send(buf, op):

@@ -426,8 +426,8 @@ def low_latency_dispatch_send(buf, x, topk_idx, use_fp8=True,
     receive. Fused calls (also those of autodiff's backward pass) use a channel of their own and
     may run anywhere, also between a send and its receive. Dispatch and combine are independent
     (a dispatch may be pending while a combine runs, and the reverse). Within one trace this is
-    checked (``ValueError``) and XLA is kept to the program order (each send depends on the
-    previous receive through an optimization barrier); split calls in different traces (an
+    checked (``ValueError``) and XLA is kept to the program order (each send's custom call takes
+    a result of the previous receive as an operand); split calls in different traces (an
     inner ``jax.jit``, a ``lax.cond`` branch) are ordered only by their data.
 
     XLA places independent work where it likes; to make it run between the halves, tie it to
@@ -441,8 +441,9 @@ def low_latency_dispatch_send(buf, x, topk_idx, use_fp8=True,
     """
     x, topk_idx = _check_ll_dispatch_args(buf, x, topk_idx)
     round_scale = bool(round_scale) and bool(use_fp8)  # bf16 rows are not cast (as the fused op)
-    x, topk_idx = _ordering.before_send(buf, "low_latency_dispatch", (x, topk_idx))
-    ticket = _ll_dispatch_send(buf, x, topk_idx, bool(use_fp8), round_scale)
+    after = _ordering.before_send(buf, "low_latency_dispatch")
+    x, topk_idx, after = _vma.align(buf.axis_name, (x, topk_idx, after))
+    ticket = _ll_dispatch_send(buf, x, topk_idx, after, bool(use_fp8), round_scale)
     _ordering.after_send(buf, "low_latency_dispatch")
     return LowLatencyPendingDispatch(ticket=ticket, x=x, topk_idx=topk_idx,
                                      use_fp8=bool(use_fp8), round_scale=round_scale)
@@ -489,17 +490,17 @@ def low_latency_dispatch_recv(buf, pending) -> LowLatencyDispatched:
 # reach x (y, topk_weights) through the receive, which takes them again. A custom_vjp with zero
 # cotangents keeps autodiff away from the custom call (integer operands such as a handle from a
 # custom_vjp carry instantiated float0 tangents, which ffi_call refuses).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def _ll_dispatch_send(buf, x, topk_idx, use_fp8, round_scale):
-    return buf._impl.low_latency_dispatch_send(x, topk_idx, use_fp8, round_scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def _ll_dispatch_send(buf, x, topk_idx, after, use_fp8, round_scale):
+    return buf._impl.low_latency_dispatch_send(x, topk_idx, after, use_fp8, round_scale)
 
 
-def _ll_dispatch_send_fwd(buf, x, topk_idx, use_fp8, round_scale):
-    return _ll_dispatch_send(buf, x, topk_idx, use_fp8, round_scale), None
+def _ll_dispatch_send_fwd(buf, x, topk_idx, after, use_fp8, round_scale):
+    return _ll_dispatch_send(buf, x, topk_idx, after, use_fp8, round_scale), None
 
 
 def _ll_dispatch_send_bwd(buf, use_fp8, round_scale, residuals, ct_ticket):
-    return None, None
+    return None, None, None
 
 
 _ll_dispatch_send.defvjp(_ll_dispatch_send_fwd, _ll_dispatch_send_bwd)
@@ -536,8 +537,10 @@ def low_latency_combine_send(buf, y, topk_idx, topk_weights,
       halves are those of ``low_latency_dispatch_send``.
     """
     args = _check_ll_combine_args(buf, y, topk_idx, topk_weights, handle)
-    y, topk_idx, topk_weights, handle = _ordering.before_send(buf, "low_latency_combine", args)
-    ticket = _ll_combine_send(buf, y, topk_idx, topk_weights, handle)
+    y, topk_idx, topk_weights, handle = args
+    after = _ordering.before_send(buf, "low_latency_combine")
+    y, after = _vma.align(buf.axis_name, (y, after))
+    ticket = _ll_combine_send(buf, y, topk_idx, topk_weights, handle, after)
     _ordering.after_send(buf, "low_latency_combine")
     return LowLatencyPendingCombine(ticket=ticket, y=y, topk_idx=topk_idx,
                                     topk_weights=topk_weights, handle=handle)
@@ -564,16 +567,16 @@ def low_latency_combine_recv(buf, pending):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ll_combine_send(buf, y, topk_idx, topk_weights, handle):  # no derivative: see above
-    return buf._impl.low_latency_combine_send(y, topk_idx, topk_weights, handle)
+def _ll_combine_send(buf, y, topk_idx, topk_weights, handle, after):  # no derivative: see above
+    return buf._impl.low_latency_combine_send(y, topk_idx, topk_weights, handle, after)
 
 
-def _ll_combine_send_fwd(buf, y, topk_idx, topk_weights, handle):
-    return _ll_combine_send(buf, y, topk_idx, topk_weights, handle), None
+def _ll_combine_send_fwd(buf, y, topk_idx, topk_weights, handle, after):
+    return _ll_combine_send(buf, y, topk_idx, topk_weights, handle, after), None
 
 
 def _ll_combine_send_bwd(buf, residuals, ct_ticket):
-    return None, None, None, None
+    return None, None, None, None, None
 
 
 _ll_combine_send.defvjp(_ll_combine_send_fwd, _ll_combine_send_bwd)

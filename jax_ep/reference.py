@@ -246,16 +246,16 @@ class ReferenceBackend:
     # Send/receive halves (same signatures as the CUDA backend's): nothing moves at the send;
     # the receive computes the fused op from the inputs the pending object carried, so results
     # are those of the fused op by construction.
-    def low_latency_dispatch_send(self, x, topk_idx, use_fp8, round_scale):
-        del x, topk_idx, use_fp8, round_scale
+    def low_latency_dispatch_send(self, x, topk_idx, after, use_fp8, round_scale):
+        del x, topk_idx, after, use_fp8, round_scale  # pure XLA: data dependences order it
         return jnp.zeros((1,), jnp.int32)
 
     def low_latency_dispatch_recv(self, x, topk_idx, ticket, use_fp8, round_scale):
         del ticket
         return self.low_latency_dispatch(x, topk_idx, use_fp8, round_scale)
 
-    def low_latency_combine_send(self, y, topk_idx, topk_weights, handle):
-        del y, topk_idx, topk_weights, handle
+    def low_latency_combine_send(self, y, topk_idx, topk_weights, handle, after):
+        del y, topk_idx, topk_weights, handle, after
         return jnp.zeros((1,), jnp.int32)
 
     def low_latency_combine_recv(self, y, topk_idx, topk_weights, handle, ticket):

@@ -82,9 +82,9 @@ def test_export_normal_mode_with_symbolic_tokens():
     text = restored.mlir_module()
     for op in ("dispatch", "combine", "layout"):
         assert f"@{_cuda.target_name(op)}(" in text, op
-    assert "jax_ep_dispatch_v1" in text and "has_side_effect = true" in text
+    assert "jax_ep_dispatch_v2" in text and "has_side_effect = true" in text
     # recv_x of the dispatch: [R*t, H] per rank, i.e. a dynamic leading dimension.
-    dispatch_call = re.search(r"custom_call @jax_ep_dispatch_v1\(.*", text).group(0)
+    dispatch_call = re.search(r"custom_call @jax_ep_dispatch_v2\(.*", text).group(0)
     assert f"tensor<?x{H}xbf16>" in dispatch_call
     assert str(restored.in_avals[0].shape[0]) == "2*t"
     assert str(restored.out_avals[0].shape[0]) == "2*t"
@@ -96,7 +96,7 @@ def test_export_low_latency_mode():
     (t,) = jax.export.symbolic_shape("t")
     text = export_for_cuda(mesh, low_latency_step(low_latency_buffer(mesh)),
                            step_args(t)).mlir_module()
-    call = re.search(r"custom_call @jax_ep_low_latency_dispatch_v1\(.*", text).group(0)
+    call = re.search(r"custom_call @jax_ep_low_latency_dispatch_v2\(.*", text).group(0)
     assert "use_fp8 = true" in call and "round_scale = false" in call
     assert f"tensor<{E // R}x{R * 64}x{H}xf8E4M3FN>" in call
     assert f"@{_cuda.target_name('low_latency_combine')}(" in text

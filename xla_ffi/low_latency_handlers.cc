@@ -1,5 +1,5 @@
-// FFI handlers of the low-latency (decode) mode: jax_ep_low_latency_dispatch_v1,
-// jax_ep_low_latency_combine_v1 and their split halves ..._{dispatch,combine}_{send,recv}_v1
+// FFI handlers of the low-latency (decode) mode: jax_ep_low_latency_dispatch_v2,
+// jax_ep_low_latency_combine_v2 and their split halves ..._{dispatch,combine}_{send,recv}_v2
 // (operands/results: docs/internals.md, "Low-latency mode").
 //
 // Each handler looks up the rank's context (failing if a previous call timed out), checks every
@@ -22,12 +22,12 @@ namespace nb = nanobind;
 namespace jax_ep {
 namespace {
 
-constexpr const char* kLowLatencyDispatchOp = "jax_ep_low_latency_dispatch_v1";
-constexpr const char* kLowLatencyDispatchSendOp = "jax_ep_low_latency_dispatch_send_v1";
-constexpr const char* kLowLatencyDispatchRecvOp = "jax_ep_low_latency_dispatch_recv_v1";
-constexpr const char* kLowLatencyCombineOp = "jax_ep_low_latency_combine_v1";
-constexpr const char* kLowLatencyCombineSendOp = "jax_ep_low_latency_combine_send_v1";
-constexpr const char* kLowLatencyCombineRecvOp = "jax_ep_low_latency_combine_recv_v1";
+constexpr const char* kLowLatencyDispatchOp = "jax_ep_low_latency_dispatch_v2";
+constexpr const char* kLowLatencyDispatchSendOp = "jax_ep_low_latency_dispatch_send_v2";
+constexpr const char* kLowLatencyDispatchRecvOp = "jax_ep_low_latency_dispatch_recv_v2";
+constexpr const char* kLowLatencyCombineOp = "jax_ep_low_latency_combine_v2";
+constexpr const char* kLowLatencyCombineSendOp = "jax_ep_low_latency_combine_send_v2";
+constexpr const char* kLowLatencyCombineRecvOp = "jax_ep_low_latency_combine_recv_v2";
 
 // The Buffer must have low-latency regions, and its static shape must fit the kernels.
 ffi::Error check_low_latency_config(const char* op, const BufferConfig& config) {
@@ -127,9 +127,13 @@ ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t b
   return ffi::Error::Success();
 }
 
+// The send halves' last operand `after` is never read: it is a result of the previous receive
+// of the op (or a constant for the first send of a program), so that XLA runs the send after
+// that receive. Only an operand orders custom calls for sure: XLA prunes unused values of an
+// optimization barrier, and scheduled the sends of a chain before their receives.
 ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
                                       bool use_fp8, bool round_scale, ffi::AnyBuffer x,
-                                      ffi::AnyBuffer topk_idx,
+                                      ffi::AnyBuffer topk_idx, ffi::AnyBuffer /*after*/,
                                       ffi::Result<ffi::AnyBuffer> ticket) {
   const char* op = kLowLatencyDispatchSendOp;
   const RankContext* ctx = nullptr;
@@ -225,7 +229,7 @@ ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t device, int64_t bu
 ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
                                      ffi::AnyBuffer y, ffi::AnyBuffer recv_src,
                                      ffi::AnyBuffer recv_k, ffi::AnyBuffer recv_count,
-                                     ffi::Result<ffi::AnyBuffer> ticket) {
+                                     ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> ticket) {
   const char* op = kLowLatencyCombineSendOp;
   const RankContext* ctx = nullptr;
   FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
@@ -284,6 +288,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, LowLatencyDispatchS
                                   .Attr<bool>("round_scale")                 // round_scale
                                   .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
                                   .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                                  .Arg<ffi::AnyBuffer>()                     // after (unread)
                                   .Ret<ffi::AnyBuffer>(),                    // ticket [1] s32
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -326,6 +331,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, LowLatencyCombineSen
                                   .Arg<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
                                   .Arg<ffi::AnyBuffer>()   // recv_k [E_loc, R*T_max] s32
                                   .Arg<ffi::AnyBuffer>()   // recv_count [E_loc] s32
+                                  .Arg<ffi::AnyBuffer>()   // after (unread)
                                   .Ret<ffi::AnyBuffer>(),  // ticket [1] s32
                               {ffi::Traits::kCmdBufferCompatible});
 

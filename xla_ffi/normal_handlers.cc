@@ -1,5 +1,5 @@
-// FFI handlers of the normal mode: jax_ep_layout_v1, jax_ep_dispatch_v1,
-// jax_ep_cached_dispatch_v1, jax_ep_combine_v1 (operands/results: docs/internals.md).
+// FFI handlers of the normal mode: jax_ep_layout_v2, jax_ep_dispatch_v2,
+// jax_ep_cached_dispatch_v2, jax_ep_combine_v2 (operands/results: docs/internals.md).
 //
 // Each handler looks up the rank's context, checks every operand and result against the
 // Buffer's configuration, and enqueues the launcher's kernels on XLA's stream. No host
@@ -19,10 +19,10 @@ namespace nb = nanobind;
 namespace jax_ep {
 namespace {
 
-constexpr const char* kLayoutOp = "jax_ep_layout_v1";
-constexpr const char* kDispatchOp = "jax_ep_dispatch_v1";
-constexpr const char* kCachedDispatchOp = "jax_ep_cached_dispatch_v1";
-constexpr const char* kCombineOp = "jax_ep_combine_v1";
+constexpr const char* kLayoutOp = "jax_ep_layout_v2";
+constexpr const char* kDispatchOp = "jax_ep_dispatch_v2";
+constexpr const char* kCachedDispatchOp = "jax_ep_cached_dispatch_v2";
+constexpr const char* kCombineOp = "jax_ep_combine_v2";
 
 // The Buffer's data dtype D.
 ffi::DataType buffer_dtype(const BufferConfig& config) {
@@ -358,11 +358,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineHandler, CombineImpl,
 );
 
 void add_normal_targets(nb::dict& targets) {
-  targets["jax_ep_layout_v1"] = nb::capsule(reinterpret_cast<void*>(LayoutHandler));
-  targets["jax_ep_dispatch_v1"] = nb::capsule(reinterpret_cast<void*>(DispatchHandler));
-  targets["jax_ep_cached_dispatch_v1"] =
+  targets["jax_ep_layout_v2"] = nb::capsule(reinterpret_cast<void*>(LayoutHandler));
+  targets["jax_ep_dispatch_v2"] = nb::capsule(reinterpret_cast<void*>(DispatchHandler));
+  targets["jax_ep_cached_dispatch_v2"] =
       nb::capsule(reinterpret_cast<void*>(CachedDispatchHandler));
-  targets["jax_ep_combine_v1"] = nb::capsule(reinterpret_cast<void*>(CombineHandler));
+  targets["jax_ep_combine_v2"] = nb::capsule(reinterpret_cast<void*>(CombineHandler));
 }
 
 }  // namespace jax_ep

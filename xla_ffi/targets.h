@@ -5,7 +5,7 @@
 
 namespace jax_ep {
 
-// Adds "jax_ep_<op>_v1" -> capsule entries (normal_handlers.cc).
+// Adds "jax_ep_<op>_v2" -> capsule entries (normal_handlers.cc).
 void add_normal_targets(nanobind::dict& targets);
 // Adds the low-latency targets, fused ops and send/receive halves (low_latency_handlers.cc).
 void add_low_latency_targets(nanobind::dict& targets);

@@ -1,4 +1,4 @@
-// Normal-mode combine (jax_ep_combine_v1): the reverse of dispatch.
+// Normal-mode combine (jax_ep_combine_v2): the reverse of dispatch.
 //
 // Two kernels per call, on the caller's stream:
 //   1. combine_plan_kernel (1 block): tagged barrier with every rank, and the segment of y rows

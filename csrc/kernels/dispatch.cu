@@ -1,4 +1,4 @@
-// Normal-mode dispatch (jax_ep_dispatch_v1) and cached dispatch (jax_ep_cached_dispatch_v1).
+// Normal-mode dispatch (jax_ep_dispatch_v2) and cached dispatch (jax_ep_cached_dispatch_v2).
 //
 // Two kernels per call, on the caller's stream:
 //   1. dispatch_plan_kernel (1 block): token -> rank masks, per-destination stream positions

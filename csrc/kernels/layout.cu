@@ -1,4 +1,4 @@
-// jax_ep_layout_v1: routing statistics of one rank's top-k ids (no communication).
+// jax_ep_layout_v2: routing statistics of one rank's top-k ids (no communication).
 #include <cuda_runtime.h>
 
 #include "kernels/common/launch.h"

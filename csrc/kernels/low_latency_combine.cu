@@ -1,8 +1,8 @@
-// Low-latency (decode) combine, jax_ep_low_latency_combine_v1:
+// Low-latency (decode) combine, jax_ep_low_latency_combine_v2:
 //   out[t] = sum over k with a valid id of w[t, k] * y[e_k][row of (t, k)], float32, rounded once.
 // One cooperative launch, one block of 512 threads per SM. The same kernel body, compiled per
-// LowLatencyHalves, also gives the split pair jax_ep_low_latency_combine_send_v1 (phase 1 and
-// the arrival/release of phase 3, then a ticket) and ..._recv_v1 (phases 2, the wait of 3, 4, 5).
+// LowLatencyHalves, also gives the split pair jax_ep_low_latency_combine_send_v2 (phase 1 and
+// the arrival/release of phase 3, then a ticket) and ..._recv_v2 (phases 2, the wait of 3, 4, 5).
 //
 // Expert outputs of rows that came from a peer are pushed into that peer's combine region at
 // [parity][token][k]; rows of this rank's own tokens are not moved at all: the owner reads them

@@ -1,8 +1,8 @@
-// Low-latency (decode) dispatch, jax_ep_low_latency_dispatch_v1: one copy of every (token, k)
+// Low-latency (decode) dispatch, jax_ep_low_latency_dispatch_v2: one copy of every (token, k)
 // with a valid expert id lands in the block of that expert on the expert's rank, rows ordered by
 // (source rank, source token, k). One cooperative launch, one block of 512 threads per SM.
 // The same kernel body, compiled per LowLatencyHalves, also gives the split pair
-// jax_ep_low_latency_dispatch_send_v1 (phases 0-4, then a ticket) and ..._recv_v1 (phases 5-6):
+// jax_ep_low_latency_dispatch_send_v2 (phases 0-4, then a ticket) and ..._recv_v2 (phases 5-6):
 // see "Split" below.
 //
 // Per-rank words (layout in low_latency_layout.cuh, all double-buffered by call parity):

@@ -11,7 +11,7 @@
 
 namespace jax_ep {
 
-// Operands and results of jax_ep_low_latency_dispatch_v1 (docs/internals.md), device pointers.
+// Operands and results of jax_ep_low_latency_dispatch_v2 (docs/internals.md), device pointers.
 // The split pair uses the same struct: the send half reads x and topk_idx and writes ticket (the
 // recv_* results stay null); the receive half reads x (its own rows) and writes the recv_*
 // results (topk_idx and ticket stay null).
@@ -29,7 +29,7 @@ struct LowLatencyDispatchParams {
   int32_t* ticket = nullptr;      // [1] (send half)
 };
 
-// Operands and results of jax_ep_low_latency_combine_v1. The send half reads y and the handle
+// Operands and results of jax_ep_low_latency_combine_v2. The send half reads y and the handle
 // (recv_src, recv_k, recv_count) and writes ticket; the receive half reads everything but the
 // ticket and writes out.
 struct LowLatencyCombineParams {
@@ -45,7 +45,7 @@ struct LowLatencyCombineParams {
 };
 
 // Which phases one launch runs: the fused op (kBoth), or one half of the split pair
-// (jax_ep_low_latency_{dispatch,combine}_{send,recv}_v1). Per Buffer and op, a send must be
+// (jax_ep_low_latency_{dispatch,combine}_{send,recv}_v2). Per Buffer and op, a send must be
 // followed by its receive before the next send of that op on this rank (the split channel's
 // regions are double-buffered by call parity and its sequence word advances at the end of the
 // receive). Fused calls run in their own channel and may come anywhere.

@@ -13,7 +13,7 @@
 
 namespace jax_ep {
 
-// jax_ep_layout_v1: routing statistics of topk_idx, no communication.
+// jax_ep_layout_v2: routing statistics of topk_idx, no communication.
 struct LayoutParams {
   const int32_t* topk_idx = nullptr;         // [T, K]
   int num_tokens = 0;                        // T
@@ -23,7 +23,7 @@ struct LayoutParams {
 };
 cudaError_t launch_layout(const RankContext& ctx, const LayoutParams& params, cudaStream_t stream);
 
-// jax_ep_dispatch_v1. `x` rows are `x_bytes_per_row` bytes (H * element bytes); `x_scales` is
+// jax_ep_dispatch_v2. `x` rows are `x_bytes_per_row` bytes (H * element bytes); `x_scales` is
 // [T, num_scales] (num_scales = 0 unless x is fp8).
 struct DispatchParams {
   int num_tokens = 0;  // T
@@ -46,7 +46,7 @@ struct DispatchParams {
 cudaError_t launch_dispatch(const RankContext& ctx, const DispatchParams& params,
                             cudaStream_t stream);
 
-// jax_ep_cached_dispatch_v1: moves x (+ scales, + w) along the routing of send_pos.
+// jax_ep_cached_dispatch_v2: moves x (+ scales, + w) along the routing of send_pos.
 struct CachedDispatchParams {
   int num_tokens = 0;
   int capacity = 0;
@@ -64,7 +64,7 @@ struct CachedDispatchParams {
 cudaError_t launch_cached_dispatch(const RankContext& ctx, const CachedDispatchParams& params,
                                    cudaStream_t stream);
 
-// jax_ep_combine_v1. `y` holds elements of the Buffer's dtype (bf16 when dtype_bytes == 2,
+// jax_ep_combine_v2. `y` holds elements of the Buffer's dtype (bf16 when dtype_bytes == 2,
 // float32 when 4).
 struct CombineParams {
   int num_tokens = 0;          // T (send_pos.shape[0])
