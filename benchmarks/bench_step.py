@@ -326,7 +326,8 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
         compiled, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep":
         record_host = host_events(compiled[N_LONG], call_args)
-        print(f"host events of one {op} ({dtype}) program of {N_LONG} steps, us and count per call:")
+        print(f"host events of one {op} ({dtype}) program of {N_LONG} steps, "
+              "us and count per call:")
         for name, us, count in record_host:
             print(f"  {us:9.1f} us  x{count:6.1f}  {name}")
     record = {"op": op, "impl": impl, "dtype": dtype if decode else "bf16", "ranks": R,

@@ -30,7 +30,6 @@ import weakref
 
 import jax
 
-
 try:  # public for library authors since jax 0.4.36 (jax.extend.core)
     from jax.extend.core import get_opaque_trace_state as _current_trace
 except ImportError:  # pragma: no cover - older jax spells it jax.core.get_opaque_trace_state

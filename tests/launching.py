@@ -33,7 +33,8 @@ def run_launcher(*args, platform="cpu", timeout=300, extra_env=None, cwd=ROOT):
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "jax_ep.launch", "--platform", platform, *args], cwd=cwd,
-        env=child_env(platform, extra_env), capture_output=True, text=True, errors="replace", timeout=timeout)
+        env=child_env(platform, extra_env), capture_output=True, text=True,
+        errors="replace", timeout=timeout)
     return proc, time.monotonic() - start
 
 

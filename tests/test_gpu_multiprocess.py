@@ -28,7 +28,8 @@ def test_two_processes_give_the_bits_of_one():
     """Every op's outputs and a gradient: 2 processes x 1 GPU equal 1 process x 2 GPUs."""
     require_gpus(2)
     single = subprocess.run([sys.executable, str(launching.DIGEST_SCRIPT), "cuda"],
-                            env=launching.child_env("gpu"), capture_output=True, text=True, errors="replace",
+                            env=launching.child_env("gpu"), capture_output=True, text=True,
+        errors="replace",
                             timeout=300)
     want = [line for line in single.stdout.splitlines() if line.startswith("DIGEST ")]
     assert single.returncode == 0 and len(want) == 9, single.stdout + single.stderr[-4000:]
@@ -52,7 +53,8 @@ def test_nvshmem_transport_gives_the_bits_of_one_process():
     except RuntimeError as e:
         pytest.skip(str(e))
     single = subprocess.run([sys.executable, str(launching.DIGEST_SCRIPT), "cuda"],
-                            env=launching.child_env("gpu"), capture_output=True, text=True, errors="replace",
+                            env=launching.child_env("gpu"), capture_output=True, text=True,
+        errors="replace",
                             timeout=300)
     want = [line for line in single.stdout.splitlines() if line.startswith("DIGEST ")]
     assert single.returncode == 0 and len(want) == 9, single.stdout + single.stderr[-4000:]
@@ -94,7 +96,8 @@ def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
     from jax_ep import _cuda, _nvshmem  # noqa: PLC0415
 
     reference = subprocess.run(
-        [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True, errors="replace",
+        [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True,
+        errors="replace",
         timeout=300, env=launching.child_env(
             "cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
     want = _by_name(line for line in reference.stdout.splitlines() if line.startswith("DIGEST "))
