@@ -93,7 +93,9 @@ def valid_slots(recv_count, rows_per_expert, max_rows):
     expert order, padded to ``max_rows`` entries with expert = E_loc (out of range: dropped)."""
     ends = jnp.cumsum(recv_count)
     flat = jnp.arange(max_rows, dtype=jnp.int32)
-    expert = jnp.searchsorted(ends, flat, side="right").astype(jnp.int32)
+    # compare_all: one fused comparison (the default method is a loop, which XLA:GPU runs as a
+    # while loop whose predicate the host reads every iteration)
+    expert = jnp.searchsorted(ends, flat, side="right", method="compare_all").astype(jnp.int32)
     row = flat - (ends - recv_count)[jnp.minimum(expert, recv_count.shape[0] - 1)]
     valid = flat < ends[-1]
     return jnp.where(valid, expert, recv_count.shape[0]), jnp.where(valid, row, 0)
@@ -169,15 +171,15 @@ def peer_normal(peer):
 
 
 def chained(step, num_steps, backward):
-    """Per-rank program of ``num_steps`` layers: layer i's output is layer i+1's input (a
-    residual add keeps the values in range); only the last output (forward) or the gradients
-    w.r.t. the input and every layer's weights (backward) leave the program. ``carry`` (an
-    expert output buffer some steps reuse, else a placeholder) goes from layer to layer."""
+    """Per-rank program of ``num_steps`` layers: layer i's output is layer i+1's input (the
+    routing weights sum to 1 and the stand-in experts scale by 1 to 2, so values stay in
+    range); only the last output (forward) or the gradients w.r.t. the input and every layer's
+    weights (backward) leave the program. ``carry`` (an expert output buffer some steps reuse,
+    else a placeholder) goes from layer to layer."""
 
     def forward(x, idx, w, carry):  # idx, w: [T, N_LONG, K], layer i takes [:, i]
         for i in range(num_steps):
-            out, carry = step(x, idx[:, i], w[:, i], carry)
-            x = (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 0.5).astype(x.dtype)
+            x, carry = step(x, idx[:, i], w[:, i], carry)
         return x
 
     if not backward:
@@ -210,10 +212,10 @@ def host_clocks(fn, args, repeats):
     return [statistics.median(r[j] for r in rows) * 1e6 for j in range(2)]
 
 
-def device_busy_us(fn, args, calls=3):
+def device_busy_us(fn, args, calls=3, by_kernel=None):
     """``(all, ours)``: the sum of the durations of every GPU kernel and copy of one call, and
     of jax_ep's own kernels alone (mean of ``calls`` traced calls); the maximum over this
-    process's devices."""
+    process's devices. ``by_kernel`` (a dict), when given, gets the time per kernel name."""
     from jax.profiler import ProfileData  # noqa: PLC0415
 
     trace_dir = tempfile.mkdtemp(prefix="jax_ep_step_trace_")
@@ -229,6 +231,10 @@ def device_busy_us(fn, args, calls=3):
                   for e in line.events]
         busy.append(sum(e.duration_ns for e in events) / 1e3 / calls)
         ours.append(sum(e.duration_ns for e in events if "jax_ep" in e.name) / 1e3 / calls)
+        if by_kernel is not None:
+            for e in events:
+                name = e.name[:100]
+                by_kernel[name] = by_kernel.get(name, 0.0) + e.duration_ns / 1e3 / calls
     return (max(busy), max(ours)) if busy else (None, None)
 
 
@@ -324,7 +330,12 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
     time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
         compiled, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
-    if args.host_trace and impl == "jax_ep":
+    if args.host_trace and impl == "jax_ep" and bc.on_gpu():
+        kernels = {}
+        device_busy_us(compiled[N_LONG], call_args, by_kernel=kernels)
+        print(f"kernels of one {op} ({dtype}) program of {N_LONG} steps, us per call:")
+        for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"  {us:9.1f} us  {name}")
         record_host = host_events(compiled[N_LONG], call_args)
         print(f"host events of one {op} ({dtype}) program of {N_LONG} steps, "
               "us and count per call:")

@@ -1,6 +1,7 @@
-"""Runs N low-latency dispatch+combine steps with changing inputs on every GPU, checking each
-step against the oracle. test_gpu.py runs it under XLA command buffers (CUDA graphs); by hand:
-``python tests/command_buffer_replay.py N [split]`` (``split``: the send/receive halves)."""
+"""Runs N dispatch+combine steps with changing inputs on every GPU, checking each step against
+the oracle. test_gpu.py runs it under XLA command buffers (CUDA graphs); by hand:
+``python tests/command_buffer_replay.py N [split|normal]`` (low-latency ops by default;
+``split``: their send/receive halves; ``normal``: normal-mode dispatch, combine and layout)."""
 
 import sys
 
@@ -15,8 +16,42 @@ import jax_ep
 from jax_ep import testing as oracle
 
 
-def main(num_steps, split=False):
+def normal_steps(mesh, num_steps):
+    """Normal-mode layout, dispatch and combine, each step against the oracle."""
+    R, T, H, E, K = mesh.shape["ep"], 32, 512, 32, 4
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
+                        num_topk=K, dtype=jnp.bfloat16, backend="cuda")
+
+    def step(x, idx, w):
+        layout = jax_ep.get_dispatch_layout(buf, idx)
+        d = jax_ep.dispatch(buf, x, idx, w)
+        out, _ = jax_ep.combine(buf, d.recv_x, d.handle)
+        return layout.num_tokens_per_rank, d.num_recv_tokens[None], out
+
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    rng = np.random.default_rng(7)
+    for i in range(num_steps):
+        idx, w = oracle.make_routing(oracle.ROUTINGS[i % 5], rng, R, T, E, K)
+        x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+        per_rank, num_recv, out = run(x.reshape(R * T, H), idx.reshape(R * T, K),
+                                      w.reshape(R * T, K))
+        expected = oracle.dispatch(x, idx, w, E)
+        assert np.array_equal(np.asarray(num_recv), [e["num_recv_tokens"] for e in expected]), i
+        want_layout = np.stack([oracle.layout(idx[r:r + 1], E, R)[0] for r in range(R)])
+        assert np.array_equal(np.asarray(per_rank).reshape(R, R), want_layout.reshape(R, R)), i
+        # combine of the dispatched rows: x times the number of ranks the token went to
+        want = oracle.combine(np.stack([e["recv_x"] for e in expected]),
+                              np.stack([e["recv_src"] for e in expected]), T)
+        np.testing.assert_allclose(np.asarray(out, np.float64).reshape(R, T, H), want,
+                                   rtol=0.01, atol=0.01)
+
+
+def main(num_steps, split=False, normal=False):
     mesh = Mesh(np.array(jax.devices()), ("ep",))
+    if normal:
+        normal_steps(mesh, num_steps)
+        _report(num_steps)
+        return
     R, T, H, E, K = mesh.shape["ep"], 32, 512, 32, 4
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
                         num_topk=K, dtype=jnp.bfloat16, low_latency=True, backend="cuda")
@@ -43,6 +78,10 @@ def main(num_steps, split=False):
                 * x.astype(np.float64)[:, :, None]).sum(2)
         np.testing.assert_allclose(np.asarray(out, np.float64).reshape(R, T, H), want,
                                    rtol=0.02, atol=0.02 * np.abs(want).max())
+    _report(num_steps)
+
+
+def _report(num_steps):
     from jax_ep import _C
 
     counts = _C.handler_call_counts()
@@ -51,4 +90,4 @@ def main(num_steps, split=False):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), split=sys.argv[2:] == ["split"])
+    main(int(sys.argv[1]), split=sys.argv[2:] == ["split"], normal=sys.argv[2:] == ["normal"])

@@ -83,17 +83,18 @@ def test_model_hidden_sizes(hidden):
 
 
 
-@pytest.mark.parametrize("ops", ["fused", "split"])
-def test_low_latency_replays_in_command_buffers(ops):
+@pytest.mark.parametrize("ops", ["fused", "split", "normal"])
+def test_ops_replay_in_command_buffers(ops):
     """100 steps with changing inputs under XLA command buffers that include custom calls, each
     checked against the oracle; the handlers report that XLA captured them into CUDA graphs.
-    ``split``: the same steps with the send/receive halves."""
+    ``fused``: the low-latency ops; ``split``: their send/receive halves; ``normal``: layout,
+    dispatch and combine."""
     require_gpus(1)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
                          "--xla_gpu_graph_min_graph_size=1")
     script = os.path.join(os.path.dirname(__file__), "command_buffer_replay.py")
-    extra = ["split"] if ops == "split" else []
+    extra = [] if ops == "fused" else [ops]
     result = subprocess.run([sys.executable, script, "100", *extra], env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
