@@ -1,0 +1,42 @@
+"""What the build put into jax_ep._C, against what it says it carries (no GPU needed).
+
+Skips where the extension was not built (no nvcc). CI builds the default list of architectures,
+so these tests are also the check that a multi-architecture build works.
+"""
+
+import collections
+import re
+
+import fatbin
+import pytest
+
+from jax_ep import env
+
+_C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+
+
+def test_cuda_architectures_name_the_code_in_the_module():
+    reported = _C.cuda_architectures()
+    assert re.fullmatch(r"((sm|compute)_\d+[af]? ?)+", reported), reported
+    listed = collections.Counter(fatbin.device_code(_C.__file__))
+    # Every kernel file carries the same code; the "a"/"f" suffixes are flag bits in the fat
+    # binary, compared here by number.
+    assert set(listed) == {re.sub(r"[af]$", "", t) for t in reported.split()}, (reported, listed)
+    assert len(set(listed.values())) == 1, listed
+
+
+def test_reported_architectures_match_the_cmake_list():
+    cmake = _C.cmake_cuda_architectures()
+    code = env.parse_architectures(cmake)
+    if code.unknown:
+        pytest.skip(f"built for {cmake!r}: CMake expanded it")
+    built = env.parse_architectures(_C.cuda_architectures())
+    assert (set(built.sass), set(built.ptx)) == (set(code.sass), set(code.ptx))
+
+
+def test_cuda_runtime_version_and_extension_probe():
+    version = _C.cuda_runtime_version()
+    assert isinstance(version, int) and version >= 12000, version
+    info = env.probe_extension()
+    assert info.importable and info.cuda_runtime_version == version
+    assert info.cuda_architectures == _C.cuda_architectures()
