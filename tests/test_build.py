@@ -40,3 +40,25 @@ def test_cuda_runtime_version_and_extension_probe():
     info = env.probe_extension()
     assert info.importable and info.cuda_runtime_version == version
     assert info.cuda_architectures == _C.cuda_architectures()
+
+
+@pytest.mark.gpu
+def test_the_driver_runs_the_code_the_report_names():
+    """On every local GPU the driver loads the code `env.code_for` names: the SASS it names, or
+    code JIT-compiled through the PTX it names (a build of only compute_80 on a 9.0 GPU runs
+    binary version 90 compiled through PTX version 80: the sm_80 code path, software fp8 casts)."""
+    gpus = env._probe_gpus(free_memory=False, nvlinks=False)
+    if not gpus:
+        pytest.skip("the CUDA driver sees no GPU")
+    archs = _C.cuda_architectures()
+    for gpu in gpus:
+        cc = env._parse_cc(gpu.compute_capability)
+        code = env.code_for(archs, cc)
+        assert code is not None, f"GPU {gpu.ordinal} ({gpu.name}, {cc}): no code in {archs!r}"
+        image = _C.kernel_image(gpu.ordinal)
+        arch = int(re.sub(r"\D", "", code))
+        if code.startswith("sm_"):
+            assert image["binary_version"] == arch, (gpu, code, image)
+        else:
+            assert image == {"binary_version": cc[0] * 10 + cc[1], "ptx_version": arch}, (
+                gpu, code, image)
