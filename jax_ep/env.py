@@ -973,10 +973,9 @@ def decide_backend(
 
     # The driver against the CUDA runtime linked into jax_ep._C.
     runtime = extension.cuda_runtime_version if extension.importable else None
-    if cuda_devices:
-        problem = driver_problem(driver_cuda_version, runtime)
-        if problem:
-            reasons.append(problem)
+    old_driver = driver_problem(driver_cuda_version, runtime) if cuda_devices else None
+    if old_driver:
+        reasons.append(old_driver)
 
     # Compute capability, cooperative launch and the code built for it, one line per (name, cc).
     by_kind: dict[tuple[str, str], list[int]] = {}
@@ -1007,8 +1006,9 @@ def decide_backend(
                 f"{describe_architectures(archs)}; SASS sm_N runs on compute capability N/10.x, "
                 f"PTX compute_N on N/10 and newer): rebuild with {rebuild}"
             )
-        elif (code is not None and code.startswith("compute_") and runtime is not None
-              and driver_cuda_version is not None and driver_cuda_version < runtime):
+        elif (code is not None and code.startswith("compute_") and not old_driver
+              and runtime is not None and driver_cuda_version is not None
+              and driver_cuda_version < runtime):
             reasons.append(
                 f"{who} runs jax_ep._C through its PTX {code}, which the driver JIT-compiles, "
                 f"but the driver (CUDA {_cuda_version_text(driver_cuda_version)}) is older than "

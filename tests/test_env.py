@@ -376,6 +376,9 @@ def test_auto_backend_driver_older_than_the_build():
         'rebuild with JAX_EP_CUDA_ARCHS="80-virtual;90" to carry SASS for these GPUs'
     ]
     assert decide(devices, extension=ptx_80, driver_cuda_version=13020) == ("cuda", [])
+    # A driver of an older major: one reason, not one more per GPU running PTX.
+    _, reasons = decide(devices, extension=ptx_80, driver_cuda_version=12080)
+    assert len(reasons) == 1 and reasons[0].startswith("the CUDA driver supports CUDA 12.8")
 
 
 def test_auto_backend_newer_gpu_vs_arch_specific_build():
