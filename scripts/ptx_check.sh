@@ -24,6 +24,6 @@ print(f"device 0 runs: {image}")
 assert image["ptx_version"] == int(arch), image
 EOF
 )
-(cd /tmp && jax-ep-env --no-free-memory | sed -n '/^CUDA extension/,/^$/p;/^Buffer(backend/,$p')
+(cd /tmp && python3 -m jax_ep.env --no-free-memory | sed -n '/^CUDA extension/,/^$/p;/^Buffer(backend/,$p')
 # shellcheck disable=SC2086
 pytest -q -p no:cacheprovider ${PTX_TESTS:--m gpu}  # the installed jax_ep (not ./jax_ep)
