@@ -27,6 +27,7 @@ CUDA_ERROR_NO_DEVICE = 100
 # CUdevice_attribute (cuda.h).
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH = 95  # = cudaDevAttrCooperativeLaunch
 
 # CUdevice_P2PAttribute (cuda.h).
 CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK = 1
@@ -160,6 +161,10 @@ class CudaDriver:
             self.attribute(ordinal, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
             self.attribute(ordinal, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
         )
+
+    def cooperative_launch(self, ordinal: int) -> bool:
+        """Whether the device runs cooperative launches (all blocks of a grid resident at once)."""
+        return bool(self.attribute(ordinal, CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH))
 
     def total_memory(self, ordinal: int) -> int:
         """Total device memory in bytes (no context needed)."""

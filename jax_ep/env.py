@@ -2,9 +2,11 @@
 
 The report lists the versions (jax_ep, jax, jaxlib, CUDA driver and runtime), every local GPU
 (name, compute capability, total and free memory), the peer access between local GPUs and whether
-it goes over NVLink, whether the CUDA extension `jax_ep._C` imports and for which architectures,
-NVSHMEM, XLA's memory settings, the device memory one Buffer of a given configuration needs, and
-the backend `Buffer(backend="auto")` would pick, with the reason and the fix for every "no".
+it goes over NVLink, whether the CUDA extension `jax_ep._C` imports, the CUDA version and the
+architectures it was built for (SASS and PTX), whether the driver runs that CUDA version and the
+code each GPU would run, NVSHMEM, XLA's memory settings, the device memory one Buffer of a given
+configuration needs, and the backend `Buffer(backend="auto")` would pick, with the reason and the
+fix for every "no".
 
 Library use:
   - `auto_backend(devices)` -> `("cuda" | "xla", reasons)`: what `Buffer(backend="auto")` uses for
@@ -38,12 +40,15 @@ JSON schema (`--json`; `schema_version` 1; keys are stable, `null` where unknown
                                "compute_capability": str|null, "is_cuda": bool}]},
     "gpus": [{"ordinal": int, "name": str, "compute_capability": str (e.g. "9.0"),
               "total_memory_bytes": int|null, "free_memory_bytes": int|null,
-              "pci_bus_id": str|null, "nvlinks_active": int|null}],
+              "pci_bus_id": str|null, "nvlinks_active": int|null,
+              "cooperative_launch": bool|null}],
     "peers": [{"src": int, "dst": int, "access": bool|null, "native_atomics": bool|null,
                "performance_rank": int|null, "link": "nvlink"|"pcie"|"none"|"unknown",
                "link_source": "nvml"|"cuda"|null}],
-    "extension": {"importable": bool, "cuda_architectures": str|null, "path": str|null,
-                  "error": str|null, "nvshmem_built": bool|null},
+    "extension": {"importable": bool,
+                  "cuda_architectures": str|null (e.g. "sm_80 sm_90 compute_90"),
+                  "path": str|null, "error": str|null, "nvshmem_built": bool|null,
+                  "cuda_runtime_version": int|null (CUDART_VERSION of the build, e.g. 13000)},
     "nvshmem": {"package": str|null, "version": str|null, "host_library": str|null,
                 "reason": str|null},
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
@@ -82,8 +87,14 @@ from jax_ep import _cuda_driver
 
 SCHEMA_VERSION = 1
 
-# The cuda kernels use Hopper features (sm_90: TMA bulk copies, cluster-scope synchronisation).
-MIN_COMPUTE_CAPABILITY = (9, 0)
+# What the cuda kernels need of a GPU (csrc/kernels/common/sync.cuh, low_latency_common.cuh):
+# loads and stores with acquire/release semantics at system scope and fence.acq_rel.sys (PTX of
+# sm_70 and newer), and cooperative launches (every block of a low-latency kernel resident at
+# once; the driver's cudaDevAttrCooperativeLaunch, checked per GPU). Nothing newer: fp8 casts
+# below sm_89 are converted in software.
+MIN_COMPUTE_CAPABILITY = (7, 0)
+# The driver a CUDA runtime of each major version needs (the runtime is linked into jax_ep._C).
+_MIN_DRIVER_FOR_CUDA_MAJOR = {11: "450", 12: "525", 13: "580"}
 # Most ranks in one EP group of the cuda backend (one NVLink domain; csrc/runtime/context.h).
 MAX_CUDA_RANKS = 8
 # XLA's defaults (XLA_PYTHON_CLIENT_PREALLOCATE / _MEM_FRACTION / _ALLOCATOR unset).
@@ -210,6 +221,8 @@ class GpuInfo:
       free_memory_bytes: free now (after XLA's pool when JAX runs on it), None if not measured.
       pci_bus_id: e.g. "0000:18:00.0".
       nvlinks_active: NVLinks up according to NVML, None without NVML.
+      cooperative_launch: cudaDevAttrCooperativeLaunch (the low-latency kernels launch
+        cooperatively), None if unknown.
     """
 
     ordinal: int
@@ -219,6 +232,7 @@ class GpuInfo:
     free_memory_bytes: int | None
     pci_bus_id: str | None
     nvlinks_active: int | None
+    cooperative_launch: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,11 +264,15 @@ class ExtensionInfo:
 
     Attributes:
       importable: whether `import jax_ep._C` works.
-      cuda_architectures: its CMAKE_CUDA_ARCHITECTURES, e.g. "90" or "80;90", None if unknown.
+      cuda_architectures: the code it carries, "sm_N" for SASS and "compute_N" for PTX, e.g.
+        "sm_80 sm_90 compute_90" (builds before that format: their CMAKE_CUDA_ARCHITECTURES,
+        e.g. "90"), None if unknown.
       path: the file it was loaded from.
       error: the import error, when not importable.
       nvshmem_built: whether it was built with NVSHMEM's headers (JAX_EP_TRANSPORT=nvshmem),
         None if unknown.
+      cuda_runtime_version: CUDART_VERSION of the toolkit that built it, e.g. 13000 for 13.0
+        (its CUDA runtime is linked in, so the driver must support it), None if unknown.
     """
 
     importable: bool
@@ -262,6 +280,7 @@ class ExtensionInfo:
     path: str | None
     error: str | None
     nvshmem_built: bool | None = None
+    cuda_runtime_version: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,14 +548,20 @@ def _probe_driver() -> DriverInfo:
     )
 
 
-def _driver_version() -> str | None:
+def _driver_cuda_version() -> int | None:
+    """cuDriverGetVersion (= cudaDriverGetVersion), e.g. 12080; None without a driver."""
     driver, _ = _cuda_driver.get_driver()
     if driver is None:
         return None
     try:
-        return _cuda_driver.format_cuda_version(driver.version())
+        return driver.version()
     except _cuda_driver.CudaDriverError:
         return None
+
+
+def _driver_version() -> str | None:
+    version = _driver_cuda_version()
+    return None if version is None else _cuda_driver.format_cuda_version(version)
 
 
 def _try(fn, *args, **kwargs):
@@ -576,6 +601,7 @@ def _probe_gpus(
             ),
             pci_bus_id=bus_id,
             nvlinks_active=active,
+            cooperative_launch=_try(driver.cooperative_launch, ordinal),
         ))
     return tuple(gpus)
 
@@ -639,8 +665,10 @@ def probe_extension() -> ExtensionInfo:
     except Exception:  # an older build without the function: archs unknown
         pass
     built = getattr(module, "nvshmem_built", None)
+    runtime = getattr(module, "cuda_runtime_version", None)
     return ExtensionInfo(True, archs, getattr(module, "__file__", None), None,
-                         bool(built()) if built is not None else None)
+                         bool(built()) if built is not None else None,
+                         int(runtime()) if runtime is not None else None)
 
 
 def probe_nvshmem() -> NvshmemInfo:
@@ -740,40 +768,129 @@ def _arch_tokens(archs: str) -> list[str]:
     return [t for t in re.split(r"[;,\s]+", archs.strip()) if t]
 
 
-def arch_supports(archs: str, cc: tuple[int, int]) -> bool | None:
-    """Whether code built for CMAKE_CUDA_ARCHITECTURES `archs` runs on compute capability `cc`.
+@dataclasses.dataclass(frozen=True)
+class BuiltCode:
+    """The code of a build, from `jax_ep._C.cuda_architectures()` or a CMake architecture list.
 
-    "90" (SASS + PTX) runs on 9.x natively and on newer GPUs through PTX JIT; "90-real" on 9.x
-    only; "90-virtual" on >= 9.0; "90a" on exactly 9.0; "100f" on 10.x. Returns None when it
-    cannot tell ("native", "all").
+    Attributes:
+      sass: architectures with SASS, e.g. ("80", "90a", "100f").
+      ptx: architectures with PTX, e.g. ("90",).
+      unknown: entries that name no architecture ("native", "all"): what they built is unknown.
     """
-    unknown = False
+
+    sass: tuple[str, ...]
+    ptx: tuple[str, ...]
+    unknown: tuple[str, ...]
+
+
+def parse_architectures(archs: str) -> BuiltCode:
+    """The SASS and PTX of `archs`: "sm_N" / "compute_N" entries (what jax_ep._C reports) or
+    CMake's CUDA_ARCHITECTURES syntax ("N" = SASS and PTX, "N-real" = SASS, "N-virtual" = PTX)."""
+    sass, ptx, unknown = [], [], []
     for token in _arch_tokens(archs):
-        if token in ("native", "all", "all-major"):
-            unknown = True
+        match = re.fullmatch(r"(sm_|compute_)?(\d+[af]?)(-real|-virtual)?", token)
+        if not match or (match.group(1) and match.group(3)):
+            unknown.append(token)
             continue
-        match = re.fullmatch(r"(?:sm_|compute_)?(\d+)([af]?)(-real|-virtual)?", token)
-        if not match:
-            unknown = True
-            continue
-        major, minor = divmod(int(match.group(1)), 10)
-        suffix, kind = match.group(2), match.group(3)
-        if suffix == "a":
-            ok = cc == (major, minor)
-        elif suffix == "f":
-            ok = cc[0] == major and cc[1] >= minor
-        else:
-            sass = kind != "-virtual" and cc[0] == major and cc[1] >= minor
-            ptx = kind != "-real" and cc >= (major, minor)
-            ok = sass or ptx
-        if ok:
-            return True
-    return None if unknown else False
+        prefix, arch, kind = match.groups()
+        if prefix != "compute_" and kind != "-virtual":
+            sass.append(arch)
+        if prefix != "sm_" and kind != "-real":
+            ptx.append(arch)
+    dedupe = lambda items: tuple(dict.fromkeys(items))
+    return BuiltCode(dedupe(sass), dedupe(ptx), dedupe(unknown))
 
 
-def _arch_names(archs: str) -> str:
-    names = [f"sm_{re.sub(r'-(real|virtual)$', '', t)}" for t in _arch_tokens(archs)]
-    return (", ".join(names) + (" only" if len(names) == 1 else "")) if names else "no architecture"
+def _arch_cc(arch: str) -> tuple[tuple[int, int], str]:
+    """"90a" -> ((9, 0), "a")."""
+    major, minor = divmod(int(arch.rstrip("af")), 10)
+    return (major, minor), arch[-1] if arch[-1] in "af" else ""
+
+
+def _sass_runs(arch: str, cc: tuple[int, int]) -> bool:
+    """SASS of sm_N runs on its major version from minor N%10 on; "a" on N exactly."""
+    target, suffix = _arch_cc(arch)
+    return cc == target if suffix == "a" else cc[0] == target[0] and cc[1] >= target[1]
+
+
+def _ptx_runs(arch: str, cc: tuple[int, int]) -> bool:
+    """PTX of compute_N is JIT-compiled for every later GPU; "a" / "f" PTX for N / its family."""
+    target, suffix = _arch_cc(arch)
+    if suffix == "a":
+        return cc == target
+    if suffix == "f":
+        return cc[0] == target[0] and cc[1] >= target[1]
+    return cc >= target
+
+
+def code_for(archs: str, cc: tuple[int, int]) -> str | None:
+    """The code of `archs` that a GPU of compute capability `cc` runs: "sm_N" (SASS; the
+    newest that runs) or, without SASS for it, "compute_N" (PTX the driver JIT-compiles; the
+    newest that runs, as the driver picks); None when nothing runs on it."""
+    code = parse_architectures(archs)
+    newest = lambda items: max(items, key=lambda a: _arch_cc(a)[0], default=None)
+    sass = newest([a for a in code.sass if _sass_runs(a, cc)])
+    if sass is not None:
+        return f"sm_{sass}"
+    ptx = newest([a for a in code.ptx if _ptx_runs(a, cc)])
+    return None if ptx is None else f"compute_{ptx}"
+
+
+def arch_supports(archs: str, cc: tuple[int, int]) -> bool | None:
+    """Whether code built for `archs` (see `parse_architectures`) runs on compute capability
+    `cc`: "90" (SASS + PTX) runs on 9.x natively and on newer GPUs through PTX JIT; "90-real"
+    on 9.x only; "90-virtual" on >= 9.0; "90a" on exactly 9.0; "100f" on 10.x. Returns None when
+    nothing listed runs on it but some entry is unknown ("native", "all")."""
+    if code_for(archs, cc) is not None:
+        return True
+    return None if parse_architectures(archs).unknown else False
+
+
+def describe_architectures(archs: str) -> str:
+    """ "sm_80 sm_90 compute_90" -> "sm_80, sm_90 + PTX compute_90"."""
+    code = parse_architectures(archs)
+    parts = [", ".join([f"sm_{a}" for a in code.sass] + list(code.unknown))]
+    if code.ptx:
+        parts.append("PTX " + ", ".join(f"compute_{a}" for a in code.ptx))
+    text = " + ".join(p for p in parts if p)
+    return text or "no architecture"
+
+
+def _cmake_architectures(archs: str) -> str:
+    """The CMake list of the same code: "sm_80 sm_90 compute_90" -> "80-real;90"."""
+    code = parse_architectures(archs)
+    entries = [a if a in code.ptx else f"{a}-real" for a in code.sass]
+    entries += [f"{a}-virtual" for a in code.ptx if a not in code.sass]
+    return ";".join(entries + list(code.unknown))
+
+
+def _cuda_version_text(version: int) -> str:
+    return _cuda_driver.format_cuda_version(version)
+
+
+def driver_problem(driver_cuda_version: int | None, runtime_version: int | None) -> str | None:
+    """Why the driver cannot run a jax_ep._C built with CUDA runtime `runtime_version`
+    (CUDART_VERSION, linked in), or None when it can or a version is unknown.
+
+    The driver must support the runtime's major version (a CUDA 13 build needs a CUDA 13 driver,
+    r580 or newer). An older minor version of the same major runs the module's SASS (CUDA's
+    minor-version compatibility) but cannot JIT-compile its PTX; `decide_backend` reports that
+    per GPU, for the GPUs that would run PTX.
+    """
+    if driver_cuda_version is None or runtime_version is None:
+        return None
+    if driver_cuda_version // 1000 >= runtime_version // 1000:
+        return None
+    major = runtime_version // 1000
+    minimum = _MIN_DRIVER_FOR_CUDA_MAJOR.get(major)
+    driver_text = f"CUDA {major}.0 or newer" + (f" (r{minimum}+)" if minimum else "")
+    return (
+        f"the CUDA driver supports CUDA {_cuda_version_text(driver_cuda_version)}, but jax_ep._C "
+        f"was built with CUDA {_cuda_version_text(runtime_version)} (its CUDA runtime is linked "
+        f"in), which needs a driver of {driver_text}: update the driver, or build jax_ep with "
+        f"a CUDA {driver_cuda_version // 1000} toolkit (CUDACXX=<that toolkit>/bin/nvcc pip "
+        f"install .)"
+    )
 
 
 def _gpus_text(ordinals: Sequence[int]) -> str:
@@ -796,6 +913,7 @@ def decide_backend(
     workspace_bytes_needed: int | None = None,
     xla_memory: XlaMemorySettings | None = None,
     driver_gpu_count: int = 0,
+    driver_cuda_version: int | None = None,
 ) -> BackendDecision:
     """The backend for `devices` from facts already gathered (pure; see `auto_backend`).
 
@@ -803,13 +921,16 @@ def decide_backend(
       devices: every device of the Buffer's mesh.
       default_backend: jax.default_backend().
       extension: the state of jax_ep._C.
-      gpus: driver facts of this process's GPUs (memory); missing ones skip the memory check.
+      gpus: driver facts of this process's GPUs (memory, cooperative launch); a GPU missing
+        here skips those checks.
       peers: peer access between this process's GPUs; a missing pair is not held against "cuda".
       ep_groups: the EP groups (slices of the mesh along the EP axis); default: one group of all
         `devices`. Peer access is needed within a group only.
       workspace_bytes_needed: per-device workspace of the Buffer; None skips the memory check.
       xla_memory: XLA's memory settings, named in the memory fix.
       driver_gpu_count: GPUs the CUDA driver sees, to explain a jax that sees none.
+      driver_cuda_version: cuDriverGetVersion (e.g. 12080), checked against the CUDA runtime
+        jax_ep._C was built with; None skips that check.
 
     Returns:
       BackendDecision("cuda", ()) or BackendDecision("xla", reasons).
@@ -850,31 +971,61 @@ def decide_backend(
             f"machine with nvcc (JAX_EP_ENABLE_CUDA=ON pip install .)"
         )
 
-    # Compute capability and built architectures, one line per (name, cc).
+    # The driver against the CUDA runtime linked into jax_ep._C.
+    runtime = extension.cuda_runtime_version if extension.importable else None
+    old_driver = driver_problem(driver_cuda_version, runtime) if cuda_devices else None
+    if old_driver:
+        reasons.append(old_driver)
+
+    # Compute capability, cooperative launch and the code built for it, one line per (name, cc).
     by_kind: dict[tuple[str, str], list[int]] = {}
     for d in cuda_devices:
         label = d.local_ordinal if d.local_ordinal is not None else d.id
         by_kind.setdefault((d.kind, d.compute_capability or "unknown"), []).append(label)
     archs = extension.cuda_architectures if extension.importable else None
+    min_text = f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
     for (kind, cc_text), labels in by_kind.items():
         cc = _parse_cc(cc_text)
         if cc is None:
             continue
         who = f"{_gpus_text(labels)} ({kind}): compute capability {cc_text}"
-        min_text = f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
-        supported = None if archs is None else arch_supports(archs, cc)
         if cc < MIN_COMPUTE_CAPABILITY:
-            built = f" and the extension was built for {_arch_names(archs)}" if archs else ""
             reasons.append(
-                f"{who}{built}, but the cuda kernels need compute capability {min_text} or newer "
-                f"(Hopper): use the reference backend (xla) on these GPUs"
+                f"{who}, but the cuda kernels need compute capability {min_text} or newer "
+                f"(loads and stores with acquire/release semantics at system scope): use the "
+                f"reference backend (xla) on these GPUs"
             )
-        elif supported is False:
-            wanted = f"{archs.strip()};{cc[0]}{cc[1]}"
+            continue
+        if archs is None:
+            continue
+        code = code_for(archs, cc)
+        rebuild = f"JAX_EP_CUDA_ARCHS=\"{_cmake_architectures(archs)};{cc[0]}{cc[1]}\""
+        if code is None and not parse_architectures(archs).unknown:
             reasons.append(
-                f"{who} but the extension was built for {_arch_names(archs)}: rebuild with "
-                f"JAX_EP_CUDA_ARCHS=\"{wanted}\""
+                f"{who}, but jax_ep._C carries no code that runs on it (built for "
+                f"{describe_architectures(archs)}; SASS sm_N runs on compute capability N/10.x, "
+                f"PTX compute_N on N/10 and newer): rebuild with {rebuild}"
             )
+        elif (code is not None and code.startswith("compute_") and not old_driver
+              and runtime is not None and driver_cuda_version is not None
+              and driver_cuda_version < runtime):
+            reasons.append(
+                f"{who} runs jax_ep._C through its PTX {code}, which the driver JIT-compiles, "
+                f"but the driver (CUDA {_cuda_version_text(driver_cuda_version)}) is older than "
+                f"the toolkit that built that PTX (CUDA {_cuda_version_text(runtime)}) and "
+                f"cannot read it: update the driver, or rebuild with {rebuild} to carry SASS "
+                f"for these GPUs"
+            )
+    no_cooperative = [g for g in gpus if g.cooperative_launch is False and g.ordinal in
+                      {d.local_ordinal for d in cuda_devices if d.addressable}]
+    if no_cooperative:
+        names = sorted({g.name for g in no_cooperative})
+        reasons.append(
+            f"{_gpus_text([g.ordinal for g in no_cooperative])} ({', '.join(names)}): no "
+            f"cooperative launch (cudaDevAttrCooperativeLaunch is 0), which the low-latency "
+            f"kernels need (all blocks of a launch resident at once): use the reference backend "
+            f"(xla)"
+        )
 
     # GPUs of other processes are reached through CUDA IPC (jax_ep/_ipc.py); that they share
     # this host is checked when the Buffer exchanges its workspaces.
@@ -934,6 +1085,7 @@ def _gather_and_decide(
     extension: ExtensionInfo | None,
     gpus: Sequence[GpuInfo] | None,
     peers: Sequence[PeerLink] | None,
+    driver_cuda_version: int | None = None,
 ) -> BackendDecision:
     infos = [_describe_device(d) for d in devices]
     groups = None if ep_groups is None else [[_describe_device(d) for d in g] for g in ep_groups]
@@ -944,8 +1096,9 @@ def _gather_and_decide(
     ordinals = sorted({d.local_ordinal for d in infos
                        if d.is_cuda and d.addressable and d.local_ordinal is not None})
     if gpus is None:
-        gpus = (_probe_gpus(ordinals, create_context=False, nvlinks=False)
-                if workspace_bytes_needed is not None and ordinals else ())
+        gpus = (_probe_gpus(ordinals, free_memory=workspace_bytes_needed is not None,
+                            create_context=False, nvlinks=False)
+                if ordinals else ())
     if peers is None:
         peers = _probe_peers(ordinals) if len(ordinals) > 1 else ()
     driver_count = 0
@@ -953,10 +1106,12 @@ def _gather_and_decide(
         driver, _ = _cuda_driver.get_driver()
         if driver is not None and driver.initialized:
             driver_count = _try(driver.device_count) or 0
+    if driver_cuda_version is None and any(d.is_cuda for d in infos):
+        driver_cuda_version = _driver_cuda_version()
     return decide_backend(
         infos, default_backend=default_backend, extension=extension, gpus=gpus, peers=peers,
         ep_groups=groups, workspace_bytes_needed=workspace_bytes_needed,
-        driver_gpu_count=driver_count,
+        driver_gpu_count=driver_count, driver_cuda_version=driver_cuda_version,
     )
 
 
@@ -969,13 +1124,16 @@ def auto_backend(
     extension: ExtensionInfo | None = None,
     gpus: Sequence[GpuInfo] | None = None,
     peers: Sequence[PeerLink] | None = None,
+    driver_cuda_version: int | None = None,
 ) -> tuple[str, list[str]]:
     """The backend Buffer(backend="auto") uses on `devices`, and why.
 
-    "cuda" only when jax's default backend is gpu, every device is a CUDA GPU of compute
-    capability >= 9.0 that the extension's built architectures run on, jax_ep._C imports, every
-    EP group has at most 8 ranks whose GPUs (of this process) have peer access to each other,
-    and (when `workspace_bytes_needed` is given) every GPU has that much free memory.
+    "cuda" only when jax's default backend is gpu, jax_ep._C imports and the driver supports
+    the CUDA runtime it was built with, every device is a CUDA GPU of compute capability >= 7.0
+    that supports cooperative launches and for which jax_ep._C carries SASS or PTX (PTX only when
+    the driver is at least as new as the toolkit that built it), every EP group has at most 8
+    ranks whose GPUs (of this process) have peer access to each other, and (when
+    `workspace_bytes_needed` is given) every GPU has that much free memory.
     Call on the host, outside jit.
 
     Args:
@@ -984,8 +1142,9 @@ def auto_backend(
       workspace_bytes_needed: per-device workspace; None skips the memory check.
       default_backend: overrides jax.default_backend() (tests).
       extension: overrides the probe of jax_ep._C (tests).
-      gpus: overrides the driver's GPU facts, used for free memory (tests).
+      gpus: overrides the driver's GPU facts: free memory, cooperative launch (tests).
       peers: overrides the driver's peer access facts (tests).
+      driver_cuda_version: overrides cuDriverGetVersion, e.g. 12080 (tests).
 
     Returns:
       ("cuda", []) or ("xla", reasons), each reason naming the problem and its fix.
@@ -993,6 +1152,7 @@ def auto_backend(
     decision = _gather_and_decide(
         devices, ep_groups=ep_groups, workspace_bytes_needed=workspace_bytes_needed,
         default_backend=default_backend, extension=extension, gpus=gpus, peers=peers,
+        driver_cuda_version=driver_cuda_version,
     )
     return decision.backend, list(decision.reasons)
 
@@ -1006,6 +1166,7 @@ def check_cuda_backend(
     extension: ExtensionInfo | None = None,
     gpus: Sequence[GpuInfo] | None = None,
     peers: Sequence[PeerLink] | None = None,
+    driver_cuda_version: int | None = None,
 ) -> None:
     """The start-up checks of Buffer(backend="cuda"); same arguments as `auto_backend`.
 
@@ -1016,6 +1177,7 @@ def check_cuda_backend(
     backend, reasons = auto_backend(
         devices, ep_groups=ep_groups, workspace_bytes_needed=workspace_bytes_needed,
         default_backend=default_backend, extension=extension, gpus=gpus, peers=peers,
+        driver_cuda_version=driver_cuda_version,
     )
     if backend != "cuda":
         lines = "\n".join(f"  - {r}" for r in reasons)
@@ -1071,6 +1233,7 @@ def collect(spec: BufferSpec | None = None, *, free_memory: bool = True) -> EnvR
             infos, default_backend=jax_info.default_backend, extension=extension, gpus=gpus,
             peers=peers, ep_groups=[group], workspace_bytes_needed=workspace.bytes,
             xla_memory=xla_memory, driver_gpu_count=driver.device_count,
+            driver_cuda_version=_driver_cuda_version(),
         )
         if spec.num_ranks > len(infos):
             backend = BackendDecision("xla", backend.reasons + (
@@ -1122,6 +1285,40 @@ def _peer_matrix(gpus: Sequence[GpuInfo], peers: Sequence[PeerLink]) -> list[str
     return lines
 
 
+def _parse_cuda_version(text: str | None) -> int | None:
+    """ "12.8" -> 12080."""
+    match = re.fullmatch(r"(\d+)\.(\d+)", text or "")
+    return int(match.group(1)) * 1000 + int(match.group(2)) * 10 if match else None
+
+
+def _driver_and_code_lines(report: EnvReport) -> list[str]:
+    """The driver against the extension's CUDA runtime, and the code each GPU would run."""
+    ext = report.extension
+    driver = _parse_cuda_version(report.versions.cuda_driver)
+    lines = []
+    if driver is not None and ext.cuda_runtime_version is not None:
+        problem = driver_problem(driver, ext.cuda_runtime_version)
+        lines.append(f"driver check: {problem}" if problem else (
+            f"driver check: the driver (CUDA {_cuda_version_text(driver)}) runs a CUDA "
+            f"{_cuda_version_text(ext.cuda_runtime_version)} build"))
+    if not ext.cuda_architectures:
+        return lines
+    for g in report.gpus:
+        cc = _parse_cc(g.compute_capability)
+        if cc is None:
+            continue
+        code = code_for(ext.cuda_architectures, cc)
+        if code is None:
+            runs = "no code for it"
+        elif code.startswith("sm_"):
+            runs = f"runs SASS {code}"
+        else:
+            runs = f"runs PTX {code}, JIT-compiled by the driver at first use"
+        lines.append(f"[{g.ordinal}] {g.name} (compute capability {g.compute_capability}): "
+                     f"{runs}")
+    return lines
+
+
 def format_report(report: EnvReport) -> str:
     """Human-readable text of the report (what `python -m jax_ep.env` prints)."""
     v, drv, jx = report.versions, report.driver, report.jax
@@ -1169,8 +1366,13 @@ def format_report(report: EnvReport) -> str:
     ext = report.extension
     out.append("CUDA extension jax_ep._C")
     if ext.importable:
-        archs = _arch_names(ext.cuda_architectures) if ext.cuda_architectures else "unknown archs"
-        out.append(f"  imports; built for {archs} ({ext.path})")
+        archs = (describe_architectures(ext.cuda_architectures) if ext.cuda_architectures
+                 else "unknown architectures")
+        cuda = (f"CUDA {_cuda_version_text(ext.cuda_runtime_version)}"
+                if ext.cuda_runtime_version else "an unknown CUDA")
+        out.append(f"  imports ({ext.path})")
+        out.append(f"  built with {cuda} for {archs}")
+        out.extend(f"  {line}" for line in _driver_and_code_lines(report))
     else:
         out.append(f"  does not import: {ext.error}")
     out.append("")

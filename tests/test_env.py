@@ -39,7 +39,8 @@ SECTION_KEYS = {
     "jax": {"default_backend": (str, NONE), "process_index": int, "process_count": int,
             "device_count": int, "local_devices": list, "error": (str, NONE)},
     "extension": {"importable": bool, "cuda_architectures": (str, NONE), "path": (str, NONE),
-                  "error": (str, NONE), "nvshmem_built": (bool, NONE)},
+                  "error": (str, NONE), "nvshmem_built": (bool, NONE),
+                  "cuda_runtime_version": (int, NONE)},
     "nvshmem": {"package": (str, NONE), "version": (str, NONE), "host_library": (str, NONE),
                 "reason": (str, NONE)},
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
@@ -48,6 +49,10 @@ SECTION_KEYS = {
     "workspace": {"spec": dict, "bytes": int, "exact": bool, "source": str},
     "backend": {"backend": str, "reasons": list},
 }
+GPU_KEYS = {"ordinal": int, "name": str, "compute_capability": str,
+            "total_memory_bytes": (int, NONE), "free_memory_bytes": (int, NONE),
+            "pci_bus_id": (str, NONE), "nvlinks_active": (int, NONE),
+            "cooperative_launch": (bool, NONE)}
 DEVICE_KEYS = {"id": int, "platform": str, "kind": str, "process_index": int,
                "addressable": bool, "local_ordinal": (int, NONE),
                "compute_capability": (str, NONE), "is_cuda": bool}
@@ -55,7 +60,10 @@ SPEC_KEYS = {"num_ranks": int, "num_experts": int, "hidden": int, "max_tokens_pe
              "num_topk": int, "capacity": int, "dtype_bytes": int, "low_latency": bool}
 
 H200 = 141 * (1 << 30)
-EXT_90 = env.ExtensionInfo(True, "90", "/fake/_C.so", None)
+EXT_90 = env.ExtensionInfo(True, "90", "/fake/_C.so", None)  # a build that reports CMake's list
+# What the default build reports (CMakeLists.txt: 80-real;89-real;90-real;100-real;120).
+DEFAULT_ARCHS = "sm_80 sm_89 sm_90 sm_100 sm_120 compute_120"
+EXT_DEFAULT = env.ExtensionInfo(True, DEFAULT_ARCHS, "/fake/_C.so", None, False, 13000)
 EXT_MISSING = env.ExtensionInfo(False, None, None,
                                 "ModuleNotFoundError: No module named 'jax_ep._C'")
 
@@ -90,8 +98,8 @@ def full_peers(n, link="nvlink", missing=()):
     return tuple(peers)
 
 
-def fake_gpu_infos(n, free=100 * (1 << 30)):
-    return tuple(env.GpuInfo(i, "NVIDIA H200", "9.0", H200, free, f"0000:{0x18 + i:02x}:00.0", 18)
+def fake_gpu_infos(n, free=100 * (1 << 30), name="NVIDIA H200", cc="9.0", cooperative=True):
+    return tuple(env.GpuInfo(i, name, cc, H200, free, f"0000:{0x18 + i:02x}:00.0", 18, cooperative)
                  for i in range(n))
 
 
@@ -100,6 +108,7 @@ def decide(devices, **kw):
     kw.setdefault("extension", EXT_90)
     kw.setdefault("gpus", ())
     kw.setdefault("peers", full_peers(len(devices)))
+    kw.setdefault("driver_cuda_version", 13000)  # not this machine's driver, if it has one
     return env.auto_backend(devices, **kw)
 
 
@@ -151,6 +160,8 @@ def check_json_report(data):
         check_keys(data[section], keys, section)
     for i, device in enumerate(data["jax"]["local_devices"]):
         check_keys(device, DEVICE_KEYS, f"jax.local_devices[{i}]")
+    for i, gpu in enumerate(data["gpus"]):
+        check_keys(gpu, GPU_KEYS, f"gpus[{i}]")
     check_keys(data["workspace"]["spec"], SPEC_KEYS, "workspace.spec")
     assert data["backend"]["backend"] in ("cuda", "xla")
     for link in data["peers"]:
@@ -192,18 +203,18 @@ def test_bad_flags_exit_with_the_fix(capsys):
 # ------------------------------------------------------------------------- format_report
 
 
-def fake_report(num_gpus=2):
+def fake_report(num_gpus=2, cuda_driver="13.0", extension=EXT_DEFAULT):
     gpus = fake_gpu_infos(num_gpus, free=30 * (1 << 30))
     devices = tuple(fake_gpu(i) for i in range(num_gpus))
     spec = env.BufferSpec(num_ranks=num_gpus, num_experts=32 * num_gpus)
     return env.EnvReport(
-        versions=env.Versions("0.1.0", "0.11.2", "0.11.2", "3.11.7", "12.8", "12.9.79",
-                              "nvidia-cuda-runtime-cu12 package", "jax-cuda12-plugin 0.11.2"),
+        versions=env.Versions("0.1.0", "0.11.2", "0.11.2", "3.11.7", cuda_driver, "13.0.96",
+                              "nvidia-cuda-runtime package", "jax-cuda13-plugin 0.11.2"),
         driver=env.DriverInfo(True, None, num_gpus, True, None),
         jax=env.JaxInfo("gpu", 0, 1, num_gpus, devices, None),
         gpus=gpus,
         peers=full_peers(num_gpus),
-        extension=EXT_90,
+        extension=extension,
         nvshmem=env.NvshmemInfo("nvidia-nvshmem-cu12", "3.3.9", "/x/libnvshmem_host.so.3", None),
         xla_memory=env.xla_memory_settings({}),
         workspace=env.WorkspaceEstimate(spec, env.approximate_workspace_bytes(spec), False,
@@ -224,9 +235,25 @@ def test_format_report_two_gpus_nvlink_matrix():
     assert row0.split() == ["GPU0", "X", "NV"]
     assert row1.split() == ["GPU1", "NV", "X"]
     assert "NV = NVLink" in lines[header + 4]
-    assert "built for sm_90 only" in text
-    assert "12.9.79" in text and "12.8" in text and "nvidia-nvshmem-cu12 3.3.9" in text
+    assert ("  built with CUDA 13.0 for sm_80, sm_89, sm_90, sm_100, sm_120 + PTX compute_120"
+            in lines)
+    assert "  driver check: the driver (CUDA 13.0) runs a CUDA 13.0 build" in lines
+    assert "  [1] NVIDIA H200 (compute capability 9.0): runs SASS sm_90" in lines
+    assert "13.0.96" in text and "nvidia-nvshmem-cu12 3.3.9" in text
     assert 'Buffer(backend="auto") -> cuda' in text
+
+
+def test_format_report_driver_older_than_the_build():
+    text = env.format_report(fake_report(1, cuda_driver="12.8"))
+    assert ("  driver check: the CUDA driver supports CUDA 12.8, but jax_ep._C was built with "
+            "CUDA 13.0 (its CUDA runtime is linked in), which needs a driver of CUDA 13.0 or "
+            "newer (r580+)") in text
+    ptx_only = env.ExtensionInfo(True, "compute_80", "/fake/_C.so", None, False, 12040)
+    text = env.format_report(fake_report(1, cuda_driver="12.8", extension=ptx_only))
+    assert "  built with CUDA 12.4 for PTX compute_80" in text
+    assert "driver check: the driver (CUDA 12.8) runs a CUDA 12.4 build" in text
+    assert ("  [0] NVIDIA H200 (compute capability 9.0): runs PTX compute_80, JIT-compiled by "
+            "the driver at first use") in text
 
 
 def test_format_report_marks_pcie_missing_and_inferred_links():
@@ -270,11 +297,88 @@ def test_auto_backend_all_good_is_cuda():
     assert decide(devices, gpus=fake_gpu_infos(8), workspace_bytes_needed=1 << 30) == ("cuda", [])
 
 
-def test_auto_backend_cc80_vs_built_90():
-    backend, reasons = decide([fake_gpu(i, cc="8.0", kind="NVIDIA A100") for i in range(2)])
+def a100s(n=2):
+    return [fake_gpu(i, cc="8.0", kind="NVIDIA A100-SXM4-80GB") for i in range(n)]
+
+
+def test_auto_backend_accepts_a100_with_the_default_build():
+    gpus = fake_gpu_infos(2, name="NVIDIA A100-SXM4-80GB", cc="8.0")
+    assert decide(a100s(), extension=EXT_DEFAULT, gpus=gpus) == ("cuda", [])
+    # A PTX-only build of compute_80 runs on the A100 and, JIT-compiled, on newer GPUs.
+    ptx_80 = env.ExtensionInfo(True, "compute_80", "/fake/_C.so", None, False, 13000)
+    assert decide(a100s(), extension=ptx_80) == ("cuda", [])
+    assert decide([fake_gpu(0), fake_gpu(1)], extension=ptx_80) == ("cuda", [])
+
+
+def test_auto_backend_refuses_a100_without_code_for_it():
+    backend, reasons = decide(a100s())  # EXT_90: CMake's "90", SASS sm_90 + PTX compute_90
+    assert backend == "xla"
+    assert reasons == [
+        "GPUs 0, 1 (NVIDIA A100-SXM4-80GB): compute capability 8.0, but jax_ep._C carries no "
+        "code that runs on it (built for sm_90 + PTX compute_90; SASS sm_N runs on compute "
+        "capability N/10.x, PTX compute_N on N/10 and newer): rebuild with "
+        'JAX_EP_CUDA_ARCHS="90;80"'
+    ]
+    ptx_90 = env.ExtensionInfo(True, "compute_90", "/fake/_C.so", None, False, 13000)
+    backend, reasons = decide(a100s(), extension=ptx_90)
+    assert backend == "xla" and "(built for PTX compute_90;" in reasons[0]
+    assert reasons[0].endswith('rebuild with JAX_EP_CUDA_ARCHS="90-virtual;80"')
+
+
+def test_auto_backend_minimum_compute_capability():
+    volta = [fake_gpu(i, cc="7.0", kind="Tesla V100-SXM2-32GB") for i in range(2)]
+    ext_70 = env.ExtensionInfo(True, "sm_70 compute_70", "/fake/_C.so", None, False, 12040)
+    assert decide(volta, extension=ext_70, driver_cuda_version=12040) == ("cuda", [])
+    pascal = [fake_gpu(i, cc="6.0", kind="Tesla P100-SXM2-16GB") for i in range(2)]
+    backend, reasons = decide(pascal, extension=ext_70, driver_cuda_version=12040)
+    assert backend == "xla"
+    assert reasons == [
+        "GPUs 0, 1 (Tesla P100-SXM2-16GB): compute capability 6.0, but the cuda kernels need "
+        "compute capability 7.0 or newer (loads and stores with acquire/release semantics at "
+        "system scope): use the reference backend (xla) on these GPUs"
+    ]
+
+
+def test_auto_backend_needs_cooperative_launch():
+    devices = [fake_gpu(0), fake_gpu(1)]
+    gpus = fake_gpu_infos(2)
+    gpus = (gpus[0], env.GpuInfo(**{**vars(gpus[1]), "cooperative_launch": False}))
+    backend, reasons = decide(devices, extension=EXT_DEFAULT, gpus=gpus)
+    assert backend == "xla"
+    assert reasons == [
+        "GPU 1 (NVIDIA H200): no cooperative launch (cudaDevAttrCooperativeLaunch is 0), which "
+        "the low-latency kernels need (all blocks of a launch resident at once): use the "
+        "reference backend (xla)"
+    ]
+    unknown = tuple(env.GpuInfo(**{**vars(g), "cooperative_launch": None}) for g in gpus)
+    assert decide(devices, extension=EXT_DEFAULT, gpus=unknown) == ("cuda", [])
+
+
+def test_auto_backend_driver_older_than_the_build():
+    devices = [fake_gpu(0), fake_gpu(1)]
+    # Another major version: nothing of the module runs.
+    backend, reasons = decide(devices, extension=EXT_DEFAULT, driver_cuda_version=12080)
     assert backend == "xla" and len(reasons) == 1
-    assert "GPUs 0, 1 (NVIDIA A100): compute capability 8.0" in reasons[0]
-    assert "built for sm_90 only" in reasons[0] and "9.0 or newer" in reasons[0]
+    assert reasons[0].startswith(
+        "the CUDA driver supports CUDA 12.8, but jax_ep._C was built with CUDA 13.0 (its CUDA "
+        "runtime is linked in), which needs a driver of CUDA 13.0 or newer (r580+): update the "
+        "driver, or build jax_ep with a CUDA 12 toolkit")
+    # Same major, older minor: SASS runs (minor-version compatibility), PTX does not JIT.
+    ext_132 = env.ExtensionInfo(True, DEFAULT_ARCHS, "/fake/_C.so", None, False, 13020)
+    assert decide(devices, extension=ext_132, driver_cuda_version=13000) == ("cuda", [])
+    ptx_80 = env.ExtensionInfo(True, "compute_80", "/fake/_C.so", None, False, 13020)
+    backend, reasons = decide(devices, extension=ptx_80, driver_cuda_version=13000)
+    assert backend == "xla"
+    assert reasons == [
+        "GPUs 0, 1 (NVIDIA H200): compute capability 9.0 runs jax_ep._C through its PTX "
+        "compute_80, which the driver JIT-compiles, but the driver (CUDA 13.0) is older than "
+        "the toolkit that built that PTX (CUDA 13.2) and cannot read it: update the driver, or "
+        'rebuild with JAX_EP_CUDA_ARCHS="80-virtual;90" to carry SASS for these GPUs'
+    ]
+    assert decide(devices, extension=ptx_80, driver_cuda_version=13020) == ("cuda", [])
+    # A driver of an older major: one reason, not one more per GPU running PTX.
+    _, reasons = decide(devices, extension=ptx_80, driver_cuda_version=12080)
+    assert len(reasons) == 1 and reasons[0].startswith("the CUDA driver supports CUDA 12.8")
 
 
 def test_auto_backend_newer_gpu_vs_arch_specific_build():
@@ -282,8 +386,10 @@ def test_auto_backend_newer_gpu_vs_arch_specific_build():
     backend, reasons = decide([fake_gpu(0, cc="10.0", kind="NVIDIA B200"), fake_gpu(1, cc="10.0",
                                kind="NVIDIA B200")], extension=ext)
     assert backend == "xla"
-    assert reasons == ['GPUs 0, 1 (NVIDIA B200): compute capability 10.0 but the extension was '
-                       'built for sm_90a only: rebuild with JAX_EP_CUDA_ARCHS="90a;100"']
+    assert reasons == ["GPUs 0, 1 (NVIDIA B200): compute capability 10.0, but jax_ep._C carries "
+                       "no code that runs on it (built for sm_90a + PTX compute_90a; SASS sm_N "
+                       "runs on compute capability N/10.x, PTX compute_N on N/10 and newer): "
+                       'rebuild with JAX_EP_CUDA_ARCHS="90a;100"']
     # A plain "90" build carries PTX, which the driver compiles for 10.0.
     assert decide([fake_gpu(0, cc="10.0"), fake_gpu(1, cc="10.0")]) == ("cuda", [])
 
@@ -325,13 +431,13 @@ def test_auto_backend_other_reasons():
 
 
 def test_check_cuda_backend_raises_with_every_reason():
-    devices = [fake_gpu(0, cc="8.0"), fake_gpu(1, cc="8.0")]
+    devices = [fake_gpu(0, cc="6.0"), fake_gpu(1, cc="6.0")]
     with pytest.raises(RuntimeError) as info:
         env.check_cuda_backend(devices, 1 << 30, default_backend="gpu", extension=EXT_MISSING,
                                gpus=(), peers=full_peers(2, missing={(0, 1)}))
     message = str(info.value)
     assert message.startswith("Buffer(backend='cuda') cannot run on these devices:")
-    for part in ("jax_ep._C does not import", "compute capability 8.0",
+    for part in ("jax_ep._C does not import", "compute capability 6.0",
                  "GPU 0 has no peer access to GPU 1", "backend='xla'"):
         assert part in message
     env.check_cuda_backend([fake_gpu(0), fake_gpu(1)], 1 << 30, default_backend="gpu",
@@ -342,9 +448,35 @@ def test_check_cuda_backend_raises_with_every_reason():
     ("90", (9, 0), True), ("90", (8, 0), False), ("90", (10, 0), True), ("90-real", (10, 0), False),
     ("90a", (9, 0), True), ("90a", (10, 0), False), ("80;90", (8, 6), True),
     ("90-virtual", (12, 0), True), ("100f", (10, 3), True), ("native", (9, 0), None),
+    ("native;80", (8, 0), True), ("sm_80", (9, 0), False), ("compute_80", (9, 0), True),
+    ("compute_90", (8, 9), False), ("sm_100f", (10, 3), True), ("sm_90a", (9, 0), True),
+    (DEFAULT_ARCHS, (11, 0), False), (DEFAULT_ARCHS, (12, 1), True), (DEFAULT_ARCHS, (7, 5), False),
 ])
 def test_arch_supports(archs, cc, expected):
     assert env.arch_supports(archs, cc) is expected
+
+
+@pytest.mark.parametrize("archs,cc,code", [
+    (DEFAULT_ARCHS, (8, 0), "sm_80"), (DEFAULT_ARCHS, (8, 6), "sm_80"),
+    (DEFAULT_ARCHS, (8, 9), "sm_89"), (DEFAULT_ARCHS, (9, 0), "sm_90"),
+    (DEFAULT_ARCHS, (10, 3), "sm_100"), (DEFAULT_ARCHS, (12, 0), "sm_120"),
+    (DEFAULT_ARCHS, (13, 0), "compute_120"), (DEFAULT_ARCHS, (11, 0), None),
+    ("compute_80", (9, 0), "compute_80"), ("80;90", (10, 0), "compute_90"),
+    ("80-real;90-virtual", (8, 9), "sm_80"), ("sm_90a compute_90", (9, 0), "sm_90a"),
+])
+def test_code_for(archs, cc, code):
+    assert env.code_for(archs, cc) == code
+
+
+def test_describe_and_cmake_architectures():
+    assert env.describe_architectures(DEFAULT_ARCHS) == (
+        "sm_80, sm_89, sm_90, sm_100, sm_120 + PTX compute_120")
+    assert env.describe_architectures("compute_80") == "PTX compute_80"
+    assert env.describe_architectures("90") == "sm_90 + PTX compute_90"
+    assert env._cmake_architectures(DEFAULT_ARCHS) == "80-real;89-real;90-real;100-real;120"
+    assert env._cmake_architectures("compute_80") == "80-virtual"
+    code = env.parse_architectures("80-real;90;native")
+    assert (code.sass, code.ptx, code.unknown) == (("80", "90"), ("90",), ("native",))
 
 
 # ------------------------------------------------------------------------- memory

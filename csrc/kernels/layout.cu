@@ -115,4 +115,8 @@ cudaError_t preload_layout_kernels() {
   return cudaFuncGetAttributes(&attributes, layout_kernel);
 }
 
+cudaError_t layout_kernel_attributes(cudaFuncAttributes* attributes) {
+  return cudaFuncGetAttributes(attributes, layout_kernel);
+}
+
 }  // namespace jax_ep

@@ -90,6 +90,11 @@ int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w);
 
 // Per-file kernel preloading (called by preload_normal_kernels()).
 cudaError_t preload_layout_kernels();
+// The code the driver loaded (or JIT-compiled from PTX) for the layout kernel on the current
+// device: binaryVersion = the SASS architecture it runs (e.g. 90), ptxVersion = the virtual
+// architecture it was compiled through (80 for code JIT-compiled from compute_80 PTX). Every
+// kernel of the module is built for the same architectures.
+cudaError_t layout_kernel_attributes(cudaFuncAttributes* attributes);
 cudaError_t preload_dispatch_kernels();
 cudaError_t preload_combine_kernels();
 

@@ -1,0 +1,64 @@
+"""What the build put into jax_ep._C, against what it says it carries (no GPU needed).
+
+Skips where the extension was not built (no nvcc). CI builds the default list of architectures,
+so these tests are also the check that a multi-architecture build works.
+"""
+
+import collections
+import re
+
+import fatbin
+import pytest
+
+from jax_ep import env
+
+_C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+
+
+def test_cuda_architectures_name_the_code_in_the_module():
+    reported = _C.cuda_architectures()
+    assert re.fullmatch(r"((sm|compute)_\d+[af]? ?)+", reported), reported
+    listed = collections.Counter(fatbin.device_code(_C.__file__))
+    # Every kernel file carries the same code; the "a"/"f" suffixes are flag bits in the fat
+    # binary, compared here by number.
+    assert set(listed) == {re.sub(r"[af]$", "", t) for t in reported.split()}, (reported, listed)
+    assert len(set(listed.values())) == 1, listed
+
+
+def test_reported_architectures_match_the_cmake_list():
+    cmake = _C.cmake_cuda_architectures()
+    code = env.parse_architectures(cmake)
+    if code.unknown:
+        pytest.skip(f"built for {cmake!r}: CMake expanded it")
+    built = env.parse_architectures(_C.cuda_architectures())
+    assert (set(built.sass), set(built.ptx)) == (set(code.sass), set(code.ptx))
+
+
+def test_cuda_runtime_version_and_extension_probe():
+    version = _C.cuda_runtime_version()
+    assert isinstance(version, int) and version >= 12000, version
+    info = env.probe_extension()
+    assert info.importable and info.cuda_runtime_version == version
+    assert info.cuda_architectures == _C.cuda_architectures()
+
+
+@pytest.mark.gpu
+def test_the_driver_runs_the_code_the_report_names():
+    """On every local GPU the driver loads the code `env.code_for` names: the SASS it names, or
+    code JIT-compiled through the PTX it names (a build of only compute_80 on a 9.0 GPU runs
+    binary version 90 compiled through PTX version 80: the sm_80 code path, software fp8 casts)."""
+    gpus = env._probe_gpus(free_memory=False, nvlinks=False)
+    if not gpus:
+        pytest.skip("the CUDA driver sees no GPU")
+    archs = _C.cuda_architectures()
+    for gpu in gpus:
+        cc = env._parse_cc(gpu.compute_capability)
+        code = env.code_for(archs, cc)
+        assert code is not None, f"GPU {gpu.ordinal} ({gpu.name}, {cc}): no code in {archs!r}"
+        image = _C.kernel_image(gpu.ordinal)
+        arch = int(re.sub(r"\D", "", code))
+        if code.startswith("sm_"):
+            assert image["binary_version"] == arch, (gpu, code, image)
+        else:
+            assert image == {"binary_version": cc[0] * 10 + cc[1], "ptx_version": arch}, (
+                gpu, code, image)
