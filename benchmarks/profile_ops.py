@@ -67,11 +67,14 @@ def _summarise(events, marker, family, iters):
         spans.append((max(s + d for _, s, d in span_events) - span_events[0][1]) / 1e3)
     kernels = {name: {"count": len(v), "median_us": statistics.median(v)}
                for name, v in by_name.items() if len(v) >= iters}
-    # Everything the GPU did for the program, gaps included, per iteration (slightly high: the
-    # program's prologue is in it): comparable between jax_ep and the peers.
-    period = (max(s + d for _, s, d in events) - events[0][1]) / 1e3 / iters if events else None
-    return {"kernels": kernels, "op_span_us": statistics.median(spans) if spans else None,
-            "period_us": period}
+    # Everything the GPU did for the program, gaps included, per op call (from the first call's
+    # first kernel: a combine program's one dispatch before it is not counted): comparable
+    # between jax_ep and the peers. gap_us: what the GPU idles per op beyond the op's span.
+    first = events[starts[0]][1] if starts else (events[0][1] if events else None)
+    period = (max(s + d for _, s, d in events) - first) / 1e3 / iters if events else None
+    span = statistics.median(spans) if spans else None
+    gap = period - span if span is not None and period is not None else None
+    return {"kernels": kernels, "op_span_us": span, "period_us": period, "gap_us": gap}
 
 
 def _profile(fn, args, marker, family, iters, label, trace=True):
@@ -88,8 +91,10 @@ def _profile(fn, args, marker, family, iters, label, trace=True):
     for device, events in sorted(_gpu_kernel_events(path).items()):
         result[device] = _summarise(events, marker, family, iters)
         span, period = result[device]["op_span_us"], result[device]["period_us"]
+        gap = result[device]["gap_us"]
         print(f"{label:<28}{device:<18} op span "
-              f"{'-' if span is None else round(span, 1)} us, period {period:.1f} us/iteration")
+              f"{'-' if span is None else round(span, 1)} us, period {period:.1f} us/op, gap "
+              f"{'-' if gap is None else round(gap, 1)} us/op")
         kernels = result[device]["kernels"]
         for name, k in sorted(kernels.items(), key=lambda kv: -kv[1]["median_us"]):
             print(f"    {k['median_us']:9.1f} us x{k['count']:<3} {name[:90]}")
@@ -102,7 +107,7 @@ def _program(mesh, buf, mode, op, num_inputs):
 
     def body(idx, w, *xs):
         outs = []
-        if mode == "normal":
+        if op in ("combine", "all_to_all_combine"):  # the rows to combine: one dispatch first
             first = jax_ep.dispatch(buf, xs[0], idx, w)
         for x in xs:
             if op == "all_to_all_dispatch_bf16":
