@@ -171,15 +171,16 @@ def peer_normal(peer):
 
 
 def chained(step, num_steps, backward):
-    """Per-rank program of ``num_steps`` layers: layer i's output is layer i+1's input (the
-    routing weights sum to 1 and the stand-in experts scale by 1 to 2, so values stay in
-    range); only the last output (forward) or the gradients w.r.t. the input and every layer's
-    weights (backward) leave the program. ``carry`` (an expert output buffer some steps reuse,
-    else a placeholder) goes from layer to layer."""
+    """Per-rank program of ``num_steps`` layers: layer i's output, added to its input as a
+    model's residual connection does (one small XLA kernel, as a layer has XLA work between its
+    MoE blocks), is layer i+1's input; only the last output (forward) or the gradients w.r.t.
+    the input and every layer's weights (backward) leave the program. ``carry`` (an expert
+    output buffer some steps reuse, else a placeholder) goes from layer to layer."""
 
     def forward(x, idx, w, carry):  # idx, w: [T, N_LONG, K], layer i takes [:, i]
         for i in range(num_steps):
-            x, carry = step(x, idx[:, i], w[:, i], carry)
+            out, carry = step(x, idx[:, i], w[:, i], carry)
+            x = (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 0.5).astype(x.dtype)
         return x
 
     if not backward:
