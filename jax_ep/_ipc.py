@@ -21,8 +21,9 @@ import warnings
 
 import jax
 
+from jax_ep import settings
+
 ENV_JOIN_TIMEOUT = "JAX_EP_JOIN_TIMEOUT_S"
-DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 
 def spans_processes(devices) -> bool:
@@ -31,9 +32,7 @@ def spans_processes(devices) -> bool:
 
 
 def join_timeout_s() -> float:
-    from jax_ep.buffer import seconds_from_env  # noqa: PLC0415 - buffer imports this module
-
-    return seconds_from_env(ENV_JOIN_TIMEOUT, DEFAULT_JOIN_TIMEOUT_S)
+    return settings.value(ENV_JOIN_TIMEOUT)
 
 
 def _client():

@@ -23,28 +23,23 @@ import warnings
 
 import jax
 
-from jax_ep import _ipc, env
+from jax_ep import _ipc, env, settings
 
 ENV_TRANSPORT = "JAX_EP_TRANSPORT"
 ENV_LIBRARY = "JAX_EP_NVSHMEM_LIB"
-TRANSPORTS = ("ipc", "nvshmem")
 _UNIQUE_ID_KEY = "jax_ep/nvshmem/unique_id"
 _HEAP_HEADROOM_BYTES = 1 << 30
 
 
 def requested_transport() -> str:
     """``JAX_EP_TRANSPORT`` (default ``ipc``); ValueError naming the variable when unknown."""
-    value = os.environ.get(ENV_TRANSPORT, "ipc").strip().lower() or "ipc"
-    if value not in TRANSPORTS:
-        raise ValueError(f"{ENV_TRANSPORT}={os.environ[ENV_TRANSPORT]!r}: choose one of "
-                         f"{', '.join(TRANSPORTS)}")
-    return value
+    return settings.value(ENV_TRANSPORT)
 
 
 def library_path() -> str:
     """The NVSHMEM host library: ``JAX_EP_NVSHMEM_LIB``, else the nvidia-nvshmem wheel's (found
     as ``python -m jax_ep.env`` finds it)."""
-    explicit = os.environ.get(ENV_LIBRARY)
+    explicit = settings.value(ENV_LIBRARY)
     if explicit:
         return explicit
     found = env.probe_nvshmem()

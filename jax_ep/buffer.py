@@ -10,21 +10,19 @@ tokens.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _cuda, _ipc, _nvshmem
+from jax_ep import _cuda, _ipc, _nvshmem, settings
 from jax_ep.reference import ReferenceBackend
 
 BACKENDS = ("auto", "cuda", "xla")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
 MAX_CUDA_RANKS = 8       # one NVLink domain
-DEFAULT_TIMEOUT_S = 10.0
 
 _buffer_ids = itertools.count(1)
 
@@ -33,20 +31,6 @@ def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
-
-
-def seconds_from_env(name, default):
-    """A positive number of seconds from environment variable ``name``, else ``default``."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, got {raw!r}")
-    return value
 
 
 class Buffer:
@@ -120,7 +104,7 @@ class Buffer:
                 raise ValueError(f"capacity must be at most num_ranks * max_tokens_per_rank = "
                                  f"{max_capacity}, got {capacity}")
         self._capacity = capacity
-        self.timeout_s = (seconds_from_env("JAX_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+        self.timeout_s = (settings.value("JAX_EP_TIMEOUT_S")
                           if timeout_s is None else float(timeout_s))
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -274,8 +258,10 @@ class Buffer:
             if self.transport == "nvshmem":
                 _nvshmem.join(self, module, self.workspace_bytes)
                 pes = _nvshmem.pes(self)
+            grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
+                     for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks")}
             module.create_buffer(self.buffer_id, self._ep_groups(), *self._runtime_config(),
-                                 pes=pes)
+                                 pes=pes, **grids)
             self._allocated = True
             if multiprocess and not pes:
                 try:

@@ -8,7 +8,6 @@ Each child gets, besides the launcher's own environment:
 - ``JAX_EP_COORDINATOR``: ``host:port`` of the coordinator (process 0 serves it); default
   ``127.0.0.1`` and a free port.
 - ``JAX_EP_NUM_PROCESSES``: ``N``; ``JAX_EP_PROCESS_ID``: ``0 .. N-1``.
-- ``JAX_EP_DEVICES_PER_PROCESS``: ``K``.
 - with GPUs: ``CUDA_VISIBLE_DEVICES`` = the GPUs ``[i*K, (i+1)*K)`` of the launcher's visible
   GPUs (default ``K`` = visible GPUs // N); with ``--share-gpus`` every child sees every GPU
   and ``JAX_EP_LOCAL_DEVICE_IDS`` = ``i*K, ..., (i+1)*K - 1`` (passed to
@@ -49,7 +48,6 @@ ENV_COORDINATOR = "JAX_EP_COORDINATOR"
 ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
 ENV_LOCAL_DEVICE_IDS = "JAX_EP_LOCAL_DEVICE_IDS"
 ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"
-ENV_DEVICES_PER_PROCESS = "JAX_EP_DEVICES_PER_PROCESS"
 TIMEOUT_EXIT_CODE = 124
 
 _HOST_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -168,7 +166,6 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
         env[ENV_COORDINATOR] = coordinator
         env[ENV_NUM_PROCESSES] = str(num_processes)
         env[ENV_PROCESS_ID] = str(i)
-        env[ENV_DEVICES_PER_PROCESS] = str(k)
         env.setdefault("PYTHONUNBUFFERED", "1")
         if processes_per_gpu > 1:
             env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.7 / processes_per_gpu:.3f}")
@@ -255,8 +252,7 @@ def launch(command, num_processes, *, coordinator=None, devices_per_process=None
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             old_handlers[sig] = signal.signal(sig, on_signal)
-    say(f"{num_processes} processes, coordinator {coordinator}, "
-        f"{envs[0][ENV_DEVICES_PER_PROCESS]} device(s) each")
+    say(f"{num_processes} processes, coordinator {coordinator}")
     try:
         for i, env in enumerate(envs):
             proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
@@ -323,7 +319,7 @@ def main(argv=None) -> int:
         description="Start N local processes of COMMAND for jax.distributed "
                     "(COMMAND calls jax_ep.launch.initialize_from_env()).",
         epilog="Variables set for each child: JAX_EP_COORDINATOR, JAX_EP_NUM_PROCESSES, "
-               "JAX_EP_PROCESS_ID, JAX_EP_DEVICES_PER_PROCESS, and CUDA_VISIBLE_DEVICES "
+               "JAX_EP_PROCESS_ID, and CUDA_VISIBLE_DEVICES "
                "(GPUs) or XLA_FLAGS=--xla_force_host_platform_device_count=K (CPU).")
     parser.add_argument("-n", "--num-processes", type=int, required=True)
     parser.add_argument("--coordinator", default=None,

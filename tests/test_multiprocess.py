@@ -26,7 +26,7 @@ def test_children_get_the_documented_environment():
     script = textwrap.dedent("""
         import os
         for k in ("JAX_EP_COORDINATOR", "JAX_EP_NUM_PROCESSES", "JAX_EP_PROCESS_ID",
-                  "JAX_EP_DEVICES_PER_PROCESS", "XLA_FLAGS"):
+                  "XLA_FLAGS"):
             print(f"{k}={os.environ.get(k)}")
         import sys; print("to stderr", file=sys.stderr)
     """)
@@ -40,7 +40,6 @@ def test_children_get_the_documented_environment():
         assert got["JAX_EP_COORDINATOR"] == "127.0.0.1:12345"
         assert got["JAX_EP_NUM_PROCESSES"] == "3"
         assert got["JAX_EP_PROCESS_ID"] == str(rank)
-        assert got["JAX_EP_DEVICES_PER_PROCESS"] == "2"
         # the launcher's device count replaces the inherited one; other flags stay
         assert got["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
         assert lines_of(proc.stderr, rank) == ["to stderr"]
@@ -80,7 +79,6 @@ def test_processes_per_gpu_share_each_gpu():
     envs = launch.child_environments(4, "h:1", environ={"CUDA_VISIBLE_DEVICES": "6,7"},
                                      processes_per_gpu=2)
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["6", "6", "7", "7"]
-    assert {e["JAX_EP_DEVICES_PER_PROCESS"] for e in envs} == {"1"}
     assert {e["XLA_PYTHON_CLIENT_MEM_FRACTION"] for e in envs} == {"0.350"}
     shared = launch.child_environments(2, "h:1", environ={"CUDA_VISIBLE_DEVICES": "3"},
                                        share_gpus=True, processes_per_gpu=2)

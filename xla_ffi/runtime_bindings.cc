@@ -96,32 +96,15 @@ DeviceErrors read_device_errors(const RankContext& ctx) {
 }  // namespace
 
 void add_runtime_functions(nb::module_& m) {
-  // create_buffer(buffer_id, groups, num_experts, ...) as in docs/internals.md; the overload
-  // with num_ranks after `groups` (what Buffer._runtime_config() passes) checks it against the
-  // group size.
-  m.def(
-      "create_buffer",
-      [](int64_t buffer_id, const std::vector<std::vector<int>>& groups, int num_experts,
-         int hidden, int max_tokens_per_rank, int num_topk, int capacity, int dtype_bytes,
-         bool low_latency, double timeout_s) {
-        const int num_ranks = groups.empty() ? 0 : static_cast<int>(groups.front().size());
-        create_buffer_or_raise(
-            buffer_id, groups,
-            make_config(num_ranks, num_experts, hidden, max_tokens_per_rank, num_topk, capacity,
-                        dtype_bytes, low_latency, timeout_s));
-      },
-      nb::arg("buffer_id"), nb::arg("groups"), nb::arg("num_experts"), nb::arg("hidden"),
-      nb::arg("max_tokens_per_rank"), nb::arg("num_topk"), nb::arg("capacity"),
-      nb::arg("dtype_bytes"), nb::arg("low_latency"), nb::arg("timeout_s"),
-      "Allocates the communication memory of Buffer `buffer_id` on every device of `groups` "
-      "(each inner list = the device ordinals of one EP group, in rank order), builds the peer "
-      "tables and preloads the kernels. Raises RuntimeError naming the failing device/call.");
+  // create_buffer(buffer_id, groups, num_ranks, num_experts, ...): Buffer._runtime_config()
+  // then the grids of jax_ep/settings.py; num_ranks is checked against the group size.
   m.def(
       "create_buffer",
       [](int64_t buffer_id, const std::vector<std::vector<int>>& groups, int num_ranks,
          int num_experts, int hidden, int max_tokens_per_rank, int num_topk, int capacity,
          int dtype_bytes, bool low_latency, double timeout_s,
-         const std::vector<std::vector<int>>& pes) {
+         const std::vector<std::vector<int>>& pes, int normal_blocks, int normal_push_blocks,
+         int low_latency_blocks) {
         for (const auto& group : groups) {
           if (static_cast<int>(group.size()) != num_ranks) {
             throw std::runtime_error("jax_ep: num_ranks=" + std::to_string(num_ranks) +
@@ -129,18 +112,23 @@ void add_runtime_functions(nb::module_& m) {
                                      " devices");
           }
         }
-        create_buffer_or_raise(
-            buffer_id, groups,
-            make_config(num_ranks, num_experts, hidden, max_tokens_per_rank, num_topk, capacity,
-                        dtype_bytes, low_latency, timeout_s),
-            pes);
+        BufferConfig config = make_config(num_ranks, num_experts, hidden, max_tokens_per_rank,
+                                          num_topk, capacity, dtype_bytes, low_latency, timeout_s);
+        config.normal_blocks = normal_blocks;
+        config.normal_push_blocks = normal_push_blocks;
+        config.low_latency_blocks = low_latency_blocks;
+        create_buffer_or_raise(buffer_id, groups, config, pes);
       },
       nb::arg("buffer_id"), nb::arg("groups"), nb::arg("num_ranks"), nb::arg("num_experts"),
       nb::arg("hidden"), nb::arg("max_tokens_per_rank"), nb::arg("num_topk"), nb::arg("capacity"),
       nb::arg("dtype_bytes"), nb::arg("low_latency"), nb::arg("timeout_s"),
-      nb::arg("pes") = std::vector<std::vector<int>>(),
-      "As above, with num_ranks checked against the groups; `pes` (shaped like `groups`): the "
-      "NVSHMEM transport, the PE of every rank (nvshmem_initialize first).");
+      nb::arg("pes") = std::vector<std::vector<int>>(), nb::arg("normal_blocks") = 0,
+      nb::arg("normal_push_blocks") = 0, nb::arg("low_latency_blocks") = 0,
+      "Allocates the communication memory of Buffer `buffer_id` on every device of `groups` "
+      "(each inner list = the device ordinals of one EP group, in rank order), builds the peer "
+      "tables and preloads the kernels. Raises RuntimeError naming the failing device/call. "
+      "`pes` (shaped like `groups`): the NVSHMEM transport, the PE of every rank "
+      "(nvshmem_initialize first). Grids: 0 = the default for the device.");
 
   m.def("nvshmem_built", &nvshmem_built,
         "Whether this build has NVSHMEM's types (the wheel's headers were found).");

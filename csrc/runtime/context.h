@@ -26,6 +26,11 @@ struct BufferConfig {
   int dtype_bytes = 2;          // bytes per element of the Buffer's data dtype (bf16: 2, f32: 4)
   bool low_latency = false;     // allocate the low-latency regions too
   double timeout_s = 10.0;      // bound on every spin-wait
+  // Grids (tuning, per process; 0: from the device). Python reads them from the JAX_EP_*
+  // settings (jax_ep/settings.py).
+  int normal_blocks = 0;         // normal-mode transfer kernels (default: one per SM)
+  int normal_push_blocks = 0;    // of those, the pushing ones (default: a quarter)
+  int low_latency_blocks = 0;    // low-latency launches (default: all SMs but 8)
 
   int num_local_experts() const { return num_experts / num_ranks; }
 };

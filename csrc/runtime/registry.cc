@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <cstdlib>
@@ -74,14 +75,6 @@ class CurrentDeviceGuard {
   int saved_ = 0;
   bool saved_ok_ = false;
 };
-
-// Positive integer from the environment, or `fallback` (tuning knobs for the normal mode).
-int env_int(const char* name, int fallback) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return fallback;
-  const long value = std::strtol(text, nullptr, 10);
-  return value > 0 ? static_cast<int>(value) : fallback;
-}
 
 std::string validate(const BufferConfig& config, const std::vector<std::vector<int>>& groups) {
   std::ostringstream message;
@@ -218,12 +211,13 @@ std::string allocate_rank(RankContext& ctx) {
                                cudaMalloc(&ctx.peer_workspaces_device, sizeof(char*) * kMaxRanks));
   RETURN_MESSAGE_IF_CUDA_ERROR(
       device, cudaDeviceGetAttribute(&ctx.num_sms, cudaDevAttrMultiProcessorCount, device));
-  ctx.normal_blocks = env_int("JAX_EP_NORMAL_BLOCKS", ctx.num_sms * kNormalBlocksPerSm);
-  ctx.low_latency_blocks = env_int("JAX_EP_LOW_LATENCY_BLOCKS", 0);
-  ctx.normal_push_blocks =
-      env_int("JAX_EP_NORMAL_PUSH_BLOCKS", ctx.normal_blocks / kNormalPushBlocksDivisor > 0
-                                               ? ctx.normal_blocks / kNormalPushBlocksDivisor
-                                               : 1);
+  const BufferConfig& config = ctx.config;
+  ctx.normal_blocks =
+      config.normal_blocks > 0 ? config.normal_blocks : ctx.num_sms * kNormalBlocksPerSm;
+  ctx.low_latency_blocks = config.low_latency_blocks;  // 0: low_latency_grid_size's default
+  ctx.normal_push_blocks = config.normal_push_blocks > 0
+                               ? config.normal_push_blocks
+                               : std::max(1, ctx.normal_blocks / kNormalPushBlocksDivisor);
 
   preload_normal_kernels();
   RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaGetLastError());  // from preload_normal_kernels()

@@ -1,0 +1,103 @@
+"""Every ``JAX_EP_*`` environment variable, in one table: what it sets, its default, and how it
+is parsed. The runtime reads them only through :func:`value`, which validates once per read and
+names the variable in its error. The README's "Settings" table lists the same names (a test
+keeps the two and the code in step).
+
+Kinds: ``runtime`` (read by jax_ep when a Buffer is made or an op runs), ``launcher`` (written
+by ``python -m jax_ep.launch`` for its children, read by ``launch.initialize_from_env``),
+``build`` (read by CMake / pip when jax_ep is built), ``tooling`` (benchmarks and tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return seconds
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        number = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
+    if number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return number
+
+
+def _choice(*options: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        text = raw.strip().lower()
+        if text not in options:
+            raise ValueError(f"{name}={raw!r}: choose one of {', '.join(options)}")
+        return text
+    return parse
+
+
+def _text(name: str, raw: str) -> str:
+    del name
+    return raw
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str  # runtime | launcher | build | tooling
+    default: Any  # None: unset means "not given" (the code picks, e.g. from the device)
+    parse: Callable[[str, str], Any]
+    doc: str
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("JAX_EP_TIMEOUT_S", "runtime", 10.0, _seconds,
+            "bound on every wait of a kernel for a peer (Buffer(timeout_s=...) overrides)"),
+    Setting("JAX_EP_JOIN_TIMEOUT_S", "runtime", 120.0, _seconds,
+            "bound on every wait of the multi-process Buffer exchange"),
+    Setting("JAX_EP_TRANSPORT", "runtime", "ipc", _choice("ipc", "nvshmem"),
+            "how processes reach their peers' workspaces: CUDA IPC or NVSHMEM's symmetric heap"),
+    Setting("JAX_EP_NVSHMEM_LIB", "runtime", None, _text,
+            "path of NVSHMEM's host library (default: the nvidia-nvshmem wheel's)"),
+    Setting("JAX_EP_NORMAL_BLOCKS", "runtime", None, _positive_int,
+            "blocks of a normal-mode transfer kernel (default: one per SM)"),
+    Setting("JAX_EP_NORMAL_PUSH_BLOCKS", "runtime", None, _positive_int,
+            "of those, the blocks that push rows to peers (default: a quarter)"),
+    Setting("JAX_EP_LOW_LATENCY_BLOCKS", "runtime", None, _positive_int,
+            "blocks of a low-latency launch, at most one per SM (default: all SMs but 8)"),
+    Setting("JAX_EP_COORDINATOR", "launcher", None, _text,
+            "host:port of jax.distributed's coordinator"),
+    Setting("JAX_EP_NUM_PROCESSES", "launcher", None, _positive_int, "processes of the job"),
+    Setting("JAX_EP_PROCESS_ID", "launcher", None, _text, "this process's index"),
+    Setting("JAX_EP_LOCAL_DEVICE_IDS", "launcher", None, _text,
+            "GPUs this process drives among those it sees (launcher --share-gpus)"),
+    Setting("JAX_EP_CUDA_ARCHS", "build", None, _text,
+            "CUDA architectures to build, a CMake list (default: see Supported platforms)"),
+    Setting("JAX_EP_ENABLE_CUDA", "build", "AUTO", _text,
+            "build the CUDA extension: ON, OFF or AUTO (when nvcc is found)"),
+    Setting("JAX_EP_NVSHMEM_HOME", "build", None, _text,
+            "NVSHMEM root with include/host/nvshmemx_api.h (default: the installed wheel)"),
+    Setting("JAX_EP_COMMIT", "tooling", None, _text,
+            "commit recorded in benchmark results (a copied tree may carry a stale .git)"),
+    Setting("JAX_EP_TEST_SEED", "tooling", None, _text,
+            "pins the seed of the adversarial routing tests"),
+)}
+
+
+def value(name: str, environ=None):
+    """The parsed value of setting ``name`` (its default when unset or empty); ValueError naming
+    the variable when the text does not parse."""
+    setting = SETTINGS[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or raw.strip() == "":
+        return setting.default
+    return setting.parse(name, raw)
