@@ -20,7 +20,8 @@
 //   2. Warp 0 walks its tokens in order: slot of (t, k) = rows of expert g from tokens < t
 //      (histogram + running count; deterministic, no global atomics). It writes the local meta of
 //      own-rank pairs and remembers the destination row, meta and flag of remote pairs. Slots
-//      >= T_max (only possible with duplicate ids) are dropped. After the block barrier, warp 0
+//      >= T_max (only possible with duplicate ids) are dropped and counted in
+//      ErrorCounters::dropped_low_latency_rows. After the block barrier, warp 0
 //      alone fences (local stores only: cheap) and arrives on the local "meta written" counter.
 //   3. Send: the block's threads cast their pieces to e4m3 (scale per 128 channels via 8-lane
 //      shuffles; bf16: plain 16-byte vectors, lane-contiguous so every warp store is 512
@@ -721,7 +722,7 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
 
   // Phase 2: slots, own meta and remote destinations of this block's tokens (warp 0, in order).
   if (tid < kWarpSize && n_tok > 0) {
-    unsigned long long invalid_ids = 0;
+    unsigned long long invalid_ids = 0, dropped_rows = 0;
     for (int t = t0; t < t1; ++t) {
       RemotePair pair = {nullptr, nullptr, nullptr, make_int2(t, lane)};
       if (lane < num_topk) {
@@ -740,6 +741,8 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
               pair.flag =
                   reinterpret_cast<uint64_t*>(rk.peers[dst] + layout.dispatch_row_flags) + meta_index;
             }
+          } else {
+            ++dropped_rows;
           }
         } else if (g != -1) {
           ++invalid_ids;
@@ -751,9 +754,13 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
 #pragma unroll
     for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) {
       invalid_ids += __shfl_xor_sync(kFullMask, invalid_ids, mask);
+      dropped_rows += __shfl_xor_sync(kFullMask, dropped_rows, mask);
     }
     if (lane == 0 && invalid_ids > 0 && rk.errors != nullptr) {
       atomicAdd(&rk.errors->invalid_expert_ids, invalid_ids);
+    }
+    if (lane == 0 && dropped_rows > 0 && rk.errors != nullptr) {
+      atomicAdd(&rk.errors->dropped_low_latency_rows, dropped_rows);
     }
   }
   __syncthreads();
