@@ -30,7 +30,7 @@ KINDS = ("invalid_ids", "duplicates", "one_expert", "all_same_expert", "idle_sen
 SPECIALS = (np.nan, np.inf, -np.inf)
 
 
-def test_seed():
+def routing_seed():
     """``JAX_EP_TEST_SEED`` if set, else a new one (the same in every process of one launch)."""
     pinned = os.environ.get("JAX_EP_TEST_SEED")
     if pinned:
@@ -187,7 +187,7 @@ def test_adversarial_routings_match_the_oracle_and_are_reported(backend):
     that reads topk_idx: layout, dispatch, each low-latency dispatch; rows past capacity; the
     low-latency selections past T_max rows per expert, which only repeated experts cause), and
     ``check()`` raises naming them, then resets. One compiled program per (Buffer, T)."""
-    seed = test_seed()
+    seed = routing_seed()
     print(f"JAX_EP_TEST_SEED={seed}")
     rng = np.random.default_rng(seed)
     mesh = ep_mesh(backend)
@@ -208,9 +208,10 @@ def test_adversarial_routings_match_the_oracle_and_are_reported(backend):
             kind = KINDS[(i + len(name)) % len(KINDS)]
             idx, w = adversarial_routing(rng, kind, R, T)
             x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+            z = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
             if rng.random() < 0.5:  # NaN/Inf move bit-exactly through the bf16 paths
                 x[np.arange(R), rng.integers(T, size=R), :3] = SPECIALS
-            z = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+                z[np.arange(R), rng.integers(T, size=R), -3:] = SPECIALS
             C = buf.capacity_for(T)
             y = rng.standard_normal((R, C, H)).astype(ml_dtypes.bfloat16)
             y_ll = rng.standard_normal((R, E // R, R * T_MAX, H)).astype(ml_dtypes.bfloat16)
@@ -223,7 +224,8 @@ def test_adversarial_routings_match_the_oracle_and_are_reported(backend):
                 reads = 4 if buf.low_latency else 2  # ops that count invalid ids
                 want = {"invalid_expert_ids": reads * invalid, "overflow_rows": overflow,
                         "dropped_low_latency_rows": 2 * dropped, "timeouts": []}
-                assert buf.errors() == want
+                got = buf.errors()
+                assert got == want, f"errors() {got}, injected {want}"
                 if invalid or overflow or dropped:
                     with pytest.raises(RuntimeError) as raised:
                         buf.check()
