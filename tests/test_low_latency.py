@@ -172,8 +172,8 @@ def test_combine_check_catches_kernel_like_mutations(rng, use_fp8):
     half_row[r, t, HIDDEN // 2:] = 0
     # (b) the term with the largest share of its token's weights, in a token with two or more
     share = np.where(idx >= 0, np.abs(w), 0.0)
-    share = np.where((idx >= 0).sum(-1, keepdims=True) > 1, share / share.sum(-1, keepdims=True),
-                     0.0)
+    share = np.where((idx >= 0).sum(-1, keepdims=True) > 1,
+                     share / np.maximum(share.sum(-1, keepdims=True), 1e-30), 0.0)
     r, t, k = np.unravel_index(np.argmax(share), share.shape)
     dropped_term = combined.copy()
     dropped_term[r, t] = (combined[r, t].astype(np.float64)
