@@ -181,11 +181,13 @@ def test_adversarial_routings_match_the_oracle_and_are_reported(backend):
     """Seeded adversarial routings (``JAX_EP_TEST_SEED`` replays one run) through every op:
     ids outside [-1, E) (E, -2, 2**30, int32 extremes), experts repeated within a token's top-k,
     every token to one expert, ranks that send or receive nothing, all -1, T < T_max, normal
-    receive overflow (a capacity of 5/16 of R * T_max, e.g. 20 rows where 64 can arrive). Every result equals
-    the oracle; ``errors()`` holds exactly the injected counts (invalid ids once per routing op
-    that reads topk_idx: layout, dispatch, each low-latency dispatch; rows past capacity; the
-    low-latency selections past T_max rows per expert, which only repeated experts cause), and
-    ``check()`` raises naming them, then resets. One compiled program per (Buffer, T)."""
+    receive overflow (a capacity of 5/16 of R * T_max: 20 rows where 64 can arrive on 8 ranks).
+    Every result equals the oracle (low-latency combine: but for tokens with a dropped
+    selection, unspecified); ``errors()`` holds exactly the injected counts (invalid ids once
+    per routing op that reads topk_idx: layout, dispatch, each low-latency dispatch; rows past
+    capacity; the low-latency selections past T_max rows per expert, which only repeated
+    experts cause), and ``check()`` raises naming them, then resets. One compiled program per
+    (Buffer, T), reused by every iteration."""
     seed = routing_seed()
     print(f"JAX_EP_TEST_SEED={seed}")
     rng = np.random.default_rng(seed)
