@@ -23,6 +23,8 @@ BACKENDS = ("auto", "cuda", "xla")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
 MAX_CUDA_RANKS = 8       # one NVLink domain
+# Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
+ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 
 _buffer_ids = itertools.count(1)
 
@@ -113,7 +115,7 @@ class Buffer:
         self.buffer_id = next(_buffer_ids)
         self._closed = False
         self._errors_lock = threading.Lock()
-        self._host_errors = {"invalid_expert_ids": 0, "overflow_rows": 0}
+        self._host_errors = dict.fromkeys(ERROR_COUNTERS, 0)
         self._error_sums = 0  # errors() calls summed over processes: one store key each
         self.report_errors = bool(report_errors)
         self._allocated = False
@@ -320,21 +322,27 @@ class Buffer:
         _warmup.run(self)
 
     # ------------------------------------------------------------------------------ errors
-    def _report_errors(self, invalid_ids, overflow_rows):
+    def _report_errors(self, invalid_ids, overflow_rows, dropped_low_latency_rows=0):
         """Reference backend: forwards per-rank error counts to the host (jit-safe)."""
         if not self.report_errors:
             return
 
-        def record(invalid, overflow):
+        def record(*counts):
             with self._errors_lock:
-                self._host_errors["invalid_expert_ids"] += int(invalid)
-                self._host_errors["overflow_rows"] += int(overflow)
+                for name, count in zip(ERROR_COUNTERS, counts, strict=True):
+                    self._host_errors[name] += int(count)
 
-        jax.debug.callback(record, invalid_ids, overflow_rows)
+        jax.debug.callback(record, invalid_ids, overflow_rows,
+                           jnp.asarray(dropped_low_latency_rows, jnp.int32))
 
     def errors(self) -> dict:
-        """Totals since creation (or the last ``check``): invalid expert ids, overflowed rows,
-        and a description of any timed-out wait."""
+        """Totals since creation (or the last ``check``), summed over ranks: a dict with
+        ``invalid_expert_ids`` (ids outside ``[-1, E)`` met by get_dispatch_layout, dispatch and
+        low_latency_dispatch; combines and cached dispatches do not count), ``overflow_rows``
+        (normal dispatch rows past ``capacity``), ``dropped_low_latency_rows`` (low-latency
+        selections past the ``max_tokens_per_rank`` rows a source has at one expert: only
+        possible when a token repeats an expert in its top-k) and ``timeouts`` (a description
+        of every timed-out wait)."""
         self._check_open()
         if self.backend == "cuda" and self._allocated:
             module, _ = _cuda.load_extension()
@@ -342,11 +350,10 @@ class Buffer:
             # a device whose kernel trapped has lost its context.
             stuck = [r for r in module.read_timeouts(self.buffer_id) if r["timed_out"]]
             if stuck:
-                return {"invalid_expert_ids": 0, "overflow_rows": 0,
-                        "timeouts": [self._describe_timeout(r) for r in stuck]}
+                return dict(dict.fromkeys(ERROR_COUNTERS, 0),
+                            timeouts=[self._describe_timeout(r) for r in stuck])
             records = module.read_errors(self.buffer_id)
-            counts = {"invalid_expert_ids": sum(r["invalid_expert_ids"] for r in records),
-                      "overflow_rows": sum(r["overflow_rows"] for r in records)}
+            counts = {name: sum(r[name] for r in records) for name in ERROR_COUNTERS}
         else:
             jax.effects_barrier()
             with self._errors_lock:
@@ -380,6 +387,11 @@ class Buffer:
         if errors["overflow_rows"]:
             problems.append(f"receive capacity {self.capacity} overflowed: "
                             f"{errors['overflow_rows']} rows were dropped (raise capacity)")
+        if errors["dropped_low_latency_rows"]:
+            problems.append(f"{errors['dropped_low_latency_rows']} low-latency dispatch rows "
+                            f"were dropped: a rank sent more than max_tokens_per_rank="
+                            f"{self.max_tokens_per_rank} rows to one expert (a token repeats "
+                            f"an expert in its top-k)")
         problems += [f"timeout: {t}" for t in errors["timeouts"]]
         if not errors["timeouts"]:  # a device that timed out cannot be reset
             self._reset_errors()
@@ -391,4 +403,4 @@ class Buffer:
             module, _ = _cuda.load_extension()
             module.reset_errors(self.buffer_id)
         with self._errors_lock:
-            self._host_errors = {"invalid_expert_ids": 0, "overflow_rows": 0}
+            self._host_errors = dict.fromkeys(ERROR_COUNTERS, 0)

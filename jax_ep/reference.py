@@ -189,16 +189,21 @@ class ReferenceBackend:
     def low_latency_dispatch(self, x, topk_idx, use_fp8, round_scale):
         R, T = self.num_ranks, x.shape[0]
         E, E_loc, T_max = self.num_experts, self.num_local_experts, self.buf.max_tokens_per_rank
+        K = topk_idx.shape[1]
         _, valid, invalid = self._expert_rank(topk_idx)
-        self.buf._report_errors(invalid, jnp.int32(0))
 
-        # selects[g, t]: token t selects global expert g (at its top-k slot k_of[g, t]).
-        hits = valid[None] & (topk_idx[None] == jnp.arange(E, dtype=jnp.int32)[:, None, None])
-        selects = jnp.any(hits, axis=2)                                   # [E, T]
-        k_of = jnp.argmax(hits, axis=2).astype(jnp.int32)                 # [E, T]
-        token_of = _compact_order(selects)                                # [E, T]
-        count = jnp.sum(selects, axis=1, dtype=jnp.int32)                 # [E]
-        slot_valid = jnp.arange(T)[None, :] < count[:, None]
+        # One row per selection (t, k) with a valid id, in (t, k) order per expert; a source
+        # has T_max rows at each expert, selections past them (possible only when a token
+        # repeats an expert) are dropped and counted.
+        width = min(T * K, T_max)                                          # rows per block
+        flat = jnp.where(valid, topk_idx, -1).reshape(T * K)
+        hits = flat[None, :] == jnp.arange(E, dtype=jnp.int32)[:, None]   # [E, T*K]
+        selection_of = _compact_order(hits)[:, :width]                     # [E, width]
+        total = jnp.sum(hits, axis=1, dtype=jnp.int32)                     # [E]
+        count = jnp.minimum(total, T_max)
+        self.buf._report_errors(invalid, jnp.int32(0), jnp.sum(total - count))
+        token_of, k_of = selection_of // K, selection_of % K
+        slot_valid = jnp.arange(width)[None, :] < count[:, None]
 
         if use_fp8:
             payload, scales = fp8.per_token_cast_to_fp8(x, round_scale)
@@ -209,7 +214,7 @@ class ReferenceBackend:
             x=by_rank(payload[token_of]),
             scales=by_rank(scales[token_of]),
             token=by_rank(jnp.where(slot_valid, token_of, -1)),
-            k=by_rank(jnp.where(slot_valid, jnp.take_along_axis(k_of, token_of, axis=1), -1)),
+            k=by_rank(jnp.where(slot_valid, k_of, -1)),
             count=by_rank(count),
         )
         recv = {k: self._exchange(v) for k, v in blocks.items()}  # [R(source), E_loc, ...]

@@ -114,27 +114,35 @@ def combine(y, recv_src, num_tokens):
 # ------------------------------------------------------------------------------ low latency
 def low_latency_dispatch(x, topk_idx, num_experts, max_tokens_per_rank):
     """Per receiving rank: ``rows [E_loc][list of (src_rank, token, k)]`` in contract order,
-    ``recv_count [E_loc]``, ``recv_src [E_loc, R*T_max]`` and the expected ``recv_x`` rows
-    (a list per expert of ``x[src, token]``)."""
+    ``recv_count [E_loc]``, ``recv_src [E_loc, R*T_max]``, the expected ``recv_x`` rows (a list
+    per expert of ``x[src, token]``) and ``dropped``: the selections ``(token, k)`` this rank
+    sent past the ``T_max`` rows it has at an expert (only when a token repeats an expert)."""
     R, T, K = topk_idx.shape
     E_loc = num_experts // R
+    rows = [[[] for _ in range(E_loc)] for _ in range(R)]
+    dropped = [[] for _ in range(R)]
+    for s in range(R):
+        sent = np.zeros(num_experts, np.int64)
+        for t in range(T):
+            for k in range(K):
+                g = topk_idx[s, t, k]
+                if not 0 <= g < num_experts:
+                    continue
+                if sent[g] == max_tokens_per_rank:
+                    dropped[s].append((t, k))
+                    continue
+                sent[g] += 1
+                rows[g // E_loc][g % E_loc].append((s, t, k))
     out = []
     for r in range(R):
-        rows = [[] for _ in range(E_loc)]
-        for s in range(R):
-            for t in range(T):
-                for k in range(K):
-                    g = topk_idx[s, t, k]
-                    if 0 <= g < num_experts and g // E_loc == r:
-                        rows[g % E_loc].append((s, t, k))
         recv_src = np.full((E_loc, R * max_tokens_per_rank), -1, np.int32)
         for e in range(E_loc):
-            for j, (s, t, _) in enumerate(rows[e]):
+            for j, (s, t, _) in enumerate(rows[r][e]):
                 recv_src[e, j] = s * max_tokens_per_rank + t
-        out.append(dict(rows=rows, recv_count=np.array([len(v) for v in rows], np.int32),
-                        recv_src=recv_src,
+        out.append(dict(rows=rows[r], recv_count=np.array([len(v) for v in rows[r]], np.int32),
+                        recv_src=recv_src, dropped=dropped[r],
                         recv_x=[np.stack([x[s, t] for s, t, _ in v]) if v else None
-                                for v in rows]))
+                                for v in rows[r]]))
     return out
 
 
@@ -158,3 +166,43 @@ def fp8_cast(x, round_scale=False):
     if round_scale:
         scale = np.exp2(np.ceil(np.log2(scale.astype(np.float64)))).astype(np.float32)
     return (blocks / scale[..., None]).reshape(x.shape), scale.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- comparisons
+# Relative errors, worst case over a binade (8 significant bits for bf16, 4 for e4m3).
+BF16_OUT_RTOL = 2.0**-8   # one bf16 rounding (half an ulp)
+F32_SUM_RTOL = 2.0**-20   # float32 accumulation of a few terms, in any order
+# An e4m3 term: half a step plus the one step DESIGN allows the kernels (1.5 * 2^-3), then the
+# bf16 rounding of the dequantised row.
+FP8_TERM_RTOL = 1.5 * 2.0**-3 + 2.0**-8
+
+
+def assert_sums_close(got, want, magnitude, *, term_rtol=F32_SUM_RTOL,
+                      out_rtol=BF16_OUT_RTOL, what="sum"):
+    """Checks every element of a weighted sum against its own tolerance.
+
+    ``want[..., H]`` is the exact sum ``sum_i w_i * y_i`` of each element and
+    ``magnitude[..., H]`` the sum of its terms' absolute values ``sum_i |w_i * y_i|`` (the
+    oracle run on ``abs(w)``, ``abs(y)``; it grows with the number of summed terms). Element
+    ``j`` passes when ``|got - want| <= out_rtol * |want| + term_rtol * magnitude +
+    2^-16 * max(magnitude of j's row)``: rounding of the result, rounding of each term (e.g.
+    an fp8 cast of every row), and a floor from the row's own scale for results that cancel
+    to ~0 (the rows of one token, never the maximum of the whole tensor: an error in small
+    channels is not hidden by large ones elsewhere). Raises AssertionError naming the worst
+    element.
+    """
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    magnitude = np.asarray(magnitude, np.float64)
+    assert got.shape == want.shape == magnitude.shape, (got.shape, want.shape, magnitude.shape)
+    row_floor = 2.0**-16 * magnitude.max(axis=-1, keepdims=True) if got.size else 0.0
+    tol = out_rtol * np.abs(want) + term_rtol * magnitude + row_floor
+    excess = np.abs(got - want) - tol
+    bad = ~(excess <= 0)  # NaN counts as bad
+    if bad.any():
+        worst = np.unravel_index(np.argmax(np.where(np.isnan(excess), np.inf, excess)),
+                                 excess.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.size} elements outside their tolerance; worst "
+            f"at {tuple(int(i) for i in worst)}: got {got[worst]!r}, want {want[worst]!r}, "
+            f"tolerance {tol[worst]!r}")

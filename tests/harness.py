@@ -29,28 +29,44 @@ def run_sharded(mesh, fn, *arrays, axis="ep", compiler_options=None):
 
     When the mesh spans processes every process passes the same full ``arrays`` (deterministic
     seeds), places its own shards of them, and gets the full gathered result back.
-    ``compiler_options``: XLA options of this compile (e.g. ``xla_gpu_enable_command_buffer``)."""
+    ``compiler_options``: XLA options of this compile (e.g. ``xla_gpu_enable_command_buffer``).
+    Traces and compiles ``fn`` on every call: see ``sharded_program`` to reuse one program."""
+    return sharded_program(mesh, fn, axis=axis, compiler_options=compiler_options)(*arrays)
+
+
+def sharded_program(mesh, fn, *, axis="ep", compiler_options=None):
+    """``run_sharded`` of ``fn`` as a callable ``(*arrays) -> pytree of NumPy arrays`` that
+    traces and compiles once per argument shape (one ``jax.jit``), then reuses the program."""
     spec = shard_spec(mesh, axis)
     num_shards = mesh.devices.size
+    jitted, compiled = {}, {}
 
     def per_rank(*xs):
         out = fn(*(x[0] for x in xs))
         return jax.tree.map(lambda a: a[None], out)
 
-    wrapped = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * len(arrays),
-                                    out_specs=spec))
-    if not spans_processes(mesh):
-        flat = [jnp.asarray(a) for a in arrays]
-        assert all(a.shape[0] == num_shards for a in flat), [a.shape for a in flat]
-    else:
-        sharding = NamedSharding(mesh, spec)
-        full = [np.asarray(a) for a in arrays]
-        assert all(a.shape[0] == num_shards for a in full), [a.shape for a in full]
-        flat = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
-                for a in full]
-    if compiler_options:
-        wrapped = wrapped.lower(*flat).compile(compiler_options=compiler_options)
-    return jax.tree.map(fetch, wrapped(*flat))
+    def call(*arrays):
+        if len(arrays) not in jitted:  # jax.jit traces once per argument shape
+            jitted[len(arrays)] = jax.jit(jax.shard_map(
+                per_rank, mesh=mesh, in_specs=(spec,) * len(arrays), out_specs=spec))
+        wrapped = jitted[len(arrays)]
+        if not spans_processes(mesh):
+            flat = [jnp.asarray(a) for a in arrays]
+            assert all(a.shape[0] == num_shards for a in flat), [a.shape for a in flat]
+        else:
+            sharding = NamedSharding(mesh, spec)
+            full = [np.asarray(a) for a in arrays]
+            assert all(a.shape[0] == num_shards for a in full), [a.shape for a in full]
+            flat = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+                    for a in full]
+        if compiler_options:
+            key = tuple((a.shape, a.dtype) for a in flat)
+            if key not in compiled:
+                compiled[key] = wrapped.lower(*flat).compile(compiler_options=compiler_options)
+            wrapped = compiled[key]
+        return jax.tree.map(fetch, wrapped(*flat))
+
+    return call
 
 
 def sharded_loss(mesh, per_rank_loss, axis="ep"):

@@ -32,6 +32,14 @@ def routed_inputs(rng, routing, num_ranks):
         yield idx, w, x
 
 
+def weighted_copies(x, idx, w):
+    """``(sum_k w * x, sum_k |w * x|)`` over the valid k of each token: ``[..., T, H]`` float64
+    (``x [..., T, H]``, ``idx`` and ``w [..., T, K]``)."""
+    gain = np.where(idx >= 0, w, 0.0).astype(np.float64)
+    x = x.astype(np.float64)
+    return gain.sum(-1)[..., None] * x, np.abs(gain).sum(-1)[..., None] * np.abs(x)
+
+
 def fp8_steps_apart(a, b):
     """Distance in fp8 code points between two float8_e4m3fn arrays of the same sign."""
     ia = a.view(np.uint8).astype(np.int16)
@@ -76,12 +84,11 @@ def test_low_latency_matches_oracle(backend, rng, routing, use_fp8, round_scale)
 
         ll, combined = run_sharded(mesh, step, x, idx, w)
         check_low_latency_dispatch(ll, x, idx, T_MAX, use_fp8, round_scale, backend)
-        # combine of the dispatched rows = sum_k w * x (bf16 / fp8 rounding of x only)
-        valid = (idx >= 0)[..., None]
-        want = (np.where(valid, w[..., None], 0.0) * x.astype(np.float64)[:, :, None]).sum(2)
-        tol = 0.07 if use_fp8 else 0.02
-        np.testing.assert_allclose(combined.astype(np.float64), want, rtol=tol,
-                                   atol=tol * np.abs(want).max())
+        # combine of the dispatched rows = sum_k w * x (fp8 rounding of x only)
+        want, magnitude = weighted_copies(x, idx, w)
+        oracle.assert_sums_close(
+            combined, want, magnitude, what="combine",
+            term_rtol=oracle.FP8_TERM_RTOL if use_fp8 else oracle.F32_SUM_RTOL)
 
 
 def test_low_latency_combine_matches_oracle(backend, rng):
@@ -97,8 +104,10 @@ def test_low_latency_combine_matches_oracle(backend, rng):
         return jax_ep.low_latency_combine(buf, y, idx, w, ll.handle)
 
     out = run_sharded(mesh, step, x, y, idx, w)
-    expected = oracle.low_latency_combine(y, idx, w, oracle.low_latency_dispatch(x, idx, E, T))
-    np.testing.assert_allclose(out.astype(np.float64), expected, rtol=1e-2, atol=1e-2)
+    rows = oracle.low_latency_dispatch(x, idx, E, T)
+    oracle.assert_sums_close(out, oracle.low_latency_combine(y, idx, w, rows),
+                             oracle.low_latency_combine(np.abs(y.astype(np.float64)), idx,
+                                                        np.abs(w), rows))
 
 
 def test_back_to_back_pairs_with_different_inputs(backend, rng):
@@ -118,10 +127,8 @@ def test_back_to_back_pairs_with_different_inputs(backend, rng):
             outs.append(jax_ep.low_latency_combine(buf, ll.recv_x, idx[i], w[i], ll.handle))
         return jnp.stack(outs)
 
-    out = run_sharded(mesh, step, x, idx, w).astype(np.float64)
-    valid = (idx >= 0)[..., None]
-    want = (np.where(valid, w[..., None], 0.0) * x.astype(np.float64)[:, :, :, None]).sum(3)
-    np.testing.assert_allclose(out, want, rtol=0.02, atol=0.02 * np.abs(want).max())
+    out = run_sharded(mesh, step, x, idx, w)
+    oracle.assert_sums_close(out, *weighted_copies(x, idx, w))
 
 
 def test_low_latency_needs_low_latency_buffer(rng):
@@ -132,3 +139,50 @@ def test_low_latency_needs_low_latency_buffer(rng):
     idx = np.zeros((8, 4, K), np.int32)
     with pytest.raises(ValueError, match="low_latency=True"):
         run_sharded(mesh, lambda x, i: jax_ep.low_latency_dispatch(buf, x, i).recv_x, x, idx)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_combine_check_catches_kernel_like_mutations(rng, use_fp8):
+    """The per-element check these tests use (``oracle.assert_sums_close``) passes a correct
+    low-latency combine and fails kernel-like mutations of it: (a) half a row zeroed, (b) one
+    summed term left out of one token, (c) channels 128-255 negated in every row. The inputs
+    are those of the op tests (channels 0-127 100x larger), where a tolerance relative to the
+    tensor's maximum, as these tests had, lets (c) through."""
+    mesh = ep_mesh("xla")
+    R = mesh.shape["ep"]
+    buf = make_buffer("xla", mesh, HIDDEN, T_MAX)
+    idx, w, x = next(routed_inputs(rng, "with_minus_one", R))
+
+    def step(x, idx, w):
+        ll = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=use_fp8)
+        y = ll.recv_x if not use_fp8 else jax_ep.per_token_cast_from_fp8(ll.recv_x,
+                                                                          ll.recv_scales)
+        return jax_ep.low_latency_combine(buf, y, idx, w, ll.handle)
+
+    combined = run_sharded(mesh, step, x, idx, w)
+    want, magnitude = weighted_copies(x, idx, w)
+    term_rtol = oracle.FP8_TERM_RTOL if use_fp8 else oracle.F32_SUM_RTOL
+
+    def check(out):
+        oracle.assert_sums_close(out, want, magnitude, term_rtol=term_rtol)
+
+    check(combined)
+    half_row = combined.copy()
+    r, t = np.argwhere((idx >= 0).any(-1))[0]
+    half_row[r, t, HIDDEN // 2:] = 0
+    # (b) the term with the largest share of its token's weights, in a token with two or more
+    share = np.where(idx >= 0, np.abs(w), 0.0)
+    share = np.where((idx >= 0).sum(-1, keepdims=True) > 1,
+                     share / np.maximum(share.sum(-1, keepdims=True), 1e-30), 0.0)
+    r, t, k = np.unravel_index(np.argmax(share), share.shape)
+    dropped_term = combined.copy()
+    dropped_term[r, t] = (combined[r, t].astype(np.float64)
+                          - w[r, t, k] * x[r, t].astype(np.float64)).astype(ml_dtypes.bfloat16)
+    negated = combined.copy()
+    negated[..., 128:256] = -negated[..., 128:256]
+    for mutated in (half_row, dropped_term, negated):
+        with pytest.raises(AssertionError, match="outside their tolerance"):
+            check(mutated)
+    tol = 0.07 if use_fp8 else 0.02  # the former check
+    np.testing.assert_allclose(negated.astype(np.float64), want, rtol=tol,
+                               atol=tol * np.abs(want).max())

@@ -270,6 +270,10 @@ void add_runtime_functions(nb::module_& m) {
                                 : unknown;
           entry["overflow_rows"] =
               errors[i].read_ok ? static_cast<int64_t>(errors[i].counters.overflow_rows) : unknown;
+          entry["dropped_low_latency_rows"] =
+              errors[i].read_ok
+                  ? static_cast<int64_t>(errors[i].counters.dropped_low_latency_rows)
+                  : unknown;
           entry["timed_out"] = timed_out;
           entry["timeout_peer"] = timed_out ? static_cast<int>(record->peer) : -1;
           entry["timeout_phase"] = timed_out ? static_cast<int>(record->phase) : 0;
@@ -279,7 +283,8 @@ void add_runtime_functions(nb::module_& m) {
         return result;
       },
       nb::arg("buffer_id"),
-      "One dict per device: device, rank, invalid_expert_ids, overflow_rows, timed_out, "
+      "One dict per device: device, rank, invalid_expert_ids, overflow_rows, "
+      "dropped_low_latency_rows, timed_out, "
       "timeout_peer, timeout_phase (WaitPhase value, 0 = none), seq (normal-mode sequence). "
       "Counters read -1 when the device can no longer be read after a timeout.");
 

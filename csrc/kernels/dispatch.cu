@@ -299,6 +299,14 @@ struct DispatchTransferArgs {
   WaitContext wait;
 };
 
+// True in the lowest lane of [0, num_topk) whose `local` equals this lane's: a row that lists one
+// expert at several k counts once in num_recv_tokens_per_expert. Every lane < num_topk calls it.
+__device__ __forceinline__ bool first_lane_with(int local, int num_topk, int lane) {
+  const uint32_t topk_lanes = num_topk >= kWarpSize ? 0xffffffffu : (1u << num_topk) - 1;
+  const uint32_t same = __match_any_sync(topk_lanes, local);
+  return (same & ((1u << lane) - 1)) == 0;
+}
+
 __device__ __forceinline__ void count_local_expert(const DispatchTransferArgs& args, int* histogram,
                                                    int local_expert) {
   if (local_expert < args.num_shared_experts) {
@@ -325,7 +333,8 @@ __device__ __forceinline__ void write_row_aux(const DispatchTransferArgs& args, 
     const int local = here ? expert - owner * args.num_local_experts : -1;
     ids[lane] = local;
     weights[lane] = here ? __ldg(args.topk_weights + at) : 0.0f;
-    if (histogram != nullptr && here) count_local_expert(args, histogram, local);
+    const bool first = first_lane_with(local, args.num_topk, lane);
+    if (histogram != nullptr && here && first) count_local_expert(args, histogram, local);
   }
   if (args.num_topk > 0 && lane == 0) *src = args.rank * args.num_tokens + token;
   const float* in_payload = args.payload + static_cast<int64_t>(token) * args.num_payload;
@@ -528,7 +537,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         const int local = ld_cg_s32(region.ids + lane);
         out.ids[lane] = local;
         out.weights[lane] = ld_cg_f32(region.weights + lane);
-        if (local >= 0 && local < args.num_local_experts) {
+        const bool first = first_lane_with(local, args.num_topk, lane);
+        if (first && local >= 0 && local < args.num_local_experts) {
           count_local_expert(args, histogram, local);
         }
       }

@@ -18,9 +18,11 @@
 //   1. Block grid-1 histograms all of topk_idx and stores the count words at every rank.
 //      Each block with tokens (a contiguous range [t0, t1)) histograms the ids of tokens < t0.
 //   2. Warp 0 walks its tokens in order: slot of (t, k) = rows of expert g from tokens < t
-//      (histogram + running count; deterministic, no global atomics). It writes the local meta of
+//      (histogram + running count; deterministic, no global atomics), plus the k' < k of token
+//      t with the same id. It writes the local meta of
 //      own-rank pairs and remembers the destination row, meta and flag of remote pairs. Slots
-//      >= T_max (only possible with duplicate ids) are dropped. After the block barrier, warp 0
+//      >= T_max (only possible with duplicate ids) are dropped and counted in
+//      ErrorCounters::dropped_low_latency_rows. After the block barrier, warp 0
 //      alone fences (local stores only: cheap) and arrives on the local "meta written" counter.
 //   3. Send: the block's threads cast their pieces to e4m3 (scale per 128 channels via 8-lane
 //      shuffles; bf16: plain 16-byte vectors, lane-contiguous so every warp store is 512
@@ -721,13 +723,23 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
 
   // Phase 2: slots, own meta and remote destinations of this block's tokens (warp 0, in order).
   if (tid < kWarpSize && n_tok > 0) {
-    unsigned long long invalid_ids = 0;
+    unsigned long long invalid_ids = 0, dropped_rows = 0;
+    const uint32_t topk_lanes = num_topk >= kWarpSize ? kFullMask : (1u << num_topk) - 1;
     for (int t = t0; t < t1; ++t) {
       RemotePair pair = {nullptr, nullptr, nullptr, make_int2(t, lane)};
       if (lane < num_topk) {
         const int g = block_ids[(t - t0) * num_topk + lane];
+        // Lanes of this token with the same id (a token may repeat an expert): the lowest one
+        // takes their slots at once, in k order, so rows stay ordered by (token, k).
+        const uint32_t same = __match_any_sync(topk_lanes, g);
+        const int leader = __ffs(same) - 1;
+        int first_slot = 0;
+        if (lane == leader && g >= 0 && g < num_experts) {
+          first_slot = atomicAdd(hist_before + g, __popc(same));
+        }
+        first_slot = __shfl_sync(topk_lanes, first_slot, leader);
         if (g >= 0 && g < num_experts) {
-          const int slot = atomicAdd(hist_before + g, 1);
+          const int slot = first_slot + __popc(same & ((1u << lane) - 1));
           if (slot < max_tokens) {
             const int dst = g / num_local;
             const int expert = g - dst * num_local;
@@ -740,6 +752,8 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
               pair.flag =
                   reinterpret_cast<uint64_t*>(rk.peers[dst] + layout.dispatch_row_flags) + meta_index;
             }
+          } else {
+            ++dropped_rows;
           }
         } else if (g != -1) {
           ++invalid_ids;
@@ -751,9 +765,13 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
 #pragma unroll
     for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) {
       invalid_ids += __shfl_xor_sync(kFullMask, invalid_ids, mask);
+      dropped_rows += __shfl_xor_sync(kFullMask, dropped_rows, mask);
     }
     if (lane == 0 && invalid_ids > 0 && rk.errors != nullptr) {
       atomicAdd(&rk.errors->invalid_expert_ids, invalid_ids);
+    }
+    if (lane == 0 && dropped_rows > 0 && rk.errors != nullptr) {
+      atomicAdd(&rk.errors->dropped_low_latency_rows, dropped_rows);
     }
   }
   __syncthreads();

@@ -60,6 +60,10 @@ struct TimeoutRecord {
 struct ErrorCounters {
   unsigned long long invalid_expert_ids;  // topk ids outside [-1, num_experts), treated as -1
   unsigned long long overflow_rows;       // rows not received because capacity was exceeded
+  // Low-latency dispatch: (token, k) selections not sent because their source already filled
+  // the T_max rows it has at that expert (only possible when a token repeats an expert in its
+  // top-k). Counted by the sending rank.
+  unsigned long long dropped_low_latency_rows;
 };
 
 // Everything a launcher needs for one rank. Plain data: kernels receive copies of its fields.
