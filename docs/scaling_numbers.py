@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from math import comb
 
-# ------------------------------------------------------------------ shapes (DESIGN.md section 7)
+# ------------------------------------------------------- shapes (docs/api.md, "Measuring")
 H = 7168                 # hidden
 K = 8                    # top-k
 E = 256                  # experts
