@@ -25,7 +25,7 @@ RANKS = (2, 8, 16, 64, 256)
 GPUS_PER_NODE = 8
 
 # ------------------------------------------------------------------ link rates
-NVLINK_BPS = 283e9       # measured: H200 NV18 peer copy, each way, both directions busy (docs/api.md, Measuring)
+NVLINK_BPS = 283e9       # measured: H200 NV18 peer copy, each way, both directions (api.md)
 RDMA_BPS = 50e9          # assumed: one 400 Gb/s NIC per GPU, line rate, each way
 
 # ------------------------------------------------------------------ our constants (C++ headers)
