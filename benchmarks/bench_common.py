@@ -4,8 +4,9 @@ Sharding model: one mesh axis ``"ep"`` over all (or the first ``ranks``) devices
 array here is ``[R * rows_per_rank, ...]`` sharded along axis 0, so inside ``jax.shard_map`` each
 rank sees its own ``[rows_per_rank, ...]`` block. The peers (``jax.lax.all_to_all`` with capacity
 padding and ``jax.lax.ragged_all_to_all``) are written here as per-rank functions with the same
-routing semantics as ``jax_ep.dispatch`` / ``jax_ep.combine`` (DESIGN section 2): a token goes
-once to every rank that holds at least one of its top-k experts, and combine sums what comes back.
+routing semantics as ``jax_ep.dispatch`` / ``jax_ep.combine`` (docs/api.md, "Normal mode"): a
+token goes once to every rank that holds at least one of its top-k experts, and combine sums
+what comes back.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "ep"
-# Each-way NVLink bandwidth between the two H200s when both directions run (DESIGN section 7).
+# Each-way NVLink bandwidth between the two H200s when both directions run (docs/api.md,
+# "Measuring", reference figures).
 NVLINK_BYTES_PER_S = 283e9
-FP8_BLOCK = 128  # channels per fp8 scale (DESIGN section 2)
+FP8_BLOCK = 128  # channels per fp8 scale (docs/api.md, "FP8 scales")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_MIN_AMAX = 1e-4  # floor of the per-block amax before dividing (DESIGN section 2)
+FP8_MIN_AMAX = 1e-4  # floor of the per-block amax before dividing (docs/api.md, "FP8 scales")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -198,7 +200,7 @@ def random_rows(mesh: Mesh, seed: int, shape: tuple[int, ...], dtype=jnp.bfloat1
 
 
 def cast_fp8(x):
-    """Per-token, per-128-channel e4m3fn cast (DESIGN section 2).
+    """Per-token, per-128-channel e4m3fn cast (docs/api.md, "FP8 scales").
 
     Args:
       x: ``[T, H]`` bfloat16/float32, ``H % 128 == 0``.
@@ -244,7 +246,8 @@ def routing_stats(topk_idx: np.ndarray, num_ranks: int, experts: int) -> dict[st
 
 
 def bytes_per_rank(op: str, dtype: str, hidden: int, stats: dict[str, float]):
-    """``(bytes, remote_bytes)`` one rank moves for one call (DESIGN section 7); None for layout."""
+    """``(bytes, remote_bytes)`` one rank moves for one call (docs/api.md, "Measuring"); None
+    for layout."""
     if op in ("dispatch", "combine"):
         per_row = hidden * (1 + 4 / FP8_BLOCK) if dtype == "fp8" else 2 * hidden
         return per_row * stats["recv_rows"], per_row * stats["remote_recv_rows"]

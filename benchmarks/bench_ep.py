@@ -15,7 +15,7 @@ Method (see README.md): one jitted shard_map'd program runs the op N times unrol
 chained to the previous one through an optimization barrier and fed a different pre-generated
 input; per-op device time = (median t(N_long) - median t(N_short)) / (N_long - N_short), so the
 host dispatch (~200 us for a 2-GPU call) cancels. Bytes are counted as DeepEP counts them
-(DESIGN.md section 7). Writes ``<out>/<machine>-<date>.json`` and prints a table last.
+(docs/api.md, "Measuring"). Writes ``<out>/<machine>-<date>.json`` and prints a table last.
 On a machine without GPUs (e.g. CPU with 8 host devices) jax_ep and ragged_all_to_all are
 skipped, so the script itself can be tested there.
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from math import comb
 
-# ------------------------------------------------------------------ shapes (DESIGN.md section 7)
+# ------------------------------------------------------- shapes (docs/api.md, "Measuring")
 H = 7168                 # hidden
 K = 8                    # top-k
 E = 256                  # experts
@@ -25,7 +25,7 @@ RANKS = (2, 8, 16, 64, 256)
 GPUS_PER_NODE = 8
 
 # ------------------------------------------------------------------ link rates
-NVLINK_BPS = 283e9       # measured: H200 NV18 peer copy, each way, both directions busy (NOTES)
+NVLINK_BPS = 283e9       # measured: H200 NV18 peer copy, each way, both directions (api.md)
 RDMA_BPS = 50e9          # assumed: one 400 Gb/s NIC per GPU, line rate, each way
 
 # ------------------------------------------------------------------ our constants (C++ headers)

@@ -43,8 +43,9 @@ class Buffer:
     exchanges peer addresses and preloads every kernel. Its size, with ``b`` the dtype's bytes:
     normal mode ``max(C * (H*b + H/32 + 8K + 4), R * T_max * (H*b + 4K))`` plus ~``12 R T_max``
     bytes of flags (``C`` = ``capacity``; bf16, EP2, T_max=4096, H=7168: 120 MB); low-latency mode
-    adds ``2 * E_loc * (R-1) * T_max * 2H + 2 * T_max * K * 2H`` plus ``32 E_loc R T_max`` bytes of
-    metadata and flags (EP2, T_max=128, E=256: 0.5 GB). See docs/scaling.md for larger R.
+    adds two channels (fused calls, split send/receive pairs) of two parities each:
+    ``4 * (E_loc * (R-1) * T_max * 2H + T_max * K * 2H)`` plus ``64 E_loc R T_max`` bytes of
+    metadata and flags (EP2, T_max=128, E=256, H=7168: 1.0 GB). See docs/scaling.md for larger R.
 
     Args:
       mesh: a ``jax.sharding.Mesh`` containing ``axis_name``.

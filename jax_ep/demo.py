@@ -2,7 +2,7 @@
 
 Builds a Buffer over every device (8 host CPU devices and the reference backend when there is
 no GPU; the CUDA kernels on GPUs), dispatches and combines a random MoE batch, checks the result
-against the NumPy oracle of DESIGN.md section 2, and prints a table of steady-state times.
+against the NumPy oracle of docs/api.md's semantics, and prints a table of steady-state times.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-token FP8 (e4m3fn) cast with one float32 scale per 128 channels (DESIGN.md section 2)."""
+"""Per-token FP8 (e4m3fn) cast, one float32 scale per 128 channels (docs/api.md, "FP8 scales")."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Sharding model: the functions here work on one expert-parallel rank's *local* ar
 outside `jax.shard_map`; `moe_ffn` calls `jax_ep.dispatch` and `jax_ep.combine`, so it must run
 inside `jax.shard_map` that is manual over the Buffer's expert-parallel axis, under `jax.jit`.
 Each rank holds its `num_local_experts = num_experts // R` experts' weights; global expert `e`
-lives on rank `e // num_local_experts` (DESIGN.md section 1).
+lives on rank `e // num_local_experts` (docs/api.md, "Buffer").
 
 One expert-parallel MoE feed-forward layer, per rank::
 

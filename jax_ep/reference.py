@@ -1,4 +1,4 @@
-"""The reference backend (``backend="xla"``): DESIGN.md section 2 in plain ``jax.lax``.
+"""The reference backend (``backend="xla"``): the semantics of docs/api.md in plain ``jax.lax``.
 
 Runs inside ``jax.shard_map`` (manual over the EP axis) on any platform, XLA:CPU included. Each
 rank packs, per destination rank, a capacity-padded block of ``T`` rows (every token that has an

@@ -1,4 +1,4 @@
-"""NumPy oracle of DESIGN.md section 2 and routing generators, for tests, the demo and benchmarks.
+"""NumPy oracle of docs/api.md's semantics and routing generators, for tests, demo, benchmarks.
 
 Arrays here are *global*: a leading ``[R]`` axis holds every rank's per-rank array, as
 ``jax.shard_map`` with ``in_specs=P(axis)`` on a ``[R*T, ...]`` array would split it.

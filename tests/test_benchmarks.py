@@ -155,7 +155,7 @@ def test_first_call_quick(tmp_path):
 
 @pytest.mark.parametrize("peer_name", ["all_to_all", "ragged_all_to_all"])
 def test_peers_match_routing(peer_name, monkeypatch):
-    """Each peer delivers exactly the rows DESIGN section 2 routes (grouped by source rank,
+    """Each peer delivers exactly the rows docs/api.md routes ("Row order": by source rank,
     ascending tokens), with local expert ids and weights, and combine sums them back."""
     if peer_name == "ragged_all_to_all":
         monkeypatch.setattr(bc.lax, "ragged_all_to_all", emulated_ragged_all_to_all)

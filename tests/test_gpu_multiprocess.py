@@ -67,7 +67,8 @@ def test_nvshmem_transport_gives_the_bits_of_one_process():
     assert digest_lines(proc.stdout) == want
 
 
-# What moves data (no sums): equal bits on every backend and process layout (DESIGN section 2).
+# What moves data (no sums): equal bits on every backend and process layout (docs/api.md,
+# "Determinism").
 # Left out: sums (combine, gradient, low-latency combine) may differ by float32 order, and the
 # low-latency fp8 cast, which the reference backend leaves to XLA:CPU's conversion (one fp8
 # step off at times, NOTES.md).

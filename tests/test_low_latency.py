@@ -63,7 +63,7 @@ def check_low_latency_dispatch(out, x, idx, T_max, use_fp8, round_scale, backend
             scaled, scales = oracle.fp8_cast(rows.astype(np.float32), round_scale)
             want = scaled.astype(ml_dtypes.float8_e4m3fn)
             np.testing.assert_allclose(out.recv_scales[r][e][:n], scales, rtol=1e-6)
-            # DESIGN allows one fp8 step: kernels multiply by the reciprocal, and XLA's
+            # docs/api.md allows one fp8 step: kernels multiply by the reciprocal, and XLA's
             # f32 -> e4m3fn conversion may round twice (through f16).
             assert fp8_steps_apart(got, want).max() <= 1
 

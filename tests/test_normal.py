@@ -1,4 +1,4 @@
-"""Normal-mode ops against the NumPy oracle (DESIGN.md section 2), once per backend."""
+"""Normal-mode ops against the NumPy oracle (docs/api.md, "Normal mode"), once per backend."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Bad configuration and bad input: a ValueError naming the argument (DESIGN.md section 6)."""
+"""Bad configuration and bad input: a ValueError naming the argument (docs/api.md, "Bad input")."""
 
 import jax
 import jax.numpy as jnp

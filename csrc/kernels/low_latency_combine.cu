@@ -1,6 +1,7 @@
 // Low-latency (decode) combine, jax_ep_low_latency_combine_v2:
 //   out[t] = sum over k with a valid id of w[t, k] * y[e_k][row of (t, k)], float32, rounded once.
-// One cooperative launch, one block of 512 threads per SM. The same kernel body, compiled per
+// One cooperative launch of 512-thread blocks, at most one per SM (all SMs but
+// kLowLatencyFreeSms by default: low_latency_grid_size). The same kernel body, compiled per
 // LowLatencyHalves, also gives the split pair jax_ep_low_latency_combine_send_v2 (phase 1 and
 // the arrival/release of phase 3, then a ticket) and ..._recv_v2 (phases 2, the wait of 3, 4, 5).
 //
@@ -421,7 +422,8 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatenc
   if (!peers_arrived) arrive_and_wait_peers();
 }
 
-// Grid: one block per SM (cooperative), kLowLatencyThreads threads. No dynamic shared memory.
+// Grid: low_latency_grid_size blocks (cooperative, at most one per SM; by default all SMs but
+// kLowLatencyFreeSms), kLowLatencyThreads threads. No dynamic shared memory.
 // kHalves picks the phases: kBoth (fused op) runs 1-5; kSend runs 1 and the arrival/flag release
 // of 3, then stores the ticket; kRecv runs 2, the wait of 3, 4 and 5. The send launch and the
 // receive launch of one call read the same sequence word (only phase 5 advances it).

@@ -1,6 +1,7 @@
 // Low-latency (decode) dispatch, jax_ep_low_latency_dispatch_v2: one copy of every (token, k)
 // with a valid expert id lands in the block of that expert on the expert's rank, rows ordered by
-// (source rank, source token, k). One cooperative launch, one block of 512 threads per SM.
+// (source rank, source token, k). One cooperative launch of 512-thread blocks, at most one per SM
+// (all SMs but kLowLatencyFreeSms by default: low_latency_grid_size).
 // The same kernel body, compiled per LowLatencyHalves, also gives the split pair
 // jax_ep_low_latency_dispatch_send_v2 (phases 0-4, then a ticket) and ..._recv_v2 (phases 5-6):
 // see "Split" below.
@@ -791,7 +792,8 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
   release_remote_pairs(pairs, n_tok * num_topk, tag);
 }
 
-// Grid: one block per SM (cooperative), kLowLatencyThreads threads. kHalves picks the phases:
+// Grid: low_latency_grid_size blocks (cooperative, at most one per SM; by default all SMs but
+// kLowLatencyFreeSms), kLowLatencyThreads threads. kHalves picks the phases:
 // kBoth (fused op) runs 0-6; kSend runs 0-4 and stores the ticket; kRecv runs 5-6. The send
 // launch and the receive launch of one call read the same sequence word (only phase 6
 // advances it), hence the same tag and parity. Dynamic shared memory: the send half's (see

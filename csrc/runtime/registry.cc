@@ -274,7 +274,7 @@ std::string map_symmetric_peers(RankContext& ctx, const std::vector<int>& pes) {
       return "jax_ep: rank " + std::to_string(r) + " (NVSHMEM PE " + std::to_string(pes[r]) +
              ") is not reachable by loads and stores from device " + std::to_string(ctx.device) +
              " (nvshmem_ptr is null: another host). Device-initiated NVSHMEM puts for such "
-             "peers are not implemented yet (issue 8)";
+             "peers are not implemented yet (docs/process_models.md, \"What spans hosts\")";
     }
   }
   return "";

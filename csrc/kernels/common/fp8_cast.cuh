@@ -1,5 +1,5 @@
 // In-kernel cast of bf16 activations to e4m3fn with one float32 scale per 128 channels
-// (DESIGN section 2 "FP8").
+// (docs/api.md, "FP8 scales").
 //
 // Work unit: one thread holds a "piece" of 16 consecutive channels (two 16-byte vectors of bf16)
 // and produces 16 bytes of e4m3. Eight consecutive lanes of a warp, starting at a lane that is a
