@@ -12,7 +12,6 @@ import secrets
 import zlib
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -263,7 +262,7 @@ def test_hundred_buffers_return_device_memory():
         return [driver.free_memory(o) for o in ordinals]
 
     def make_and_close():
-        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
+        buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T_MAX,
                             num_topk=K, low_latency=True, backend="cuda")
         assert buf.workspace_bytes > 0
         buf.close()
