@@ -65,8 +65,7 @@ ffi::Error check_ticket(const char* op, const ffi::AnyBuffer& ticket) {
 // where the launch reads it (fused op and send half; nullptr for the receive half).
 ffi::Error check_dispatch_inputs(const char* op, const BufferConfig& config, bool use_fp8,
                                  bool round_scale, const ffi::AnyBuffer& x,
-                                 const ffi::AnyBuffer* topk_idx,
-                                 LowLatencyDispatchParams* params) {
+                                 const ffi::AnyBuffer* topk_idx, LowLatencyDispatchParams* params) {
   FFI_RETURN_IF_ERROR(check_array(op, "x", x, {ffi::DataType::BF16}, {kAnyDim, config.hidden}));
   const int64_t num_tokens = x.dimensions()[0];
   FFI_RETURN_IF_ERROR(check_num_tokens(op, "x", num_tokens, config));

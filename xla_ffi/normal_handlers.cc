@@ -306,8 +306,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LayoutHandler, LayoutImpl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Attr<int64_t>("buffer_id")                // buffer_id
                                   .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                                  .Ret<ffi::AnyBuffer>()  // num_tokens_per_rank [R] s32
-                                  .Ret<ffi::AnyBuffer>()  // num_tokens_per_expert [E] s32
+                                  .Ret<ffi::AnyBuffer>()   // num_tokens_per_rank [R] s32
+                                  .Ret<ffi::AnyBuffer>()   // num_tokens_per_expert [E] s32
                                   .Ret<ffi::AnyBuffer>(),  // is_token_in_rank [T, R] pred
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -316,17 +316,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchHandler, DispatchImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()  // x [T, H] D or f8e4m3fn
-                                  .Arg<ffi::AnyBuffer>()  // x_scales [T, S'] f32
-                                  .Arg<ffi::AnyBuffer>()  // topk_idx [T, K] s32
-                                  .Arg<ffi::AnyBuffer>()  // topk_weights [T, K] f32
-                                  .Ret<ffi::AnyBuffer>()  // recv_x [C, H] dtype of x
-                                  .Ret<ffi::AnyBuffer>()  // recv_scales [C, S'] f32
-                                  .Ret<ffi::AnyBuffer>()  // recv_topk_idx [C, K] s32
-                                  .Ret<ffi::AnyBuffer>()  // recv_topk_weights [C, K] f32
-                                  .Ret<ffi::AnyBuffer>()  // num_recv_tokens [] s32
-                                  .Ret<ffi::AnyBuffer>()  // num_recv_tokens_per_expert [E_loc]
-                                  .Ret<ffi::AnyBuffer>()  // send_pos [T, R] s32
+                                  .Arg<ffi::AnyBuffer>()   // x [T, H] D or f8e4m3fn
+                                  .Arg<ffi::AnyBuffer>()   // x_scales [T, S'] f32
+                                  .Arg<ffi::AnyBuffer>()   // topk_idx [T, K] s32
+                                  .Arg<ffi::AnyBuffer>()   // topk_weights [T, K] f32
+                                  .Ret<ffi::AnyBuffer>()   // recv_x [C, H] dtype of x
+                                  .Ret<ffi::AnyBuffer>()   // recv_scales [C, S'] f32
+                                  .Ret<ffi::AnyBuffer>()   // recv_topk_idx [C, K] s32
+                                  .Ret<ffi::AnyBuffer>()   // recv_topk_weights [C, K] f32
+                                  .Ret<ffi::AnyBuffer>()   // num_recv_tokens [] s32
+                                  .Ret<ffi::AnyBuffer>()   // num_recv_tokens_per_expert [E_loc]
+                                  .Ret<ffi::AnyBuffer>()   // send_pos [T, R] s32
                                   .Ret<ffi::AnyBuffer>(),  // recv_src [C] s32
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -335,14 +335,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CachedDispatchHandler, CachedDispatchImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()  // x [T, W] D, f32 or f8e4m3fn
-                                  .Arg<ffi::AnyBuffer>()  // x_scales [T, S'] f32
-                                  .Arg<ffi::AnyBuffer>()  // w [T, K'] f32
-                                  .Arg<ffi::AnyBuffer>()  // send_pos [T, R] s32
-                                  .Arg<ffi::AnyBuffer>()  // recv_src [C] s32
-                                  .Arg<ffi::AnyBuffer>()  // num_recv_tokens [] s32
-                                  .Ret<ffi::AnyBuffer>()  // recv_x [C, W] dtype of x
-                                  .Ret<ffi::AnyBuffer>()  // recv_scales [C, S'] f32
+                                  .Arg<ffi::AnyBuffer>()   // x [T, W] D, f32 or f8e4m3fn
+                                  .Arg<ffi::AnyBuffer>()   // x_scales [T, S'] f32
+                                  .Arg<ffi::AnyBuffer>()   // w [T, K'] f32
+                                  .Arg<ffi::AnyBuffer>()   // send_pos [T, R] s32
+                                  .Arg<ffi::AnyBuffer>()   // recv_src [C] s32
+                                  .Arg<ffi::AnyBuffer>()   // num_recv_tokens [] s32
+                                  .Ret<ffi::AnyBuffer>()   // recv_x [C, W] dtype of x
+                                  .Ret<ffi::AnyBuffer>()   // recv_scales [C, S'] f32
                                   .Ret<ffi::AnyBuffer>(),  // recv_w [C, K'] f32
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -355,8 +355,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineHandler, CombineImpl,
                                   .Arg<ffi::AnyBuffer>()                     // y_w [C, K'] f32
                                   .Arg<ffi::AnyBuffer>()                     // send_pos [T, R] s32
                                   .Arg<ffi::AnyBuffer>()                     // recv_src [C] s32
-                                  .Arg<ffi::AnyBuffer>()  // num_recv_tokens [] s32
-                                  .Ret<ffi::AnyBuffer>()  // combined [T, H] D
+                                  .Arg<ffi::AnyBuffer>()   // num_recv_tokens [] s32
+                                  .Ret<ffi::AnyBuffer>()   // combined [T, H] D
                                   .Ret<ffi::AnyBuffer>(),  // combined_w [T, K'] f32
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -175,7 +175,8 @@ void add_runtime_functions(nb::module_& m) {
         if (!error.empty()) throw std::runtime_error(error);
         nb::list result;
         for (const auto& h : handles) {
-          result.append(nb::make_tuple(h.group, h.rank, nb::bytes(h.handle.data(), h.handle.size())));
+          result.append(
+              nb::make_tuple(h.group, h.rank, nb::bytes(h.handle.data(), h.handle.size())));
         }
         return result;
       },
@@ -271,9 +272,8 @@ void add_runtime_functions(nb::module_& m) {
           entry["overflow_rows"] =
               errors[i].read_ok ? static_cast<int64_t>(errors[i].counters.overflow_rows) : unknown;
           entry["dropped_low_latency_rows"] =
-              errors[i].read_ok
-                  ? static_cast<int64_t>(errors[i].counters.dropped_low_latency_rows)
-                  : unknown;
+              errors[i].read_ok ? static_cast<int64_t>(errors[i].counters.dropped_low_latency_rows)
+                                : unknown;
           entry["timed_out"] = timed_out;
           entry["timeout_peer"] = timed_out ? static_cast<int>(record->peer) : -1;
           entry["timeout_phase"] = timed_out ? static_cast<int>(record->phase) : 0;
@@ -338,8 +338,8 @@ void add_runtime_functions(nb::module_& m) {
         if (status != cudaSuccess) {
           cudaGetLastError();
           std::ostringstream message;
-          message << "jax_ep: loading the kernels on device " << device << " failed: "
-                  << cudaGetErrorName(status) << " (" << cudaGetErrorString(status)
+          message << "jax_ep: loading the kernels on device " << device
+                  << " failed: " << cudaGetErrorName(status) << " (" << cudaGetErrorString(status)
                   << "); the module carries " << JAX_EP_CUDA_ARCHS;
           throw std::runtime_error(message.str());
         }

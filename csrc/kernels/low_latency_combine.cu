@@ -79,7 +79,7 @@ struct CombineArgs {
   __nv_bfloat16* out;         // [T, H]
   int num_tokens;
   int num_experts;
-  int32_t* ticket;            // [1] (send half alone)
+  int32_t* ticket;  // [1] (send half alone)
 };
 
 // Rows summed into one output token, split by where they are read from.
@@ -160,8 +160,8 @@ __device__ __forceinline__ void send_expert_rows(const CombineArgs& args, int ex
     const int chunk = unit - row * num_chunks;
     const int owner = src_key / max_tokens;
     int dst = -1, slot_offset = 0;
-    if (unit < units && src_key >= 0 && k >= 0 && k < layout.num_topk &&
-        owner < layout.num_ranks && owner != rk.rank) {
+    if (unit < units && src_key >= 0 && k >= 0 && k < layout.num_topk && owner < layout.num_ranks &&
+        owner != rk.rank) {
       dst = owner;
       slot_offset = (src_key - owner * max_tokens) * layout.num_topk + k;  // token * K + k
     }
@@ -391,8 +391,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatenc
       for (int vec_base = 0; vec_base < vecs;
            vec_base += kLowLatencyThreads * kOwnerVecsPerThread) {
         float acc[kOwnerVecsPerThread][kBf16PerVector] = {};
-        accumulate_rows<true>(acc, src.rows[0], src.weights[0], src.count[0], vec_base + tid,
-                              vecs);
+        accumulate_rows<true>(acc, src.rows[0], src.weights[0], src.count[0], vec_base + tid, vecs);
         if (!peers_arrived) {  // block-uniform
           arrive_and_wait_peers();
           peers_arrived = true;

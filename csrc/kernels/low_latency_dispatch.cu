@@ -47,13 +47,13 @@
 // Split (send launch = phases 0-4, receive launch = phases 5-6, same grid, one stream, no other
 // split call of this op on this Buffer in between on this rank; fused calls may run in between:
 // they use the other channel of the workspace, see low_latency_layout.cuh): both launches read
-// the split channel's sequence word at their start and only phase 6 advances it, so both use the same tag and parity. The send launch never
-// waits. Its blocks still arrive on the meta counter (phase 2), but the receive launch does not
-// wait for it: the kernel boundary already orders the send launch's own-meta stores before every
-// load of the receive launch; its phase 6 clears the counter as the fused launch does. Peer rows,
-// meta, flags and count words are waited for exactly as in the fused launch (same bounded waits,
-// phase "low-latency dispatch receive"). Phase 5 reads x for the own rows: the receive half takes
-// x as an operand again.
+// the split channel's sequence word at their start and only phase 6 advances it, so both use the
+// same tag and parity. The send launch never waits. Its blocks still arrive on the meta counter
+// (phase 2), but the receive launch does not wait for it: the kernel boundary already orders the
+// send launch's own-meta stores before every load of the receive launch; its phase 6 clears the
+// counter as the fused launch does. Peer rows, meta, flags and count words are waited for exactly
+// as in the fused launch (same bounded waits, phase "low-latency dispatch receive"). Phase 5 reads
+// x for the own rows: the receive half takes x as an operand again.
 //
 // Memory ordering of a remote row: data stores (weak, every thread of the sending block) ->
 // bar.sync -> the releasing thread's meta store -> fence.acq_rel.sys -> st.relaxed.sys flag
@@ -119,7 +119,7 @@ struct DispatchArgs {
   int num_experts;          // E
   int tokens_per_block;     // ceil(T / grid)
   bool round_scale;
-  int32_t* ticket;          // [1] (send half alone)
+  int32_t* ticket;  // [1] (send half alone)
 };
 
 // Where the pair (local token, k) of a block goes when its expert is on a peer (all nullptr
@@ -319,8 +319,8 @@ __device__ __forceinline__ void copy_peer_row(const DispatchArgs& args, const ch
   } else {
     auto* dst =
         reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(args.recv_x) + row_index * hidden);
-    copy_unit_vectors<false>(dst, reinterpret_cast<const int4*>(src_row), 2 * piece0,
-                             2 * piece_end, lane);
+    copy_unit_vectors<false>(dst, reinterpret_cast<const int4*>(src_row), 2 * piece0, 2 * piece_end,
+                             lane);
   }
 }
 
@@ -361,7 +361,8 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
   const RowChunks chunks = row_chunks(layout.hidden);
   LowLatencyControl* control = low_latency_control(rk);
   const int2* meta_base = reinterpret_cast<const int2*>(rk.local + layout.dispatch_meta);
-  const uint64_t* flag_base = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
+  const uint64_t* flag_base =
+      reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
   const size_t meta_index = layout.dispatch_meta_index(parity, expert, src, slot);
   const int2* meta = meta_base + meta_index;
   const size_t row_index = static_cast<size_t>(expert) * rows_per_expert + out_row;
@@ -412,8 +413,8 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
 // i = p * E_loc + e. All receive rows are numbered in that order, so that the work units
 // (row, chunk) of every expert and source can be spread evenly over all warps of the grid.
 struct ReceivePlan {
-  int* counts;     // [E_loc * R] rows of local expert e from source s, at e * R + s
-  int* first_row;  // [E_loc * R] output row (within expert e's block) of source s's slot 0
+  int* counts;       // [E_loc * R] rows of local expert e from source s, at e * R + s
+  int* first_row;    // [E_loc * R] output row (within expert e's block) of source s's slot 0
   int* row_begin;    // [R * E_loc + 1] receive rows before pair i (exclusive prefix; last: total)
   int* expert_rows;  // [E_loc] rows of local expert e from all sources (its recv_count)
   int* scratch;      // [kLowLatencyWarps] the block scan's warp totals
@@ -440,8 +441,9 @@ __device__ __forceinline__ int plan_pair_rows(const ReceivePlan& plan, int i, in
 
 // Phase 5, first part (whole block): waits for the count word of every (local expert, source),
 // then fills `plan`. Ends with a block barrier.
-__device__ __forceinline__ void build_receive_plan(const DispatchArgs& args, const ReceivePlan& plan,
-                                                   uint64_t tag, int parity) {
+__device__ __forceinline__ void build_receive_plan(const DispatchArgs& args,
+                                                   const ReceivePlan& plan, uint64_t tag,
+                                                   int parity) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int num_ranks = layout.num_ranks;
@@ -455,10 +457,9 @@ __device__ __forceinline__ void build_receive_plan(const DispatchArgs& args, con
   for (int g = tid; g < num_pairs; g += blockDim.x) {  // g = e * R + s
     const int expert = g / num_ranks;
     const int src = g - expert * num_ranks;
-    const uint32_t value =
-        wait_tagged_count(words + layout.dispatch_count_index(parity, expert, src), tag,
-                          rk.timeout_ns, rk.timeout_record, me, src,
-                          WaitPhase::kLowLatencyDispatchRecv);
+    const uint32_t value = wait_tagged_count(
+        words + layout.dispatch_count_index(parity, expert, src), tag, rk.timeout_ns,
+        rk.timeout_record, me, src, WaitPhase::kLowLatencyDispatchRecv);
     plan.counts[g] = static_cast<int>(min(value, static_cast<uint32_t>(layout.max_tokens)));
   }
   __syncthreads();
@@ -537,8 +538,7 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
   const int block_order =
       (static_cast<int>(blockIdx.x) - first_idle_block + static_cast<int>(gridDim.x)) %
       static_cast<int>(gridDim.x);
-  const int first_unit =
-      block_order * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
+  const int first_unit = block_order * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
   const int num_chunks = row_chunks(layout.hidden).num_chunks;
   const int unit_end = plan.row_begin[num_pairs] * num_chunks;
   bool own_meta_ready = false;
@@ -552,8 +552,8 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
     const int src = (me + p) % num_ranks;
     const int slot = row - plan.row_begin[pair];
     const int out_row = plan.first_row[expert * num_ranks + src] + slot;
-    receive_unit<kUseFp8, kOwnMetaInLaunch>(args, expert, src, slot, out_row, chunk, tag,
-                                            parity, own_meta_ready);
+    receive_unit<kUseFp8, kOwnMetaInLaunch>(args, expert, src, slot, out_row, chunk, tag, parity,
+                                            own_meta_ready);
   }
 
   // recv_count, and -1 past it: entries (e, row) of [E_loc][R * T_max] over all threads.
@@ -641,8 +641,8 @@ __device__ __forceinline__ void receive_by_expert(const DispatchArgs& args, uint
   if (num_warps >= num_experts_local) {
     const int expert = warp % num_experts_local;
     const int sharers = (num_warps - 1 - expert) / num_experts_local + 1;
-    receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, warp / num_experts_local, sharers,
-                                              tag, parity, own_meta_ready);
+    receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, warp / num_experts_local, sharers, tag,
+                                              parity, own_meta_ready);
   } else {
     for (int expert = warp; expert < num_experts_local; expert += num_warps) {
       receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, 0, 1, tag, parity, own_meta_ready);
@@ -654,7 +654,8 @@ __device__ __forceinline__ void receive_by_expert(const DispatchArgs& args, uint
 __host__ __device__ constexpr size_t send_smem_bytes(int tokens_per_block, int num_topk,
                                                      int num_experts) {
   return (static_cast<size_t>(tokens_per_block) * num_topk * (sizeof(RemotePair) + sizeof(int)) +
-          2 * static_cast<size_t>(num_experts) * sizeof(int) + 15) / 16 * 16;
+          2 * static_cast<size_t>(num_experts) * sizeof(int) + 15) /
+         16 * 16;
 }
 
 // Phases 0-4 (the send half): histograms, count words, slots and own meta, rows to the peers and
@@ -685,9 +686,9 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
   const bool is_publisher = blockIdx.x == gridDim.x - 1;
 
   // Phase 0: this thread's first send inputs (x does not depend on the routing).
-  const int4* x_block = reinterpret_cast<const int4*>(args.x + static_cast<size_t>(t0) * layout.hidden);
-  const int send_total =
-      n_tok * layout.hidden / (kUseFp8 ? kFp8ChannelsPerPiece : kBf16PerVector);
+  const int4* x_block =
+      reinterpret_cast<const int4*>(args.x + static_cast<size_t>(t0) * layout.hidden);
+  const int send_total = n_tok * layout.hidden / (kUseFp8 ? kFp8ChannelsPerPiece : kBf16PerVector);
   int4 send_a, send_b;
   load_send_inputs<kUseFp8>(x_block, send_total, 0, send_a, send_b);
 
@@ -749,9 +750,10 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
               reinterpret_cast<int2*>(rk.local + layout.dispatch_meta)[meta_index] = pair.value;
             } else {
               pair.row = rk.peers[dst] + layout.dispatch_row_offset(parity, expert, me, dst, slot);
-              pair.meta = reinterpret_cast<int2*>(rk.peers[dst] + layout.dispatch_meta) + meta_index;
-              pair.flag =
-                  reinterpret_cast<uint64_t*>(rk.peers[dst] + layout.dispatch_row_flags) + meta_index;
+              pair.meta =
+                  reinterpret_cast<int2*>(rk.peers[dst] + layout.dispatch_meta) + meta_index;
+              pair.flag = reinterpret_cast<uint64_t*>(rk.peers[dst] + layout.dispatch_row_flags) +
+                          meta_index;
             }
           } else {
             ++dropped_rows;
@@ -860,11 +862,10 @@ cudaError_t launch_dispatch_halves(const RankContext& ctx, const LowLatencyDispa
            ? send_smem_bytes(args.tokens_per_block, ctx.config.num_topk, args.num_experts)
            : 0) +
       (runs_recv_half(kHalves) ? receive_plan_bytes(args.num_experts) : 0);
-  return params.use_fp8
-             ? launch_low_latency_kernel(low_latency_dispatch_kernel<true, kHalves>, num_blocks,
-                                         smem_bytes, stream, args)
-             : launch_low_latency_kernel(low_latency_dispatch_kernel<false, kHalves>, num_blocks,
-                                         smem_bytes, stream, args);
+  return params.use_fp8 ? launch_low_latency_kernel(low_latency_dispatch_kernel<true, kHalves>,
+                                                    num_blocks, smem_bytes, stream, args)
+                        : launch_low_latency_kernel(low_latency_dispatch_kernel<false, kHalves>,
+                                                    num_blocks, smem_bytes, stream, args);
 }
 
 template <LowLatencyHalves kHalves>
@@ -879,9 +880,8 @@ cudaError_t preload_dispatch_halves() {
 }  // namespace
 
 size_t low_latency_workspace_bytes(const BufferConfig& config) {
-  return config.low_latency
-             ? kLowLatencyNumChannels * make_low_latency_layout(config).total_bytes
-             : 0;
+  return config.low_latency ? kLowLatencyNumChannels * make_low_latency_layout(config).total_bytes
+                            : 0;
 }
 
 size_t low_latency_workspace_offset(const BufferConfig& config) {

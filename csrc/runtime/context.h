@@ -28,9 +28,9 @@ struct BufferConfig {
   double timeout_s = 10.0;      // bound on every spin-wait
   // Grids (tuning, per process; 0: from the device). Python reads them from the JAX_EP_*
   // settings (jax_ep/settings.py).
-  int normal_blocks = 0;         // normal-mode transfer kernels (default: one per SM)
-  int normal_push_blocks = 0;    // of those, the pushing ones (default: a quarter)
-  int low_latency_blocks = 0;    // low-latency launches (default: all SMs but 8)
+  int normal_blocks = 0;       // normal-mode transfer kernels (default: one per SM)
+  int normal_push_blocks = 0;  // of those, the pushing ones (default: a quarter)
+  int low_latency_blocks = 0;  // low-latency launches (default: all SMs but 8)
 
   int num_local_experts() const { return num_experts / num_ranks; }
 };
@@ -74,7 +74,7 @@ struct RankContext {
   int device = 0;             // CUDA device ordinal
   char* workspace = nullptr;  // this rank's workspace (device memory)
   size_t workspace_bytes = 0;
-  bool symmetric_workspace = false;  // on NVSHMEM's symmetric heap (runtime/nvshmem_host.h)
+  bool symmetric_workspace = false;         // on NVSHMEM's symmetric heap (runtime/nvshmem_host.h)
   char* peer_workspaces[kMaxRanks] = {};    // every rank's workspace, as seen from this device
   char** peer_workspaces_device = nullptr;  // the same table in device memory
   ErrorCounters* error_counters = nullptr;  // device memory

@@ -59,8 +59,9 @@ bool nvshmem_built() { return JAX_EP_HAVE_NVSHMEM != 0; }
 std::string nvshmem_load(const std::string& library_path) {
   std::lock_guard<std::mutex> lock(api_mutex);
   if (api.library != nullptr) {
-    return api.path == library_path ? "" :
-           "jax_ep: NVSHMEM is already loaded from " + api.path + ", not " + library_path;
+    return api.path == library_path
+               ? ""
+               : "jax_ep: NVSHMEM is already loaded from " + api.path + ", not " + library_path;
   }
   // RTLD_GLOBAL: the library dlopens its bootstrap and transport plugins (found next to it).
   void* library = dlopen(library_path.c_str(), RTLD_NOW | RTLD_GLOBAL);

@@ -10,8 +10,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -147,7 +147,8 @@ std::string validate_symmetric(const std::vector<std::vector<int>>& groups,
   }
   if (local_ranks != 1) {
     return "jax_ep: the NVSHMEM transport needs exactly one device per process (this process "
-           "drives " + std::to_string(local_ranks) + " ranks of the Buffer)";
+           "drives " +
+           std::to_string(local_ranks) + " ranks of the Buffer)";
   }
   if (!nvshmem_initialized()) return "jax_ep: NVSHMEM is not initialised in this process";
   return "";
@@ -186,9 +187,8 @@ std::string allocate_rank(RankContext& ctx) {
     if (!error.empty()) return error;
     ctx.workspace = static_cast<char*>(symmetric);
   }
-  const cudaError_t status = ctx.symmetric_workspace
-                                 ? cudaSuccess
-                                 : cudaMalloc(&ctx.workspace, ctx.workspace_bytes);
+  const cudaError_t status =
+      ctx.symmetric_workspace ? cudaSuccess : cudaMalloc(&ctx.workspace, ctx.workspace_bytes);
   if (status != cudaSuccess) {
     cudaGetLastError();
     std::ostringstream message;
@@ -282,8 +282,8 @@ std::string map_symmetric_peers(RankContext& ctx, const std::vector<int>& pes) {
 
 // `pes` (NVSHMEM transport, one local rank): the PE of every rank of the group; nullptr: device
 // memory, peers of this process by unified addressing, of other processes by CUDA IPC.
-std::string create_group(const BufferConfig& config, int group_index,
-                         const std::vector<int>& group, const std::vector<int>* pes,
+std::string create_group(const BufferConfig& config, int group_index, const std::vector<int>& group,
+                         const std::vector<int>* pes,
                          std::vector<std::unique_ptr<RankContext>>& contexts) {
   const size_t first = contexts.size();
   std::vector<RankContext*> by_rank(group.size(), nullptr);
@@ -396,8 +396,8 @@ std::string export_workspace_handles(int64_t buffer_id, std::vector<WorkspaceHan
     cudaIpcMemHandle_t handle;
     RETURN_MESSAGE_IF_CUDA_ERROR(ctx->device, cudaSetDevice(ctx->device));
     RETURN_MESSAGE_IF_CUDA_ERROR(ctx->device, cudaIpcGetMemHandle(&handle, ctx->workspace));
-    handles->push_back(
-        {ctx->group, ctx->rank, std::string(reinterpret_cast<const char*>(&handle), sizeof(handle))});
+    handles->push_back({ctx->group, ctx->rank,
+                        std::string(reinterpret_cast<const char*>(&handle), sizeof(handle))});
   }
   return "";
 }
