@@ -273,4 +273,6 @@ def test_hundred_buffers_return_device_memory():
         make_and_close()
     after = free()
     for b, a in zip(before, after, strict=True):
-        assert abs(a - b) <= 1 << 20, (before, after)
+        # A leak shows as less free memory. XLA no longer preallocates in the test suite
+        # (conftest), so its own pool may also give memory back meanwhile: more free is fine.
+        assert b - a <= 1 << 20, (before, after)

@@ -187,6 +187,8 @@ def test_independent_sends_of_one_program_wait_for_the_previous_receive(rng, tok
     for x, recv_x in zip(xs, got, strict=True):
         for r, exp in enumerate(oracle.low_latency_dispatch(x, idx, 64, tokens)):
             for e, count in enumerate(exp["recv_count"]):
+                if count == 0:
+                    continue
                 scaled, _ = oracle.fp8_cast(exp["recv_x"][e].astype(np.float32))
                 want = scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.int16)
                 have = np.asarray(recv_x[r, e, :count]).view(np.uint8).astype(np.int16)
