@@ -1,0 +1,282 @@
+"""Tests of jax_ep.grouped_gemm (library grouped GEMMs for the expert matmuls) and of the MoE
+layer running on them.
+
+On CPU the library kernels cannot run: the plumbing around them (custom_vjp, dtypes, the
+masking of rows past the groups, shard_map) is checked with reference kernels patched in that
+behave like the real ones where it matters (operand-dtype results, rows past the groups left as
+NaN), and tokamax's API is exercised through its XLA implementation where tokamax imports.
+GPU tests (`-m gpu`) run the real kernels of every library that imports, on Hopper GPUs, against
+float32 references: values and gradients within bfloat16 tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import require_gpus
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import grouped_gemm, moe
+
+NUM_DEVICES = 8
+# bf16 comparisons: |got - want| <= BF16_TOL * (max|want| + |want|).
+BF16_TOL = 2e-2
+
+
+def _assert_bf16_close(got, want, name):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all(), f"{name}: non-finite values"
+    scale = max(float(np.abs(want).max()), 1e-6)
+    np.testing.assert_allclose(got, want, rtol=BF16_TOL, atol=BF16_TOL * scale, err_msg=name)
+
+
+def _reference_product(library, product, a, b, group_sizes):
+    """What the library kernels compute, in float32, cast to the operand dtype; like them it
+    leaves the output rows past the groups unspecified (NaN here)."""
+    del library
+    f32 = jnp.float32
+    if product == "dw":
+        out = jax.lax.ragged_dot_general(a.astype(f32), b.astype(f32), group_sizes,
+                                         grouped_gemm._CONTRACT_ROWS)
+        return out.astype(a.dtype)
+    rhs = b if product == "forward" else jnp.swapaxes(b, 1, 2)
+    out = jax.lax.ragged_dot(a.astype(f32), rhs.astype(f32), group_sizes)
+    used = jnp.arange(a.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(used[:, None], out, jnp.nan).astype(a.dtype)
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """The library kernels replaced by `_reference_product` (any platform)."""
+    monkeypatch.setattr(grouped_gemm, "_product", _reference_product)
+    monkeypatch.setattr(grouped_gemm, "_import_status", lambda module: (True, module))
+
+
+def _operands(rng, num_rows, sizes, k, m, dtype=jnp.bfloat16):
+    x = jnp.asarray(rng.normal(size=(num_rows, k)), jnp.float32)
+    used = int(np.sum(sizes))
+    x = x.at[used:].set(0.0).astype(dtype)  # permute's padding rows are zero
+    w = jnp.asarray(rng.normal(size=(len(sizes), k, m)) * k**-0.5, jnp.float32).astype(dtype)
+    ct = jnp.asarray(rng.normal(size=(num_rows, m)), jnp.float32)
+    return x, w, jnp.asarray(sizes, jnp.int32), ct
+
+
+def _matmul_value_and_grads(fn, x, w, sizes, ct):
+    """Value [N, M] and (dx, dw) of sum(fn(x, w) * ct) over the rows of the groups."""
+    used = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
+
+    def loss(x, w):
+        y = jnp.where(used, fn(x, w, sizes).astype(jnp.float32), 0.0)
+        return jnp.sum(y * ct), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    return y, grads
+
+
+def _reference_value_and_grads(x, w, sizes, ct):
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    return _matmul_value_and_grads(
+        lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision="highest"), f32(x), f32(w),
+        sizes, ct)
+
+
+def _check_library_matmul(matmul, rng, num_rows, sizes, k, m):
+    x, w, sizes, ct = _operands(rng, num_rows, sizes, k, m)
+    y, (dx, dw) = _matmul_value_and_grads(
+        functools.partial(grouped_gemm.library_matmul, matmul=matmul), x, w, sizes, ct)
+    want_y, (want_dx, want_dw) = _reference_value_and_grads(x, w, sizes, ct)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    used = int(np.sum(sizes))
+    _assert_bf16_close(y, want_y, f"{matmul} value")
+    _assert_bf16_close(dx[:used], want_dx[:used], f"{matmul} dx")
+    _assert_bf16_close(dw, want_dw, f"{matmul} dw")
+
+
+# ---------------------------------------------------------------------------- selection
+def test_auto_is_tiled_without_a_hopper_gpu(monkeypatch):
+    monkeypatch.delenv(grouped_gemm.MATMUL_ENV, raising=False)
+    if grouped_gemm.library_status("tokamax")[0]:
+        pytest.skip("tokamax runs here: auto is not tiled")
+    assert grouped_gemm.resolve_matmul("auto", jnp.bfloat16) == "tiled"
+    assert grouped_gemm.resolve_matmul("auto", jnp.float32) == "tiled"
+    assert grouped_gemm.resolve_matmul("ragged_dot") == "ragged_dot"
+    assert grouped_gemm.selection_report().startswith("tiled (tokamax not used: ")
+    assert moe.DEFAULT_MATMUL == "auto"
+
+
+def test_auto_follows_the_environment(monkeypatch):
+    monkeypatch.setenv(grouped_gemm.MATMUL_ENV, "mosaic")
+    assert grouped_gemm.resolve_matmul("auto", jnp.bfloat16) == "mosaic"
+    assert grouped_gemm.resolve_matmul("auto", jnp.float32) == "tiled"  # kernels: bf16/f16 only
+    assert grouped_gemm.resolve_matmul("tokamax") == "tokamax"  # explicit names win
+    assert "JAX_EP_MOE_MATMUL=mosaic" in grouped_gemm.selection_report()
+    monkeypatch.setenv(grouped_gemm.MATMUL_ENV, "fastest")
+    with pytest.raises(ValueError, match="JAX_EP_MOE_MATMUL"):
+        grouped_gemm.resolve_matmul("auto")
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        grouped_gemm.resolve_matmul("dense")
+
+
+def test_library_matmul_rejects_bad_arguments(monkeypatch):
+    x, w = jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((2, 512, 512), jnp.bfloat16)
+    sizes = jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        grouped_gemm.library_matmul(x.astype(jnp.float32), w.astype(jnp.float32), sizes,
+                                    "tokamax")
+    with pytest.raises(ValueError, match="same K"):
+        grouped_gemm.library_matmul(x, w[:, :256], sizes, "tokamax")
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        grouped_gemm.library_matmul(x, w, sizes, "tiled")
+    with pytest.raises(ValueError, match="multiples of 512, got M=96"):
+        grouped_gemm.library_matmul(x, w[..., :96], sizes, "mosaic")
+    monkeypatch.setattr(grouped_gemm, "_import_status",
+                        lambda module: (False, f"import {module} failed: nope"))
+    with pytest.raises(RuntimeError, match="needs tokamax: import tokamax failed"):
+        grouped_gemm.library_matmul(x, w, sizes, "tokamax")
+
+
+# ---------------------------------------------------------------------------- plumbing on CPU
+@pytest.mark.parametrize("matmul", sorted(grouped_gemm.LIBRARY_MATMULS))
+def test_library_matmul_plumbing(matmul, reference_kernels):
+    rng = np.random.default_rng(1)
+    # An empty group, uneven groups and 13 rows past the groups (NaN from the kernels).
+    _check_library_matmul(matmul, rng, 96, [20, 0, 41, 9, 13], 512, 512)
+
+
+def test_swiglu_library_masks_rows_past_the_groups(reference_kernels):
+    rng = np.random.default_rng(2)
+    num_rows, hidden, ffn = 90, 64, 32
+    sizes = jnp.asarray([20, 0, 41, 9, 12], jnp.int32)  # 8 rows past the groups
+    x = jnp.asarray(rng.normal(size=(num_rows, hidden)), jnp.float32).at[82:].set(0.0)
+    weights = [jnp.asarray(rng.normal(size=s) * s[1]**-0.5, jnp.float32) for s in
+               ((5, hidden, ffn), (5, hidden, ffn), (5, ffn, hidden))]
+    ct = jnp.asarray(rng.normal(size=(num_rows, hidden)), jnp.float32)
+
+    def run(matmul, dtype):
+        def loss(x, *weights):
+            y = moe.swiglu_experts(x.astype(dtype), sizes, *(w.astype(dtype) for w in weights),
+                                   matmul=matmul, precision="highest")
+            return jnp.sum(y.astype(jnp.float32) * ct), y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *weights)
+
+    (_, y), grads = run("tokamax", jnp.bfloat16)
+    (_, want_y), want_grads = run("ragged_dot", jnp.float32)
+    assert y.dtype == jnp.bfloat16
+    assert not np.asarray(y[82:], np.float32).any()  # rows past the groups: exactly zero
+    _assert_bf16_close(y, want_y, "value")
+    for name, g, want in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, want_grads,
+                             strict=True):
+        if name == "dx":  # rows past the groups: unspecified (no consumer reads them)
+            g, want = g[:82], want[:82]
+        _assert_bf16_close(g, want, name)
+
+
+def _dense_moe(x, w_router, w_gate, w_up, w_down, topk):
+    """Every token through every expert in float32, gated by its top-k (the oracle)."""
+    probs = jax.nn.softmax(x @ w_router, axis=-1)
+    vals, idx = jax.lax.top_k(probs, topk)
+    vals = vals / vals.sum(-1, keepdims=True)
+    gates = jnp.einsum("tk,tke->te", vals, jax.nn.one_hot(idx, w_router.shape[1]))
+    h = jax.nn.silu(jnp.einsum("th,ehf->tef", x, w_gate)) * jnp.einsum("th,ehf->tef", x, w_up)
+    return jnp.einsum("te,teh->th", gates, jnp.einsum("tef,efh->teh", h, w_down))
+
+
+def _check_moe_layer(mesh, backend, matmul, experts, topk, tokens_per_rank, hidden, ffn, seed):
+    """moe_ffn with `matmul` in bfloat16 against the float32 dense layer: output and the
+    gradients w.r.t. the tokens and the expert weights."""
+    num_ranks = mesh.shape["ep"]
+    num_tokens = tokens_per_rank * mesh.devices.size
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
+                        max_tokens_per_rank=tokens_per_rank, num_topk=topk,
+                        dtype=jnp.bfloat16, backend=backend)
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, scale):
+        return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+    params = dict(x=normal((num_tokens, hidden), 1.0), w_gate=normal((experts, hidden, ffn),
+                  hidden**-0.5), w_up=normal((experts, hidden, ffn), hidden**-0.5),
+                  w_down=normal((experts, ffn, hidden), ffn**-0.5))
+    w_router = normal((hidden, experts), 0.3)
+    ct = normal((num_tokens, hidden), 1.0)
+
+    def ep_layer(x, w_gate, w_up, w_down):
+        topk_idx, topk_weights, _ = moe.router(x.astype(jnp.float32) @ w_router, topk)
+        return moe.moe_ffn(buf, x, topk_idx, topk_weights, w_gate, w_up, w_down, matmul=matmul)
+
+    tokens = P(tuple(mesh.axis_names)) if len(mesh.axis_names) > 1 else P("ep")
+    ep = jax.shard_map(ep_layer, mesh=mesh, in_specs=(tokens, P("ep"), P("ep"), P("ep")),
+                       out_specs=tokens)
+
+    def grads(layer, dtype):
+        def loss(p):  # both layers see the bfloat16-rounded parameters (the same routing)
+            p = {k: v.astype(jnp.bfloat16).astype(dtype) for k, v in p.items()}
+            y = layer(p["x"], p["w_gate"], p["w_up"], p["w_down"]).astype(jnp.float32)
+            return jnp.sum(y * ct), y
+
+        return jax.jit(jax.grad(loss, has_aux=True))(params)
+
+    got_grads, got_y = grads(ep, jnp.bfloat16)
+    want_grads, want_y = grads(lambda x, *w: _dense_moe(x, w_router, *w, topk), jnp.float32)
+    buf.close()
+    assert float(jnp.abs(want_y).max()) > 0.1
+    _assert_bf16_close(got_y, want_y, f"{matmul} EP={num_ranks} output")
+    for name in params:
+        _assert_bf16_close(got_grads[name], want_grads[name], f"{matmul} gradient {name}")
+
+
+@pytest.mark.parametrize("matmul", ["tokamax", "mosaic"])
+def test_moe_layer_on_library_kernels_matches_dense(matmul, reference_kernels):
+    if len(jax.devices()) < NUM_DEVICES:
+        pytest.skip(f"needs {NUM_DEVICES} host devices")
+    mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]).reshape(2, 4), ("data", "ep"))
+    _check_moe_layer(mesh, "xla", matmul, experts=8, topk=2, tokens_per_rank=12, hidden=512,
+                     ffn=512, seed=3)
+
+
+def test_tokamax_api_through_its_xla_implementation(monkeypatch):
+    """Our three tokamax calls (dimension numbers, dtypes, group sizes) against tokamax itself,
+    with its XLA implementation in place of the Mosaic GPU kernels."""
+    pytest.importorskip("tokamax", reason="tokamax is not installed (pip install jax_ep[gpu])")
+    monkeypatch.setattr(grouped_gemm, "_tokamax_impl", lambda kind: "xla")
+    _check_library_matmul("tokamax", np.random.default_rng(4), 80, [30, 0, 25, 9], 96, 40)
+
+
+# ---------------------------------------------------------------------------- GPU
+def _require_library_matmul(matmul):
+    require_gpus(1)
+    kernels = grouped_gemm.LIBRARY_MATMULS[matmul]
+    for library in sorted({kernels.forward, kernels.dx, kernels.dw}):
+        ok, why = grouped_gemm.library_status(library)
+        if not ok:
+            pytest.skip(f"{matmul} needs {library}: {why}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("matmul", sorted(grouped_gemm.LIBRARY_MATMULS))
+def test_library_matmul_on_gpu(matmul):
+    _require_library_matmul(matmul)
+    rng = np.random.default_rng(5)
+    # 16 groups (two empty, one of a single row) over 4000 of 4224 rows: groups share row
+    # blocks, and 224 rows past the groups are never computed.
+    sizes = rng.multinomial(3900, np.ones(13) / 13).tolist() + [0, 1, 0]
+    sizes[5] += 99
+    with jax.default_device(jax.devices("gpu")[0]):
+        _check_library_matmul(matmul, rng, 4224, sizes, 1024, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("matmul", sorted(grouped_gemm.LIBRARY_MATMULS))
+def test_moe_layer_on_gpu_matches_dense(matmul):
+    _require_library_matmul(matmul)
+    gpus = require_gpus(1)
+    mesh = Mesh(np.array(gpus), ("ep",))
+    _check_moe_layer(mesh, "cuda", matmul, experts=8 * len(gpus), topk=4, tokens_per_rank=256,
+                     hidden=1024, ffn=512, seed=6)
