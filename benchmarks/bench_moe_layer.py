@@ -697,15 +697,18 @@ def run(args, mesh, deadline, checkpoint):
         from jax_ep import grouped_gemm
 
         log(f"[bench] matmul 'auto' -> {grouped_gemm.selection_report()}")
+    # Order: experts, layer, then the products (a breakdown), so that --max-minutes cuts the
+    # least needed first.
+    inputs = None
     if jax_ep is not None and ("experts" in args.sections or "products" in args.sections):
         try:
             inputs = run_experts(r, matmuls if "experts" in args.sections else [])
-            if "products" in args.sections:
-                run_products(r, matmuls, inputs)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory for the inputs
             r.errors.append(error_row(EXPERTS_OP, e, args, r.num_ranks))
     if "layer" in args.sections:
         run_layers(r, matmuls, impls)
+    if inputs is not None and "products" in args.sections:
+        run_products(r, matmuls, inputs)
     r.pool.shutdown()
     return r.records, r.errors, r.skipped, r.checks
 
