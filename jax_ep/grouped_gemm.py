@@ -197,8 +197,10 @@ def _tokamax_product(product: str, a, b, group_sizes):
         return tokamax.ragged_dot(a, jnp.swapaxes(b, 1, 2), group_sizes,
                                   preferred_element_type=a.dtype,
                                   implementation=_tokamax_impl("rows"))
+    from tokamax._src.ops.ragged_dot import base  # the dimension numbers its kernels match
+
     return tokamax.ragged_dot_general(  # dw: [N, K] x [N, M] -> [G, K, M]
-        a, b, group_sizes, ragged_dot_dimension_numbers=_CONTRACT_ROWS,
+        a, b, group_sizes, ragged_dot_dimension_numbers=base.RAGGED_CONTRACTING_DOT_DIM_NUMS,
         preferred_element_type=a.dtype, implementation=_tokamax_impl("contract"))
 
 

@@ -178,56 +178,58 @@ def test_swiglu_library_masks_rows_past_the_groups(reference_kernels):
         _assert_bf16_close(g, want, name)
 
 
-def _dense_moe(x, w_router, w_gate, w_up, w_down, topk):
-    """Every token through every expert in float32, gated by its top-k (the oracle)."""
-    probs = jax.nn.softmax(x @ w_router, axis=-1)
-    vals, idx = jax.lax.top_k(probs, topk)
-    vals = vals / vals.sum(-1, keepdims=True)
-    gates = jnp.einsum("tk,tke->te", vals, jax.nn.one_hot(idx, w_router.shape[1]))
-    h = jax.nn.silu(jnp.einsum("th,ehf->tef", x, w_gate)) * jnp.einsum("th,ehf->tef", x, w_up)
-    return jnp.einsum("te,teh->th", gates, jnp.einsum("tef,efh->teh", h, w_down))
+def _dense_moe(x, topk_idx, topk_weights, w_gate, w_up, w_down):
+    """Every token through every expert, gated by its top-k (the oracle; float32 in, highest
+    precision)."""
+    dot = functools.partial(jnp.einsum, precision="highest")
+    gates = jnp.einsum("tk,tke->te", topk_weights, jax.nn.one_hot(topk_idx, w_gate.shape[0]))
+    h = jax.nn.silu(dot("th,ehf->tef", x, w_gate)) * dot("th,ehf->tef", x, w_up)
+    return jnp.einsum("te,teh->th", gates, dot("tef,efh->teh", h, w_down))
 
 
 def _check_moe_layer(mesh, backend, matmul, experts, topk, tokens_per_rank, hidden, ffn, seed):
-    """moe_ffn with `matmul` in bfloat16 against the float32 dense layer: output and the
-    gradients w.r.t. the tokens and the expert weights."""
-    num_ranks = mesh.shape["ep"]
+    """moe_ffn with `matmul` in bfloat16 against the dense layer in float32 on the same
+    bfloat16-rounded parameters and the same routing (computed once, so that no near tie of
+    router scores can route differently): output and gradients w.r.t. the tokens and weights."""
     num_tokens = tokens_per_rank * mesh.devices.size
     buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
                         max_tokens_per_rank=tokens_per_rank, num_topk=topk,
                         dtype=jnp.bfloat16, backend=backend)
     rng = np.random.default_rng(seed)
 
-    def normal(shape, scale):
-        return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+    def normal(shape, scale):  # bfloat16-representable float32
+        return jnp.asarray(rng.normal(size=shape) * scale, jnp.bfloat16).astype(jnp.float32)
 
     params = dict(x=normal((num_tokens, hidden), 1.0), w_gate=normal((experts, hidden, ffn),
                   hidden**-0.5), w_up=normal((experts, hidden, ffn), hidden**-0.5),
                   w_down=normal((experts, ffn, hidden), ffn**-0.5))
-    w_router = normal((hidden, experts), 0.3)
+    scores = rng.random((num_tokens, experts))
+    topk_idx = np.argsort(-scores, axis=1)[:, :topk].astype(np.int32)
+    topk_weights = np.take_along_axis(scores, topk_idx, 1)
+    topk_weights = jnp.asarray(topk_weights / topk_weights.sum(1, keepdims=True), jnp.float32)
+    topk_idx = jnp.asarray(topk_idx)
     ct = normal((num_tokens, hidden), 1.0)
 
-    def ep_layer(x, w_gate, w_up, w_down):
-        topk_idx, topk_weights, _ = moe.router(x.astype(jnp.float32) @ w_router, topk)
-        return moe.moe_ffn(buf, x, topk_idx, topk_weights, w_gate, w_up, w_down, matmul=matmul)
+    def ep_layer(x, idx, weights, w_gate, w_up, w_down):
+        return moe.moe_ffn(buf, x, idx, weights, w_gate, w_up, w_down, matmul=matmul)
 
     tokens = P(tuple(mesh.axis_names)) if len(mesh.axis_names) > 1 else P("ep")
-    ep = jax.shard_map(ep_layer, mesh=mesh, in_specs=(tokens, P("ep"), P("ep"), P("ep")),
-                       out_specs=tokens)
+    ep = jax.shard_map(ep_layer, mesh=mesh, out_specs=tokens,
+                       in_specs=(tokens, tokens, tokens, P("ep"), P("ep"), P("ep")))
 
     def grads(layer, dtype):
-        def loss(p):  # both layers see the bfloat16-rounded parameters (the same routing)
-            p = {k: v.astype(jnp.bfloat16).astype(dtype) for k, v in p.items()}
-            y = layer(p["x"], p["w_gate"], p["w_up"], p["w_down"]).astype(jnp.float32)
-            return jnp.sum(y * ct), y
+        def loss(p):
+            p = {k: v.astype(dtype) for k, v in p.items()}
+            y = layer(p["x"], topk_idx, topk_weights, p["w_gate"], p["w_up"], p["w_down"])
+            return jnp.sum(y.astype(jnp.float32) * ct), y.astype(jnp.float32)
 
         return jax.jit(jax.grad(loss, has_aux=True))(params)
 
     got_grads, got_y = grads(ep, jnp.bfloat16)
-    want_grads, want_y = grads(lambda x, *w: _dense_moe(x, w_router, *w, topk), jnp.float32)
+    want_grads, want_y = grads(_dense_moe, jnp.float32)
     buf.close()
     assert float(jnp.abs(want_y).max()) > 0.1
-    _assert_bf16_close(got_y, want_y, f"{matmul} EP={num_ranks} output")
+    _assert_bf16_close(got_y, want_y, f"{matmul} EP={mesh.shape['ep']} output")
     for name in params:
         _assert_bf16_close(got_grads[name], want_grads[name], f"{matmul} gradient {name}")
 
