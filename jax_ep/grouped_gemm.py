@@ -22,9 +22,14 @@ Forward and backward are three products, each a grouped GEMM:
 - `"mosaic"`: the Pallas Mosaic GPU kernels that ship with jax
   (`jax.experimental.pallas.ops.gpu`): `ragged_dot` (forward; dx with `transpose_rhs`, no weight
   transpose) and `transposed_ragged_dot` (dw, masks only a group's first and last row block).
-- `"tokamax+mosaic"`: forward and dx through tokamax, dw through jax's `transposed_ragged_dot`.
-- `"auto"`: `JAX_EP_MOE_MATMUL` when set, else `"tokamax"` on Hopper GPUs when tokamax imports
-  and the rows are bfloat16 / float16, else `"tiled"`.
+- `"tokamax+mosaic"`: the forward through tokamax, both backward products through jax's
+  kernels (dx without a transposed copy of the weights, dw without tokamax's per-block masking).
+- `"auto"`: `JAX_EP_MOE_MATMUL` when set, else `"tokamax+mosaic"` on Hopper GPUs when tokamax
+  imports and the rows are bfloat16 / float16, else `"tiled"`. Why not all-tokamax: tokamax's
+  ragged-contraction kernel (dw) masks every row block in registers before its WGMMA and runs
+  at ~110 TFLOP/s in tokamax's own H100 tuning table (its row kernels at ~400-460), and its dx
+  needs the weights transposed by XLA first (2 x 256 MiB of traffic per matrix at the
+  benchmark shape); see `benchmarks/bench_moe_layer.py --sections products` for measured rates.
 
 The library kernels take bfloat16 / float16 operands of one dtype, accumulate in float32 and
 return the operands' dtype (their fast paths do not write float32). Rows past
@@ -56,6 +61,8 @@ __all__ = [
 MATMULS = ("auto", "tiled", "ragged_dot", "tokamax", "tokamax+mosaic", "mosaic")
 # Environment variable naming what "auto" resolves to (one of MATMULS other than "auto").
 MATMUL_ENV = "JAX_EP_MOE_MATMUL"
+# What "auto" picks on Hopper GPUs where tokamax imports (bfloat16 / float16 rows).
+AUTO_LIBRARY_MATMUL = "tokamax+mosaic"
 _FAST_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -70,7 +77,7 @@ class _Kernels:
 
 LIBRARY_MATMULS = {
     "tokamax": _Kernels("tokamax", "tokamax", "tokamax"),
-    "tokamax+mosaic": _Kernels("tokamax", "tokamax", "mosaic"),
+    "tokamax+mosaic": _Kernels("tokamax", "mosaic", "mosaic"),
     "mosaic": _Kernels("mosaic", "mosaic", "mosaic"),
 }
 
@@ -158,7 +165,7 @@ def resolve_matmul(matmul: str, dtype=None) -> str:
             raise ValueError(f"{MATMUL_ENV}={env!r}: expected one of {MATMULS[1:]}")
         return env if (env not in LIBRARY_MATMULS or fast_dtype) else "tiled"
     if fast_dtype and library_status("tokamax")[0]:
-        return "tokamax"
+        return AUTO_LIBRARY_MATMUL
     return "tiled"
 
 

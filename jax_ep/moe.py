@@ -18,10 +18,10 @@ One expert-parallel MoE feed-forward layer, per rank::
 
 which `moe_ffn` packages for SwiGLU experts. The expert matmuls are selectable (`matmul`):
 a library's grouped GEMM kernels on Hopper GPUs (`jax_ep.grouped_gemm`: tokamax's or jax's
-Pallas Mosaic GPU kernels; `"auto"` picks tokamax where it imports), `grouped_matmul` (tiled
-batched matmuls, work and memory linear in the rows: the portable fallback, and `"auto"`'s
-choice elsewhere) or `jax.lax.ragged_dot` (which XLA:GPU turns into a dense matmul over all
-local experts).
+Pallas Mosaic GPU kernels; `"auto"` picks tokamax's forward with jax's backward kernels where
+tokamax imports), `grouped_matmul` (tiled batched matmuls, work and memory linear in the rows:
+the portable fallback, and `"auto"`'s choice elsewhere) or `jax.lax.ragged_dot` (which XLA:GPU
+turns into a dense matmul over all local experts).
 Everything is jittable, has static shapes and is differentiable; `permute` / `unpermute` move
 rows with gathers only (their gradients are gathers too, no scatter-add), so they are
 deterministic forward and backward. The one scatter-add of the layer is `grouped_matmul`'s
@@ -354,7 +354,7 @@ _ROW_ALIGN = 8
 _CHUNK_BYTES = 256 * 2**20
 # The expert matmuls of swiglu_experts / moe_ffn: "tiled" (grouped_matmul), "ragged_dot"
 # (jax.lax.ragged_dot) or a library's grouped GEMM kernels (jax_ep.grouped_gemm); "auto" picks
-# tokamax on Hopper GPUs where it imports, else tiled (JAX_EP_MOE_MATMUL overrides it).
+# tokamax+mosaic on Hopper GPUs where tokamax imports, else tiled (JAX_EP_MOE_MATMUL overrides).
 MATMULS = grouped_gemm.MATMULS
 DEFAULT_MATMUL = "auto"
 
@@ -620,8 +620,8 @@ def swiglu_experts(
             TF32 on GPUs for float32); the library kernels take bfloat16 / float16 only.
         matmul: how the three grouped matmuls run (forward and both backward products), same
             function either way (`jax_ep.grouped_gemm.MATMULS`):
-            `"auto"` (default): `JAX_EP_MOE_MATMUL` if set, else `"tokamax"` for bfloat16 /
-            float16 rows on Hopper GPUs where tokamax imports, else `"tiled"`.
+            `"auto"` (default): `JAX_EP_MOE_MATMUL` if set, else `"tokamax+mosaic"` for
+            bfloat16 / float16 rows on Hopper GPUs where tokamax imports, else `"tiled"`.
             `"tokamax"`, `"tokamax+mosaic"`, `"mosaic"`: `grouped_gemm.library_matmul`, grouped
             GEMM kernels of tokamax and / or jax (`jax.experimental.pallas.ops.gpu`), Hopper
             only, bfloat16 / float16; rows past the groups are never stored (masked to 0 here).
