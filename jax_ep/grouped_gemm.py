@@ -229,9 +229,17 @@ def _product(library: str, product: str, a, b, group_sizes):
     return fn(product, a, b, group_sizes)
 
 
+def _varying_like(out, ref):
+    """`out` typed to vary over `ref`'s manual axes inside shard_map: a Pallas kernel's result
+    carries none, and left so, the cotangent flowing back into it would be summed over the
+    axes (the transpose of the implicit cast) and the custom_vjp's types would not match."""
+    return _vma.make_varying(out, _vma.varying_axes(ref))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _library_matmul(x, w, group_sizes, matmul):
-    return _product(LIBRARY_MATMULS[matmul].forward, "forward", x, w, group_sizes)
+    out = _product(LIBRARY_MATMULS[matmul].forward, "forward", x, w, group_sizes)
+    return _varying_like(out, x)
 
 
 def _library_matmul_fwd(x, w, group_sizes, matmul):
@@ -244,7 +252,7 @@ def _library_matmul_bwd(matmul, residuals, dy):
     dy = dy.astype(x.dtype)  # the kernels take one operand dtype
     dx = _product(kernels.dx, "dx", dy, w, group_sizes)
     dw = _product(kernels.dw, "dw", x, dy, group_sizes)
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
+    return _varying_like(dx.astype(x.dtype), x), _varying_like(dw.astype(w.dtype), w), None
 
 
 _library_matmul.defvjp(_library_matmul_fwd, _library_matmul_bwd)
