@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# One GPU call (~4-5 minutes) for the MoE expert matmuls: run from the repo root on the GPU
-# machine, with jax_ep already installed. Installs the carried wheels of .whl/ (tokamax and the
-# dependencies the machine lacks) into /tmp/site, then runs, each bounded by `timeout`, logs and
-# JSON under $OUT:
+# One GPU call for the MoE expert matmuls (~5-6 minutes; every step bounded by `timeout`, ~11
+# at most): run from the repo root on the GPU machine, with jax_ep already installed. Installs
+# the carried wheels of .whl/ (tokamax and the dependencies the machine lacks) into /tmp/site,
+# then runs, logs and JSON under $OUT:
 #   env       jax-ep-env (its last line: the matmul that matmul="auto" picks, and why)
-#   peak      a dense bf16 matmul (16384 x 8192 x 8192): the GPU's ceiling
 #   tests     pytest -m gpu tests/test_grouped_gemm.py: every library matmul (tokamax,
 #             tokamax+mosaic, mosaic) against float32 references, alone and in the MoE layer
 #   bench     bench_moe_layer at the issue's shape (T=4096, H=2048, F=1024, E=64, top-8, bf16,
 #             all GPUs): the expert GEMMs alone and the whole layer step per matmul, jax_ep with
 #             every matmul, all_to_all / ragged_all_to_all with $PEER_MATMUL
-#   extra     bench_moe_layer: each library product alone, and jax.lax.ragged_dot (default XLA
-#             and XLA's experimental grouped-GEMM option) bounded to 1/2 steps, 2 repeats
+#   products  bench_moe_layer: each library product (forward, dx, dw) alone, both shapes
+#   ragged    bench_moe_layer: jax.lax.ragged_dot's expert GEMMs (XLA's experimental grouped-GEMM
+#             option, then default XLA: ~250 ms a step) bounded to 1/2 steps, 2 repeats
+#   peak      a dense bf16 matmul (16384 x 8192 x 8192): the GPU's ceiling
 # and prints a short table last (TFLOP/s of useful expert-GEMM work per GPU; the bar at EP=1:
 # expert GEMMs >= 450, layer step >= 300).
-# Environment: OUT (default ./moe_out), MATMULS (bench's list), PEER_MATMUL, SKIP="extra ...",
-# BENCH_ARGS (appended to both bench commands, e.g. "--quick" for a CPU dry run).
+# Environment: OUT (default ./moe_out), MATMULS (bench's list), PEER_MATMUL, SKIP (step names to
+# leave out, e.g. "ragged peak"), BENCH_ARGS (appended to every bench command, e.g. "--quick"
+# for a CPU dry run).
 set -uo pipefail
 OUT="${OUT:-$PWD/moe_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
@@ -37,6 +39,14 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if command -v jax-ep-env > /dev/null; then step env 60 jax-ep-env; else step env 60 python3 -m jax_ep.env; fi
+step tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_grouped_gemm.py
+step bench 200 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag matmuls --check \
+  --matmul "$MATMULS" --sections experts,layer --peers-with "$PEER_MATMUL" --max-minutes 2.5 $BENCH_ARGS
+step products 90 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag products \
+  --matmul tokamax+mosaic --sections products --max-minutes 1.1 $BENCH_ARGS
+step ragged 80 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag ragged \
+  --matmul ragged_dot+grouped_gemm,ragged_dot --sections experts --ragged-dot-sections experts \
+  --max-minutes 0.8 $BENCH_ARGS
 step peak 60 python3 - <<'EOF'
 import time, jax, jax.numpy as jnp
 m, k, n, reps = 16384, 8192, 8192, 8
@@ -51,12 +61,6 @@ for _ in range(5):
     times.append(time.perf_counter() - t0)
 print(f"dense bf16 matmul {m}x{k}x{n}: {reps * 2 * m * k * n / min(times) / 1e12:.0f} TFLOP/s")
 EOF
-step tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_grouped_gemm.py
-step bench 200 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag matmuls --check \
-  --matmul "$MATMULS" --sections experts,layer --peers-with "$PEER_MATMUL" --max-minutes 2.5 $BENCH_ARGS
-step extra 110 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag extra \
-  --matmul tokamax+mosaic,ragged_dot,ragged_dot+grouped_gemm --sections products,experts \
-  --ragged-dot-sections experts --max-minutes 1.2 $BENCH_ARGS
 
 printf '%s\n' "${summary[@]}"
 grep -h "MoE expert matmul" "$OUT/env.log" 2>/dev/null
