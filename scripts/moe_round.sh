@@ -4,8 +4,9 @@
 # the carried wheels of .whl/ (tokamax and the dependencies the machine lacks) into /tmp/site,
 # then runs, logs and JSON under $OUT:
 #   env       jax-ep-env (its last line: the matmul that matmul="auto" picks, and why)
-#   tests     pytest -m gpu tests/test_grouped_gemm.py: every library matmul (tokamax,
-#             tokamax+mosaic, mosaic) against float32 references, alone and in the MoE layer
+#   tests     pytest -m gpu tests/test_grouped_gemm.py (plain pytest: the installed jax_ep, with
+#             its extension): every library matmul (tokamax, tokamax+mosaic, mosaic) against
+#             float32 references, alone and in the MoE layer
 #   bench     bench_moe_layer at the shape (T=4096, H=2048, F=1024, E=64, top-8, bf16,
 #             all GPUs): the expert GEMMs alone and the whole layer step per matmul, jax_ep with
 #             every matmul, all_to_all / ragged_all_to_all with $PEER_MATMUL
@@ -39,7 +40,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if command -v jax-ep-env > /dev/null; then step env 60 jax-ep-env; else step env 60 python3 -m jax_ep.env; fi
-step tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_grouped_gemm.py
+step tests 150 pytest -m gpu -q -p no:cacheprovider -rs tests/test_grouped_gemm.py
 step bench 200 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag matmuls --check \
   --matmul "$MATMULS" --sections experts,layer --peers-with "$PEER_MATMUL" --max-minutes 2.5 $BENCH_ARGS
 step products 90 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag products \
