@@ -121,6 +121,9 @@ def parse_args(argv):
                    help="start no new measurement after this many minutes (default 2; none with "
                         "--quick); results so far are written and the table printed")
     p.add_argument("--tag", help="file name <machine>-<date>-moe_layer-<tag>.json")
+    p.add_argument("--sweep", action="store_true",
+                   help="products section: try every tile config of SWEEP_CONFIGS per library "
+                        "product at the gate shape (records carry their config)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name, value in DEFAULTS.items():
@@ -581,25 +584,68 @@ def run_experts(r, matmuls):
     return inputs
 
 
+# --sweep: tile configurations tried per library and kind ("rows": forward and dx, "contract":
+# dw) at the gate shape; each is a full replacement of grouped_gemm's config for that kind.
+SWEEP_CONFIGS = {
+    ("tokamax", "rows"): [
+        dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=True,
+             grid_minor_dim=mg, grid_tile_width=w) for mg, w in ((1, 4), (1, 8), (0, 1), (0, 4))
+    ] + [dict(block_m=128, block_n=64, block_k=64, num_stages=6, split_k=1, persistent=True,
+              grid_minor_dim=1, grid_tile_width=4),
+         dict(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=True,
+              grid_minor_dim=1, grid_tile_width=4),
+         dict(block_m=128, block_n=64, block_k=128, num_stages=3, split_k=1, persistent=False,
+              grid_minor_dim=0, grid_tile_width=1)],
+    ("tokamax", "contract"): [
+        dict(block_m=bm, block_n=64, block_k=bk, num_stages=st, split_k=1, persistent=False,
+             grid_minor_dim=0, grid_tile_width=1)
+        for bm, bk, st in ((128, 128, 4), (128, 128, 2), (64, 128, 4), (128, 64, 6))],
+    ("mosaic", "rows"): [
+        dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=st, grid_block_n=g)
+        for bm, bn, st, g in ((128, 128, 4, 4), (128, 128, 5, 8), (128, 128, 4, 1),
+                              (128, 128, 6, 2), (64, 128, 6, 4), (64, 256, 4, 2))],
+    ("mosaic", "contract"): [
+        dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st, grid_block_n=g)
+        for bm, bn, bk, st, g in ((128, 128, 64, 4, 4), (128, 128, 64, 5, 8),
+                                  (128, 128, 128, 3, 4), (128, 128, 64, 4, 1),
+                                  (64, 128, 64, 6, 4))],
+}
+
+
 def run_products(r, matmuls, inputs):
     args = r.args
     one = bc.make_mesh(1)
     libraries = sorted({lib for m in matmuls for lib in library_kernels(m)})
-    for library in libraries:
-        for shape in ("gate", "down"):
-            for product in ("forward", "dx", "dw"):
-                def one_product(library=library, shape=shape, product=product):
-                    sets, k, m = product_sets(inputs, shape, product, args.n_long)
-                    time_us, extra = measure(one, args, product_step(library, product), (),
-                                             sets, r.pool, library)
-                    flops = 2.0 * inputs.used * k * m
-                    return make_record(PRODUCT_OP, args, r.num_ranks, time_us, flops, extra,
-                                       library=library, product=product, shape=shape,
-                                       rows=inputs.rows, rows_used=inputs.used, k=k, m=m,
-                                       groups=inputs.e_loc)
+    from jax_ep import grouped_gemm
 
-                r.attempt(f"product {library} {product} {shape}", PRODUCT_OP,
-                          {"library": library, "product": product, "shape": shape}, one_product)
+    for library in libraries:
+        configs = {"tokamax": grouped_gemm.TOKAMAX_CONFIGS,
+                   "mosaic": grouped_gemm.MOSAIC_CONFIGS}[library]
+        for shape in ("gate",) if args.sweep else ("gate", "down"):
+            for product in ("forward", "dx", "dw"):
+                kind = "contract" if product == "dw" else "rows"
+                tries = SWEEP_CONFIGS[(library, kind)] if args.sweep else [configs[kind]]
+                for config in tries:
+                    def one_product(library=library, shape=shape, product=product,
+                                    kind=kind, config=config, configs=configs):
+                        saved = configs[kind]
+                        configs[kind] = config  # read when the kernels trace
+                        try:
+                            sets, k, m = product_sets(inputs, shape, product, args.n_long)
+                            time_us, extra = measure(one, args, product_step(library, product),
+                                                     (), sets, r.pool, library)
+                        finally:
+                            configs[kind] = saved
+                        flops = 2.0 * inputs.used * k * m
+                        return make_record(PRODUCT_OP, args, r.num_ranks, time_us, flops, extra,
+                                           library=library, product=product, shape=shape,
+                                           rows=inputs.rows, rows_used=inputs.used, k=k, m=m,
+                                           groups=inputs.e_loc, config=config)
+
+                    r.attempt(f"product {library} {product} {shape}"
+                              + (f" {sorted(config.items())}"[:60] if args.sweep else ""),
+                              PRODUCT_OP, {"library": library, "product": product,
+                                           "shape": shape, "config": config}, one_product)
 
 
 def run_layers(r, matmuls, impls):

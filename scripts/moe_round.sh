@@ -11,6 +11,8 @@
 #             all GPUs): the expert GEMMs alone and the whole layer step per matmul, jax_ep with
 #             every matmul, all_to_all / ragged_all_to_all with $PEER_MATMUL
 #   products  bench_moe_layer: each library product (forward, dx, dw) alone, both shapes
+#   sweep     only with SWEEP=1 (~3 more minutes): each library product at the gate shape with
+#             every tile config of bench_moe_layer.SWEEP_CONFIGS (records carry their config)
 #   ragged    bench_moe_layer: jax.lax.ragged_dot's expert GEMMs (XLA's experimental grouped-GEMM
 #             option, then default XLA: ~250 ms a step) bounded to 1/2 steps, 2 repeats
 #   peak      a dense bf16 matmul (16384 x 8192 x 8192): the GPU's ceiling
@@ -45,6 +47,8 @@ step bench 200 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag matmuls 
   --matmul "$MATMULS" --sections experts,layer --peers-with "$PEER_MATMUL" --max-minutes 2.5 $BENCH_ARGS
 step products 90 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag products \
   --matmul tokamax+mosaic --sections products --max-minutes 1.1 $BENCH_ARGS
+[[ -n "${SWEEP:-}" ]] && step sweep 170 python3 benchmarks/bench_moe_layer.py --out "$OUT" \
+  --tag sweep --matmul tokamax+mosaic --sections products --sweep --max-minutes 2.5 $BENCH_ARGS
 step ragged 80 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag ragged \
   --matmul ragged_dot+grouped_gemm,ragged_dot --sections experts --ragged-dot-sections experts \
   --max-minutes 0.8 $BENCH_ARGS
@@ -69,7 +73,7 @@ grep -h "TFLOP/s" "$OUT/peak.log" 2>/dev/null
 grep -hE "^(FAILED|ERROR|SKIPPED)" "$OUT/tests.log" 2>/dev/null | cut -c1-200 | head -12
 python3 - "$OUT" <<'EOF'
 import glob, json, sys
-rows, products, errors, ranks = {}, [], [], None
+rows, products, sweep, errors, ranks = {}, [], {}, [], None
 for path in sorted(glob.glob(f"{sys.argv[1]}/*-moe_layer-*.json")):
     d = json.load(open(path))
     errors += [f"{e.get('op')} {e.get('matmul', e.get('library', ''))} {e.get('impl', '')}: "
@@ -79,7 +83,12 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/*-moe_layer-*.json")):
             rows.setdefault(m, {})["skipped"] = why
     for r in d["results"]:
         if r["op"] == "expert_gemm_product":
-            products.append(r)
+            if "-sweep" in path:  # the best config per (library, product)
+                key = (r["library"], r["product"])
+                if key not in sweep or r["tflops_per_rank"] > sweep[key]["tflops_per_rank"]:
+                    sweep[key] = r
+            else:
+                products.append(r)
             continue
         key = "experts" if r["op"] == "expert_gemms_fwd_bwd" else r["impl"]
         rows.setdefault(r["matmul"], {})[key] = r
@@ -88,6 +97,8 @@ impls = ["jax_ep", "all_to_all", "ragged_all_to_all"]
 if products:
     print("\nproduct TFLOP/s (one device):", "  ".join(
         f"{p['library']}/{p['product']}/{p['shape']} {p['tflops_per_rank']:.0f}" for p in products))
+for (library, product), r in sorted(sweep.items()):
+    print(f"sweep best {library}/{product}/gate {r['tflops_per_rank']:.0f} TFLOP/s {r['config']}")
 print(f"\nEP={ranks}")
 print(f"{'matmul':24s} {'experts':>8s}" + "".join(f" {i:>17s}" for i in impls) + "   bar (EP=1)")
 for m, cells in rows.items():

@@ -78,6 +78,17 @@ def test_bench_moe_layer_quick(tmp_path):
     assert any(line.startswith("auto->tiled") for line in lines[-4:])
 
 
+def _fixed_timing(monkeypatch):
+    """Programs still compile and run once, but the time is fixed: on CPU a product of these
+    sizes is shorter than the timing noise (a non-positive difference is an error row)."""
+
+    def time_per_op_us(short, long, args, *_):
+        jax.block_until_ready((short(*args), long(*args)))
+        return 1.0, {"t_short_us": 1.0, "t_long_us": 2.0}
+
+    monkeypatch.setattr(bc, "time_per_op_us", time_per_op_us)
+
+
 def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
     """The tokamax+mosaic sections (experts, products, layer) with reference kernels in place of
     the GPU ones, in process: records, the forward check, and the table."""
@@ -90,6 +101,7 @@ def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
     monkeypatch.setattr(grouped_gemm, "_product", _reference_product)
     monkeypatch.setattr(grouped_gemm, "_import_status", lambda module: (True, module))
     monkeypatch.setattr(grouped_gemm, "library_status", lambda library: (True, library))
+    _fixed_timing(monkeypatch)
     bml.main(["--quick", "--hidden", "512", "--ffn", "512", "--matmul", "tokamax+mosaic",
               "--impls", "jax_ep", "--out", str(tmp_path), "--n-long", "2"])
     (path,) = glob.glob(os.path.join(str(tmp_path), "*-moe_layer.json"))
@@ -168,3 +180,42 @@ def test_compare_flags_a_different_function():
     wrong[3, 5] += 0.5  # one row of one token off: must be caught
     assert not bml.compare(wrong, want)[1]
     assert not bml.compare(want * np.nan, want)[1]
+
+
+def test_bench_sweeps_library_configs(tmp_path, monkeypatch):
+    """--sweep: one product record per configuration of SWEEP_CONFIGS, each measured with its
+    configuration in place (seen by the kernels while they trace), the module's restored after."""
+    if not _jax_ep_importable():
+        pytest.skip("jax_ep not importable")
+    from jax_ep import grouped_gemm
+
+    seen = []
+
+    def product(library, product, a, b, sizes):
+        configs = {"tokamax": grouped_gemm.TOKAMAX_CONFIGS, "mosaic": grouped_gemm.MOSAIC_CONFIGS}
+        seen.append((library, product, dict(configs[library]["contract" if product == "dw"
+                                                             else "rows"])))
+        from test_grouped_gemm import _reference_product
+
+        return _reference_product(library, product, a, b, sizes)
+
+    before = {k: dict(v) for k, v in grouped_gemm.MOSAIC_CONFIGS.items()}
+    monkeypatch.setattr(grouped_gemm, "_product", product)
+    monkeypatch.setattr(grouped_gemm, "_import_status", lambda module: (True, module))
+    monkeypatch.setattr(grouped_gemm, "library_status", lambda library: (True, library))
+    _fixed_timing(monkeypatch)
+    bml.main(["--quick", "--hidden", "512", "--ffn", "512", "--matmul", "mosaic", "--sweep",
+              "--sections", "products", "--out", str(tmp_path), "--n-long", "2"])
+    (path,) = glob.glob(os.path.join(str(tmp_path), "*-moe_layer.json"))
+    with open(path) as f:
+        payload = json.load(f)
+    assert payload["errors"] == [], payload["errors"]
+    rows = bml.SWEEP_CONFIGS[("mosaic", "rows")]
+    contract = bml.SWEEP_CONFIGS[("mosaic", "contract")]
+    got = [(r["product"], r["config"]) for r in payload["results"]]
+    assert sorted(map(str, got)) == sorted(map(str, [("forward", c) for c in rows]
+                                               + [("dx", c) for c in rows]
+                                               + [("dw", c) for c in contract]))
+    assert {(p, str(c)) for _, p, c in seen} == {(p, str(c)) for p, c in got}
+    assert grouped_gemm.MOSAIC_CONFIGS == before
+
