@@ -31,8 +31,9 @@ Forward and backward are three products, each a grouped GEMM:
   needs the weights transposed by XLA first (2 x 256 MiB of traffic per matrix at the
   benchmark shape); see `benchmarks/bench_moe_layer.py --sections products` for measured rates.
 
-The library kernels take bfloat16 / float16 operands of one dtype, accumulate in float32 and
-return the operands' dtype (their fast paths do not write float32). Rows past
+The library kernels take bfloat16 / float16 operands of one dtype and accumulate in float32; we
+ask for results in the operands' dtype (half the output traffic of float32, and the cotangents
+then arrive in the dtype the backward kernels take; jax's kernels write no other). Rows past
 `sum(group_sizes)` are never computed by tokamax's row kernel and never stored by either: their
 output rows are left as the kernel found them; `swiglu_experts` masks them.
 """
