@@ -25,11 +25,13 @@ Forward and backward are three products, each a grouped GEMM:
 - `"tokamax+mosaic"`: the forward through tokamax, both backward products through jax's
   kernels (dx without a transposed copy of the weights, dw without tokamax's per-block masking).
 - `"auto"`: `JAX_EP_MOE_MATMUL` when set, else `"tokamax+mosaic"` on Hopper GPUs when tokamax
-  imports and the rows are bfloat16 / float16, else `"tiled"`. Why not all-tokamax: tokamax's
-  ragged-contraction kernel (dw) masks every row block in registers before its WGMMA and runs
-  at ~110 TFLOP/s in tokamax's own H100 tuning table (its row kernels at ~400-460), and its dx
-  needs the weights transposed by XLA first (2 x 256 MiB of traffic per matrix at the
-  benchmark shape); see `benchmarks/bench_moe_layer.py --sections products` for measured rates.
+  imports and the rows are bfloat16 / float16, else `"tiled"`; `swiglu_experts` also falls back
+  to `"tiled"` when the kernels cannot tile the expert widths (`supports`). Why not all-tokamax:
+  tokamax's ragged-contraction kernel (dw) masks every row block in registers before its WGMMA
+  and runs at ~110 TFLOP/s in tokamax's own H100 tuning table (its row kernels at ~400-460),
+  and its dx needs the weights transposed by XLA first (2 x 256 MiB of traffic per matrix at
+  the benchmark shape); see `benchmarks/bench_moe_layer.py --sections products` for measured
+  rates.
 
 The library kernels take bfloat16 / float16 operands of one dtype and accumulate in float32; we
 ask for results in the operands' dtype (half the output traffic of float32, and the cotangents
@@ -57,6 +59,7 @@ __all__ = [
     "library_status",
     "resolve_matmul",
     "selection_report",
+    "supports",
 ]
 
 MATMULS = ("auto", "tiled", "ragged_dot", "tokamax", "tokamax+mosaic", "mosaic")
@@ -274,6 +277,15 @@ def _check_tiles(matmul: str, k: int, m: int) -> None:
         raise ValueError(f"library_matmul: matmul={matmul!r} uses jax's Mosaic GPU kernels, "
                          f"whose blocks need multiples of {unit}, got {', '.join(bad)}; use "
                          "'tokamax' or 'tiled'")
+
+
+def supports(matmul: str, k: int, m: int) -> bool:
+    """Whether the kernels of library `matmul` tile a `[K, M]` expert matrix (both products)."""
+    try:
+        _check_tiles(matmul, k, m)
+    except ValueError:
+        return False
+    return True
 
 
 def library_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, matmul: str) -> jax.Array:

@@ -621,7 +621,8 @@ def swiglu_experts(
         matmul: how the three grouped matmuls run (forward and both backward products), same
             function either way (`jax_ep.grouped_gemm.MATMULS`):
             `"auto"` (default): `JAX_EP_MOE_MATMUL` if set, else `"tokamax+mosaic"` for
-            bfloat16 / float16 rows on Hopper GPUs where tokamax imports, else `"tiled"`.
+            bfloat16 / float16 rows on Hopper GPUs where tokamax imports, else `"tiled"` (also
+            when the library kernels cannot tile `H` / `F`, e.g. widths not multiples of 512).
             `"tokamax"`, `"tokamax+mosaic"`, `"mosaic"`: `grouped_gemm.library_matmul`, grouped
             GEMM kernels of tokamax and / or jax (`jax.experimental.pallas.ops.gpu`), Hopper
             only, bfloat16 / float16; rows past the groups are never stored (masked to 0 here).
@@ -649,7 +650,11 @@ def swiglu_experts(
     if matmul not in MATMULS:
         raise ValueError(f"swiglu_experts: matmul must be one of {MATMULS}, got {matmul!r}")
     dtype = x_sorted.dtype
-    matmul = grouped_gemm.resolve_matmul(matmul, dtype)
+    requested, matmul = matmul, grouped_gemm.resolve_matmul(matmul, dtype)
+    widths = (w_gate.shape[1:], w_down.shape[1:])
+    if requested == "auto" and matmul in grouped_gemm.LIBRARY_MATMULS and not all(
+            grouped_gemm.supports(matmul, k, m) for k, m in widths):
+        matmul = "tiled"  # auto never picks kernels that cannot tile these widths
     if matmul in grouped_gemm.LIBRARY_MATMULS:
         return _swiglu_library(x_sorted, group_sizes, w_gate, w_up, w_down, activation, matmul)
     gmm = grouped_matmul if matmul == "tiled" else jax.lax.ragged_dot

@@ -123,6 +123,28 @@ def test_auto_follows_the_environment(monkeypatch):
         grouped_gemm.resolve_matmul("dense")
 
 
+def test_auto_falls_back_to_tiled_where_the_kernels_do_not_tile(monkeypatch, reference_kernels):
+    monkeypatch.setenv(grouped_gemm.MATMUL_ENV, "mosaic")
+    assert grouped_gemm.supports("mosaic", 1024, 512) and grouped_gemm.supports("tokamax", 96, 40)
+    assert not grouped_gemm.supports("mosaic", 128, 64)
+    calls = []
+    monkeypatch.setattr(grouped_gemm, "_product", lambda *a: calls.append(a[:2]) or
+                        _reference_product(*a))
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    rng = np.random.default_rng(0)
+    for hidden, ffn, want_calls in ((128, 64, 0), (512, 512, 3)):
+        weights = [jnp.asarray(rng.normal(size=s), jnp.bfloat16)
+                   for s in ((2, hidden, ffn), (2, hidden, ffn), (2, ffn, hidden))]
+        x = jnp.ones((8, hidden), jnp.bfloat16)
+        y = moe.swiglu_experts(x, sizes, *weights)  # auto -> mosaic (environment) or tiled
+        assert y.shape == (8, hidden) and len(calls) == want_calls, (hidden, calls)
+        calls.clear()
+    with pytest.raises(ValueError, match="multiples of 512"):  # asked for explicitly: an error
+        moe.swiglu_experts(jnp.ones((8, 128), jnp.bfloat16), sizes, *(
+            jnp.zeros(s, jnp.bfloat16) for s in ((2, 128, 64), (2, 128, 64), (2, 64, 128))),
+            matmul="mosaic")
+
+
 def test_library_matmul_rejects_bad_arguments(monkeypatch):
     x, w = jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((2, 512, 512), jnp.bfloat16)
     sizes = jnp.array([4, 4], jnp.int32)
