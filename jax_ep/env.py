@@ -1414,6 +1414,9 @@ def format_report(report: EnvReport) -> str:
 
     out.append(f"Buffer(backend=\"auto\") -> {report.backend.backend}")
     out.extend(f"  - {r}" for r in report.backend.reasons)
+    from jax_ep import grouped_gemm  # the MoE layer's expert matmul choice (jax_ep.moe)
+
+    out.append(f"MoE expert matmul (matmul=\"auto\") -> {grouped_gemm.selection_report()}")
     return "\n".join(out) + "\n"
 
 

@@ -16,9 +16,12 @@ One expert-parallel MoE feed-forward layer, per rank::
     y_recv = unpermute(y_sorted, state, d.recv_topk_weights)          # [C, H] weighted
     y, _ = jax_ep.combine(buf, y_recv, d.handle)                      # [T, H]
 
-which `moe_ffn` packages for SwiGLU experts. The expert matmuls are `grouped_matmul` (tiled
-batched matmuls, work and memory linear in the rows) unless `matmul="ragged_dot"` asks for
-`jax.lax.ragged_dot` (which XLA:GPU turns into a dense matmul over all local experts).
+which `moe_ffn` packages for SwiGLU experts. The expert matmuls are selectable (`matmul`):
+a library's grouped GEMM kernels on Hopper GPUs (`jax_ep.grouped_gemm`: tokamax's or jax's
+Pallas Mosaic GPU kernels; `"auto"` picks tokamax's forward with jax's backward kernels where
+tokamax imports), `grouped_matmul` (tiled batched matmuls, work and memory linear in the rows:
+the portable fallback, and `"auto"`'s choice elsewhere) or `jax.lax.ragged_dot` (which XLA:GPU
+turns into a dense matmul over all local experts).
 Everything is jittable, has static shapes and is differentiable; `permute` / `unpermute` move
 rows with gathers only (their gradients are gathers too, no scatter-add), so they are
 deterministic forward and backward. The one scatter-add of the layer is `grouped_matmul`'s
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _vma
+from jax_ep import _vma, grouped_gemm
 from jax_ep.ops import combine, dispatch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -349,8 +352,11 @@ _ROW_ALIGN = 8
 # 16384 rows of 512-row tiles per batched matmul, still large enough for a GPU. Chunks holding
 # no used item (rows past sum(group_sizes), e.g. a lossless-capacity permute) are skipped.
 _CHUNK_BYTES = 256 * 2**20
-MATMULS = ("tiled", "ragged_dot")
-DEFAULT_MATMUL = "tiled"
+# The expert matmuls of swiglu_experts / moe_ffn: "tiled" (grouped_matmul), "ragged_dot"
+# (jax.lax.ragged_dot) or a library's grouped GEMM kernels (jax_ep.grouped_gemm); "auto" picks
+# tokamax+mosaic on Hopper GPUs where tokamax imports, else tiled (JAX_EP_MOE_MATMUL overrides).
+MATMULS = grouped_gemm.MATMULS
+DEFAULT_MATMUL = "auto"
 
 
 @jax.tree_util.register_dataclass
@@ -610,9 +616,17 @@ def swiglu_experts(
         group_sizes: `[E_loc]` int32 rows per expert; rows after the groups give 0.
         w_gate: `[E_loc, H, F]`; w_up: `[E_loc, H, F]`; w_down: `[E_loc, F, H_out]`.
         activation: elementwise activation of the gate (SiLU for SwiGLU).
-        precision: matmul precision (e.g. `"highest"` to avoid TF32 on GPUs for float32).
-        matmul: how the three grouped matmuls run, same function either way:
-            `"tiled"` (default): `grouped_matmul`, batched matmuls over row tiles with a tiled
+        precision: matmul precision of `"tiled"` / `"ragged_dot"` (e.g. `"highest"` to avoid
+            TF32 on GPUs for float32); the library kernels take bfloat16 / float16 only.
+        matmul: how the three grouped matmuls run (forward and both backward products), same
+            function either way (`jax_ep.grouped_gemm.MATMULS`):
+            `"auto"` (default): `JAX_EP_MOE_MATMUL` if set, else `"tokamax+mosaic"` for
+            bfloat16 / float16 rows on Hopper GPUs where tokamax imports, else `"tiled"` (also
+            when the library kernels cannot tile `H` / `F`, e.g. widths not multiples of 512).
+            `"tokamax"`, `"tokamax+mosaic"`, `"mosaic"`: `grouped_gemm.library_matmul`, grouped
+            GEMM kernels of tokamax and / or jax (`jax.experimental.pallas.ops.gpu`), Hopper
+            only, bfloat16 / float16; rows past the groups are never stored (masked to 0 here).
+            `"tiled"`: `grouped_matmul`, batched matmuls over row tiles with a tiled
             backward; work and temporaries linear in the rows (padding rows past the groups
             are skipped), values and gradients equal to ragged_dot's up to float32 summation
             order. At the benchmark shape (`N=65536`, `H=2048`, `F=1024`, `E_loc=32`) the
@@ -625,14 +639,24 @@ def swiglu_experts(
             Kept for comparison and for platforms whose ragged_dot is a real grouped GEMM.
 
     Returns:
-        `[N, H_out]` float32 (matmuls take `x_sorted`'s dtype, accumulate in float32).
+        `[N, H_out]`: float32 with `"tiled"` / `"ragged_dot"` (matmuls take `x_sorted`'s dtype,
+        accumulate in float32); `x_sorted`'s dtype with the library kernels (they accumulate in
+        float32 and write the operand dtype; the gate and up products are bfloat16 too).
 
     Raises:
-        ValueError: on an unknown `matmul`.
+        ValueError: on an unknown `matmul`, or a library matmul with unsupported dtypes or
+            widths.
     """
     if matmul not in MATMULS:
         raise ValueError(f"swiglu_experts: matmul must be one of {MATMULS}, got {matmul!r}")
     dtype = x_sorted.dtype
+    requested, matmul = matmul, grouped_gemm.resolve_matmul(matmul, dtype)
+    widths = (w_gate.shape[1:], w_down.shape[1:])
+    if requested == "auto" and matmul in grouped_gemm.LIBRARY_MATMULS and not all(
+            grouped_gemm.supports(matmul, k, m) for k, m in widths):
+        matmul = "tiled"  # auto never picks kernels that cannot tile these widths
+    if matmul in grouped_gemm.LIBRARY_MATMULS:
+        return _swiglu_library(x_sorted, group_sizes, w_gate, w_up, w_down, activation, matmul)
     gmm = grouped_matmul if matmul == "tiled" else jax.lax.ragged_dot
 
     def expert_matmul(lhs, rhs):
@@ -641,6 +665,28 @@ def swiglu_experts(
 
     hidden = activation(expert_matmul(x_sorted, w_gate)) * expert_matmul(x_sorted, w_up)
     return expert_matmul(hidden.astype(dtype), w_down)
+
+
+def _swiglu_library(x_sorted, group_sizes, w_gate, w_up, w_down, activation, matmul):
+    """`swiglu_experts` through `grouped_gemm.library_matmul` (bf16 / f16 in and out).
+
+    The kernels leave the rows past the groups unspecified (possibly NaN), so the matmul
+    outputs are masked with selects before anything else reads them: the activation then sees
+    zeros there, and every cotangent row past the groups is an exact zero (a select's
+    transpose), which keeps the weight-gradient kernels' edge blocks finite."""
+    dtype = x_sorted.dtype
+    num_rows = x_sorted.shape[0]
+    used = jnp.minimum(jnp.sum(group_sizes.astype(jnp.int32)), num_rows)
+    valid = (jnp.arange(num_rows, dtype=jnp.int32) < used)[:, None]
+    zero = jnp.zeros((), dtype)
+
+    def expert_matmul(lhs, rhs):
+        out = grouped_gemm.library_matmul(lhs, rhs.astype(dtype), group_sizes, matmul)
+        return jnp.where(valid, out, zero)
+
+    gate = expert_matmul(x_sorted, w_gate).astype(jnp.float32)
+    up = expert_matmul(x_sorted, w_up).astype(jnp.float32)
+    return expert_matmul((activation(gate) * up).astype(dtype), w_down)
 
 
 def moe_ffn(
@@ -676,8 +722,8 @@ def moe_ffn(
         w_down: `[E_loc, F, H]` this rank's down projections.
         activation: gate activation (default SiLU).
         precision: precision of the expert matmuls (see `swiglu_experts`).
-        matmul: `"tiled"` (default, `grouped_matmul`) or `"ragged_dot"`: how the expert
-            matmuls run (see `swiglu_experts` for why tiled is the default).
+        matmul: how the expert matmuls run: `"auto"` (default), `"tokamax"`,
+            `"tokamax+mosaic"`, `"mosaic"`, `"tiled"` or `"ragged_dot"` (see `swiglu_experts`).
 
     Returns:
         `[T, H]` in `x`'s dtype; tokens routed nowhere give 0.

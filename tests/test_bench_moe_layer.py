@@ -53,21 +53,72 @@ def test_bench_moe_layer_quick(tmp_path):
     assert payload["machine"] == "8xcpu" and "partial" not in payload
     assert payload["errors"] == [], payload["errors"]
     assert "ragged_all_to_all" in payload["skipped"]  # no GPU: skipped, saying why
-    impls = {r["impl"] for r in payload["results"]}
+    layers = [r for r in payload["results"] if r["op"] == "moe_layer_fwd_bwd"]
+    impls = {r["impl"] for r in layers}
     assert impls == ({"jax_ep", "all_to_all"} if _jax_ep_importable() else {"all_to_all"})
-    for rec in payload["results"]:
+    for rec in layers:
         for key, kind in RECORD_KEYS.items():
             assert isinstance(rec[key], kind), (key, rec)
-        assert rec["op"] == "moe_layer_fwd_bwd" and rec["dtype"] == "bf16", rec
+        assert rec["dtype"] == "bf16" and rec["matmul"] == "auto", rec
+        assert rec["resolved"] == "tiled", rec  # no Hopper GPU here
         assert (rec["ranks"], rec["tokens"], rec["hidden"], rec["ffn"], rec["experts"],
                 rec["topk"]) == (8, 64, 256, 128, 16, 2), rec
         assert rec["time_us"] > 0 and rec["speedup_vs_best_peer"] > 0, rec
+    if _jax_ep_importable():  # the expert GEMMs alone: one rank's block, 16 / 8 experts
+        (experts,) = [r for r in payload["results"] if r["op"] == "expert_gemms_fwd_bwd"]
+        assert (experts["matmul"], experts["experts_local"], experts["rows_used"],
+                experts["rows"]) == ("auto", 2, 64 * 2, 8 * 64 * 2), experts
+        assert experts["time_us"] > 0 and experts["tflops_per_rank"] > 0, experts
     # The forward check ran for every timed impl and passed.
-    assert set(payload["checks"]) == impls
+    assert set(payload["checks"]) == {f"{i}/auto" for i in impls}
     assert all(c["ok"] for c in payload["checks"].values()), payload["checks"]
     lines = proc.stdout.strip().splitlines()
     assert "x best peer" in lines[-1]  # the table is printed last
-    assert any(line.startswith("impl") and "time_us" in line for line in lines[-6:])
+    assert any(line.startswith("matmul") and "experts" in line for line in lines[-6:])
+    assert any(line.startswith("auto->tiled") for line in lines[-4:])
+
+
+def _fixed_timing(monkeypatch):
+    """Programs still compile and run once, but the time is fixed: on CPU a product of these
+    sizes is shorter than the timing noise (a non-positive difference is an error row)."""
+
+    def time_per_op_us(short, long, args, *_):
+        jax.block_until_ready((short(*args), long(*args)))
+        return 1.0, {"t_short_us": 1.0, "t_long_us": 2.0}
+
+    monkeypatch.setattr(bc, "time_per_op_us", time_per_op_us)
+
+
+def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
+    """The tokamax+mosaic sections (experts, products, layer) with reference kernels in place of
+    the GPU ones, in process: records, the forward check, and the table."""
+    if not _jax_ep_importable():
+        pytest.skip("jax_ep not importable")
+    from test_grouped_gemm import _reference_product
+
+    from jax_ep import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "_product", _reference_product)
+    monkeypatch.setattr(grouped_gemm, "_import_status", lambda module: (True, module))
+    monkeypatch.setattr(grouped_gemm, "library_status", lambda library: (True, library))
+    _fixed_timing(monkeypatch)
+    bml.main(["--quick", "--hidden", "512", "--ffn", "512", "--matmul", "tokamax+mosaic",
+              "--impls", "jax_ep", "--out", str(tmp_path), "--n-long", "2"])
+    (path,) = glob.glob(os.path.join(str(tmp_path), "*-moe_layer.json"))
+    with open(path) as f:
+        payload = json.load(f)
+    assert payload["errors"] == [], payload["errors"]
+    ops = sorted((r["op"], r.get("library"), r.get("product"), r.get("shape"))
+                 for r in payload["results"])
+    products = [("expert_gemm_product", lib, p, s) for lib in ("mosaic", "tokamax")
+                for p in ("dw", "dx", "forward") for s in ("down", "gate")]
+    assert ops == sorted([("expert_gemms_fwd_bwd", None, None, None),
+                          ("moe_layer_fwd_bwd", None, None, None)] + products), ops
+    assert payload["checks"]["jax_ep/tokamax+mosaic"]["ok"], payload["checks"]
+    for rec in payload["results"]:
+        assert rec["time_us"] > 0, rec
+        if rec["op"] == "expert_gemm_product":
+            assert (rec["k"], rec["m"]) == ((512, 512)), rec
 
 
 # ----------------------------------------------------------------------------- same function
@@ -129,3 +180,42 @@ def test_compare_flags_a_different_function():
     wrong[3, 5] += 0.5  # one row of one token off: must be caught
     assert not bml.compare(wrong, want)[1]
     assert not bml.compare(want * np.nan, want)[1]
+
+
+def test_bench_sweeps_library_configs(tmp_path, monkeypatch):
+    """--sweep: one product record per configuration of SWEEP_CONFIGS, each measured with its
+    configuration in place (seen by the kernels while they trace), the module's restored after."""
+    if not _jax_ep_importable():
+        pytest.skip("jax_ep not importable")
+    from jax_ep import grouped_gemm
+
+    seen = []
+
+    def product(library, product, a, b, sizes):
+        configs = {"tokamax": grouped_gemm.TOKAMAX_CONFIGS, "mosaic": grouped_gemm.MOSAIC_CONFIGS}
+        seen.append((library, product, dict(configs[library]["contract" if product == "dw"
+                                                             else "rows"])))
+        from test_grouped_gemm import _reference_product
+
+        return _reference_product(library, product, a, b, sizes)
+
+    before = {k: dict(v) for k, v in grouped_gemm.MOSAIC_CONFIGS.items()}
+    monkeypatch.setattr(grouped_gemm, "_product", product)
+    monkeypatch.setattr(grouped_gemm, "_import_status", lambda module: (True, module))
+    monkeypatch.setattr(grouped_gemm, "library_status", lambda library: (True, library))
+    _fixed_timing(monkeypatch)
+    bml.main(["--quick", "--hidden", "512", "--ffn", "512", "--matmul", "mosaic", "--sweep",
+              "--sections", "products", "--out", str(tmp_path), "--n-long", "2"])
+    (path,) = glob.glob(os.path.join(str(tmp_path), "*-moe_layer.json"))
+    with open(path) as f:
+        payload = json.load(f)
+    assert payload["errors"] == [], payload["errors"]
+    rows = bml.SWEEP_CONFIGS[("mosaic", "rows")]
+    contract = bml.SWEEP_CONFIGS[("mosaic", "contract")]
+    got = [(r["product"], r["config"]) for r in payload["results"]]
+    assert sorted(map(str, got)) == sorted(map(str, [("forward", c) for c in rows]
+                                               + [("dx", c) for c in rows]
+                                               + [("dw", c) for c in contract]))
+    assert {(p, str(c)) for _, p, c in seen} == {(p, str(c)) for p, c in got}
+    assert grouped_gemm.MOSAIC_CONFIGS == before
+
