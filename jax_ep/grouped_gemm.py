@@ -45,12 +45,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import os
 
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _vma
+from jax_ep import _vma, settings
 
 __all__ = [
     "LIBRARY_MATMULS",
@@ -163,10 +162,8 @@ def resolve_matmul(matmul: str, dtype=None) -> str:
     if matmul != "auto":
         return matmul
     fast_dtype = dtype is None or any(jnp.dtype(dtype) == jnp.dtype(d) for d in _FAST_DTYPES)
-    env = os.environ.get(MATMUL_ENV)
+    env = settings.value(MATMUL_ENV)  # ValueError naming it when not one of MATMULS[1:]
     if env:
-        if env not in MATMULS or env == "auto":
-            raise ValueError(f"{MATMUL_ENV}={env!r}: expected one of {MATMULS[1:]}")
         return env if (env not in LIBRARY_MATMULS or fast_dtype) else "tiled"
     if fast_dtype and library_status("tokamax")[0]:
         return AUTO_LIBRARY_MATMUL
@@ -176,7 +173,7 @@ def resolve_matmul(matmul: str, dtype=None) -> str:
 def selection_report() -> str:
     """One line: what `matmul="auto"` picks for bfloat16 rows on this machine, and why."""
     picked = resolve_matmul("auto", jnp.bfloat16)
-    env = os.environ.get(MATMUL_ENV)
+    env = settings.value(MATMUL_ENV)
     if env:
         return f"{picked} (from {MATMUL_ENV}={env})"
     ok, why = library_status("tokamax")

@@ -412,7 +412,9 @@ def test_auto_backend_extension_missing():
     assert "JAX_EP_ENABLE_CUDA=ON pip install ." in reasons[0]
 
 
-def test_auto_backend_other_reasons():
+def test_auto_backend_other_reasons(monkeypatch):
+    # The memory advice depends on XLA's preallocation, which the suite turns off (conftest).
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     gpus = [fake_gpu(i) for i in range(2)]
     # Mixed platforms.
     _, reasons = decide([*gpus, fake_cpu(7)])
