@@ -62,6 +62,11 @@ __all__ = [
 ]
 
 MATMULS = ("auto", "tiled", "ragged_dot", "tokamax", "tokamax+mosaic", "mosaic")
+# Combinations refused on GPUs, and why (measured; NOTES.md, "MoE expert matmuls").
+WRONG_ON_GPU = {
+    "tokamax": "gave wrong weight gradients on an H200 (tokamax 0.0.17's dw kernel with groups "
+               "that share row blocks: 12.5% of dw off, 2026-12-01); use 'tokamax+mosaic', "
+               "whose dw and dx run jax's Mosaic GPU kernels"}
 # Environment variable naming what "auto" resolves to (one of MATMULS other than "auto").
 MATMUL_ENV = "JAX_EP_MOE_MATMUL"
 # What "auto" picks on Hopper GPUs where tokamax imports (bfloat16 / float16 rows).
@@ -317,6 +322,8 @@ def library_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, matmul: s
         raise ValueError(f"library_matmul: matmul={matmul!r} takes bfloat16 or float16 x and w "
                          f"of one dtype, got {x.dtype} and {w.dtype}; use matmul='tiled'")
     _check_tiles(matmul, w.shape[1], w.shape[2])
+    if matmul in WRONG_ON_GPU and jax.default_backend() == "gpu":
+        raise ValueError(f"library_matmul: matmul={matmul!r} {WRONG_ON_GPU[matmul]}")
     kernels = LIBRARY_MATMULS[matmul]
     for library in sorted({kernels.forward, kernels.dx, kernels.dw}):
         ok, why = _import_status(_MODULES[library])

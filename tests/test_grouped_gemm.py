@@ -335,6 +335,12 @@ def _require_library_matmul(matmul):
 @pytest.mark.parametrize("matmul", sorted(grouped_gemm.LIBRARY_MATMULS))
 def test_library_matmul_on_gpu(matmul):
     _require_library_matmul(matmul)
+    if matmul in grouped_gemm.WRONG_ON_GPU:  # measured wrong on an H200: refused, with why
+        with pytest.raises(ValueError, match="wrong weight gradients"):
+            grouped_gemm.library_matmul(jnp.zeros((8, 1024), jnp.bfloat16),
+                                        jnp.zeros((2, 1024, 512), jnp.bfloat16),
+                                        jnp.array([4, 4], jnp.int32), matmul)
+        return
     rng = np.random.default_rng(5)
     # 16 groups (two empty, one of a single row) over 4000 of 4224 rows: groups share row
     # blocks, and 224 rows past the groups are never computed.
@@ -345,7 +351,8 @@ def test_library_matmul_on_gpu(matmul):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("matmul", sorted(grouped_gemm.LIBRARY_MATMULS))
+@pytest.mark.parametrize("matmul", sorted(set(grouped_gemm.LIBRARY_MATMULS)
+                                          - set(grouped_gemm.WRONG_ON_GPU)))
 def test_moe_layer_on_gpu_matches_dense(matmul):
     _require_library_matmul(matmul)
     gpus = require_gpus(1)
