@@ -454,7 +454,10 @@ def repeated_program(mesh: Mesh, op: Callable, iterations: int, prologue: Callab
       the epilogue's); the barriers below keep every earlier call alive, and the program hands
       back far fewer buffers (a check of how much the per-output host work weighs).
     - Iteration i+1's arguments pass through an ``optimization_barrier`` together with
-      iteration i's outputs, asking XLA to run the calls one after the other.
+      iteration i's outputs, asking XLA to run the calls one after the other. With
+      ``outputs="all"`` those outputs leave the program through the barrier, which keeps it;
+      with ``"last"`` XLA prunes the barrier's unused values and the calls are not ordered by
+      it (custom calls with side effects still all run).
     """
 
     if outputs not in ("all", "last"):
@@ -470,6 +473,9 @@ def repeated_program(mesh: Mesh, op: Callable, iterations: int, prologue: Callab
             args = sets[i]
             if carry is not None:
                 args, carry = lax.optimization_barrier((args, carry))
+                # XLA prunes a barrier's unused values (and with them the tie): the previous
+                # call's outputs leave the program through the barrier.
+                kept[-1] = carry
             carry = op(ctx, *args)
             kept.append(carry)
         if outputs == "last":
