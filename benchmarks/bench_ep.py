@@ -259,7 +259,7 @@ def split_program(jax_ep, buf, case: Case, inputs: Inputs):
         sets = [(inputs.x(k), idx[k]) for k in n]
         if half == "send":
             def send(ctx, x, i):
-                return impl.low_latency_dispatch_send(x, i, use_fp8, False)
+                return impl.low_latency_dispatch_send(x, i, None, use_fp8, False)
 
             def receive(ctx, args, ticket):
                 x, i = args
@@ -281,7 +281,7 @@ def split_program(jax_ep, buf, case: Case, inputs: Inputs):
     if half == "send":
         def send(ctx, y):
             handle, i, wt = ctx
-            return impl.low_latency_combine_send(y, i, wt, handle)
+            return impl.low_latency_combine_send(y, i, wt, handle, None)
 
         def receive(ctx, args, ticket):
             handle, i, wt = ctx
