@@ -1,18 +1,36 @@
 #!/usr/bin/env bash
-# The session's last device call: the README's GPU command (whole suite, default build), then a
-# PTX-only compute_80 build (the A100 code path, JIT-compiled on this GPU) and its GPU tests.
+# One device call on one GPU (issues 17, 18, 22): build, then the sections in $SECTIONS (default
+# all), each under `timeout`, logs and JSON under $OUT, a short summary last.
+#   suite   the README's GPU command (pytest -m gpu, the default build)
+#   step    profile_ops (kernel times) and bench_step (what a program pays per step)
+#   ptx     a PTX-only compute_80 build (the A100 code path, JIT-compiled on this GPU), its
+#           GPU tests and the image the driver loaded (rebuild the default build after it)
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/gpu_out}"; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH" JAX_EP_TIMEOUT_S=10 JAX_EP_COMMIT=${JAX_EP_COMMIT:-unknown}
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH"
+export JAX_EP_TIMEOUT_S=10 JAX_EP_COMMIT=${JAX_EP_COMMIT:-unknown}
+SECTIONS="${SECTIONS:-suite step ptx}"
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 sum=()
 step() { local n=$1 l=$2; shift 2; local s; s=$(date +%s); timeout "$l" "$@" > "$OUT/$n.log" 2>&1; local rc=$?
   sum+=("$n rc=$rc $(( $(date +%s) - s ))s $(grep -E 'passed|failed' "$OUT/$n.log" | tail -1)"); }
 step build 300 python3 -m pip install --no-build-isolation --no-deps --force-reinstall .
-step gpu_suite ${SUITE_S:-330} pytest -m gpu -q -p no:cacheprovider -rs --durations=15
-step ptx_build 200 env JAX_EP_CUDA_ARCHS=80-virtual python3 -m pip install --no-build-isolation --no-deps --force-reinstall -C build-dir=/tmp/b80 .
-step ptx_tests ${PTX_S:-200} pytest -m gpu -q -p no:cacheprovider tests/test_build.py tests/test_env.py tests/test_normal.py tests/test_low_latency.py
-(cd /tmp && python3 -c "import jax_ep._C as C, jax; jax.devices(); print('built', C.cuda_architectures(), 'runs', C.kernel_image(0))") >> "$OUT/ptx_tests.log" 2>&1
-printf '%s\n' "${sum[@]}"
-grep -h -E "^(FAILED|ERROR)|^SKIPPED" "$OUT"/gpu_suite.log "$OUT"/ptx_tests.log | cut -c1-200 | head -30
-tail -2 "$OUT/ptx_tests.log"
+has suite && step gpu_suite "${SUITE_S:-330}" pytest -m gpu -q -p no:cacheprovider -rs --durations=15
+if has step; then
+  (cd /tmp && step profile 200 python3 "$R/benchmarks/profile_ops.py" --out "$OUT" --tokens 4096 \
+     --ll-tokens 128 --ops dispatch_bf16,combine,ll_dispatch_fp8,ll_dispatch_bf16,ll_combine,ll_dispatch_split_fp8,ll_combine_split
+   step bench_step 400 python3 "$R/benchmarks/bench_step.py" --out "$OUT" --repeats 20 --host-trace
+   printf '%s\n' "${sum[@]}" > "$OUT/step_summary.txt")
+fi
+if has ptx; then
+  step ptx_build 200 env JAX_EP_CUDA_ARCHS=80-virtual python3 -m pip install --no-build-isolation \
+    --no-deps --force-reinstall -C build-dir=/tmp/b80 .
+  step ptx_tests "${PTX_S:-200}" pytest -m gpu -q -p no:cacheprovider tests/test_build.py \
+    tests/test_env.py tests/test_normal.py tests/test_low_latency.py
+  (cd /tmp && python3 -c "import jax_ep._C as C, jax; jax.devices(); print('built', C.cuda_architectures(), 'runs', C.kernel_image(0))") >> "$OUT/ptx_tests.log" 2>&1
+  tail -1 "$OUT/ptx_tests.log"
+fi
+printf '%s\n' "${sum[@]}"; cat "$OUT/step_summary.txt" 2>/dev/null
+grep -h -E "^(FAILED|ERROR)|^SKIPPED" "$OUT"/*.log 2>/dev/null | cut -c1-200 | head -30
+grep -h "op span" "$OUT/profile.log" 2>/dev/null; grep -A14 "^op " "$OUT/bench_step.log" 2>/dev/null
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log)
