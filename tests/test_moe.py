@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_ep
-from jax_ep import moe
+from jax_ep import moe, tiled_matmul
 
 NUM_DEVICES = 8
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "flax_moe"
@@ -231,7 +231,7 @@ def _assert_close(got, want, tol, name):
 def test_grouped_matmul_matches_ragged_dot(case, dtype, chunk_items, monkeypatch):
     x, w, sizes, ct, tile = _grouped_operands(case, dtype)
     if chunk_items is not None:  # many chunks (a lax.scan), the unused ones skipped
-        monkeypatch.setattr(moe, "_CHUNK_BYTES", chunk_items * 4 * w.shape[1] * w.shape[2])
+        monkeypatch.setattr(tiled_matmul, "_CHUNK_BYTES", chunk_items * 4 * w.shape[1] * w.shape[2])
     # Same products in float32 either way: only the summation order of dw's partial sums differs
     # (float32 rounding); bfloat16 gradients may then round one ulp apart.
     tol = 1e-5 if dtype == jnp.float32 else 8e-3
@@ -386,7 +386,7 @@ def _layer_params(rng, tokens, hidden, experts, ffn):
 def test_moe_layer_matches_dense(mesh_shape, experts, topk, matmul, chunked, monkeypatch):
     _require_devices()
     if chunked:
-        monkeypatch.setattr(moe, "_CHUNK_BYTES", 1)  # one work item per chunk
+        monkeypatch.setattr(tiled_matmul, "_CHUNK_BYTES", 1)  # one work item per chunk
     mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]).reshape(mesh_shape), ("data", "ep"))
     tokens_per_rank, hidden, ffn = 12, 128, 32
     num_tokens = tokens_per_rank * NUM_DEVICES
