@@ -321,23 +321,24 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
         peer = bc.PEER_CLASSES[impl](R, args.experts, args.topk)
         step = peer_decode(peer, dtype == "fp8") if decode else peer_normal(peer)
 
+    # Called as a user calls a jitted step (its C++ fast path), compiled by the warm-up calls.
     programs = build_programs(mesh, step, backward=backward)
-    carry_shape = ((R * args.experts // R, R * tokens, args.hidden) if decode and dtype == "fp8"
+    # The fp8 decode expert's output buffer [E_loc, R*T, H] per rank, else a placeholder.
+    carry_shape = ((args.experts, R * tokens, args.hidden) if decode and dtype == "fp8"
                    and impl == "jax_ep" else (R, 1))
     carry = jax.jit(lambda: jnp.zeros(carry_shape, jnp.bfloat16),
                     out_shardings=bc.sharded(mesh))()
     call_args = (*step_inputs(mesh, tokens, args, seed=7), carry)
-    compiled = programs  # called as a user calls a jitted step (its C++ fast path)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
     time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
-        compiled, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
+        programs, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep" and bc.on_gpu():
         kernels = {}
-        device_busy_us(compiled[N_LONG], call_args, by_kernel=kernels)
+        device_busy_us(programs[N_LONG], call_args, by_kernel=kernels)
         print(f"kernels of one {op} ({dtype}) program of {N_LONG} steps, us per call:")
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
             print(f"  {us:9.1f} us  {name}")
-        record_host = host_events(compiled[N_LONG], call_args)
+        record_host = host_events(programs[N_LONG], call_args)
         print(f"host events of one {op} ({dtype}) program of {N_LONG} steps, "
               "us and count per call:")
         for name, us, count in record_host:

@@ -248,3 +248,24 @@ def test_byte_counts_follow_deepep():
     assert bc.bytes_per_rank("low_latency_dispatch", "bf16", hidden, stats)[0] == 3.5 * 2048
     assert bc.bytes_per_rank("low_latency_combine", "bf16", hidden, stats)[0] == 3.5 * 2048
     assert bc.bytes_per_rank("layout", "bf16", hidden, stats) == (None, None)
+
+
+def test_bench_step_quick(tmp_path):
+    """The step benchmark runs on CPU (reference backend, the padded all_to_all peer) and writes
+    one record per op, impl and dtype with the three measures."""
+    _run("bench_step.py", tmp_path, "--ops", "decode_step,normal_step", "--dtypes", "bf16",
+         "--impls", "jax_ep,all_to_all", "--repeats", "2")
+    files = glob.glob(os.path.join(str(tmp_path), "8xcpu-*-step.json"))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        payload = json.load(f)
+    for key in ("machine", "date", "commit", "command", "method", "records"):
+        assert key in payload, key
+    records = payload["records"]
+    assert {(r["op"], r["impl"]) for r in records} == {
+        (op, impl) for op in ("decode_step", "normal_step") for impl in ("jax_ep", "all_to_all")}
+    for r in records:
+        assert "error" not in r, r
+        for key in ("dtype", "ranks", "tokens", "hidden", "time_us", "kernel_us", "enqueue_us"):
+            assert key in r, (key, r)
+        assert r["ranks"] == 8 and r["kernel_us"] is None  # no device trace on CPU
