@@ -3,13 +3,13 @@
 # all), each under `timeout`, logs and JSON under $OUT, a short summary last.
 #   suite   the README's GPU command (pytest -m gpu, the default build)
 #   step    profile_ops (kernel times) and bench_step (what a program pays per step)
-#   ptx     a PTX-only compute_80 build (the A100 code path, JIT-compiled on this GPU), its
-#           GPU tests and the image the driver loaded (rebuild the default build after it)
+#   ptx     scripts/ptx_check.sh: a PTX-only compute_80 build (the A100 code path, JIT-compiled
+#           on this GPU), the image the driver loaded, the GPU suite (last: it replaces the build)
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/gpu_out}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH"
 export JAX_EP_TIMEOUT_S=10 JAX_EP_COMMIT=${JAX_EP_COMMIT:-unknown}
-SECTIONS="${SECTIONS:-suite step ptx}"
+SECTIONS="${SECTIONS:-suite step ptx}"  # ptx runs last
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 sum=()
 step() { local n=$1 l=$2; shift 2; local s; s=$(date +%s); timeout "$l" "$@" > "$OUT/$n.log" 2>&1; local rc=$?
@@ -22,13 +22,9 @@ if has step; then
    step bench_step 400 python3 "$R/benchmarks/bench_step.py" --out "$OUT" --repeats 20 --host-trace
    printf '%s\n' "${sum[@]}" > "$OUT/step_summary.txt")
 fi
-if has ptx; then
-  step ptx_build 200 env JAX_EP_CUDA_ARCHS=80-virtual python3 -m pip install --no-build-isolation \
-    --no-deps --force-reinstall -C build-dir=/tmp/b80 .
-  step ptx_tests "${PTX_S:-200}" pytest -m gpu -q -p no:cacheprovider tests/test_build.py \
-    tests/test_env.py tests/test_normal.py tests/test_low_latency.py
-  (cd /tmp && python3 -c "import jax_ep._C as C, jax; jax.devices(); print('built', C.cuda_architectures(), 'runs', C.kernel_image(0))") >> "$OUT/ptx_tests.log" 2>&1
-  tail -1 "$OUT/ptx_tests.log"
+if has ptx; then  # the whole GPU suite by default (PTX_TESTS narrows it)
+  step ptx bash "$R/scripts/ptx_check.sh"
+  tail -1 "$OUT/ptx.log"
 fi
 printf '%s\n' "${sum[@]}"; cat "$OUT/step_summary.txt" 2>/dev/null
 grep -h -E "^(FAILED|ERROR)|^SKIPPED" "$OUT"/*.log 2>/dev/null | cut -c1-200 | head -30
