@@ -421,13 +421,15 @@ PEER_CLASSES = {"all_to_all": AllToAllPeer, "ragged_all_to_all": RaggedAllToAllP
 # ----------------------------------------------------------------------------- timing
 
 
-def shard_mapped(mesh: Mesh, fn: Callable, num_args: int):
+def shard_mapped(mesh: Mesh, fn: Callable, num_args: int, donate: tuple[int, ...] = ()):
     """``jax.jit(shard_map(fn))``: every argument (a pytree) sharded along "ep" on axis 0, and
-    every output leaf concatenated along axis 0 over the ranks."""
+    every output leaf concatenated along axis 0 over the ranks; ``donate``: the arguments the
+    caller gives up (XLA may reuse their buffers for outputs)."""
     return jax.jit(
         jax.shard_map(
             fn, mesh=mesh, in_specs=(P(AXIS),) * num_args, out_specs=P(AXIS), check_vma=False
-        )
+        ),
+        donate_argnums=donate,
     )
 
 

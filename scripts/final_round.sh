@@ -3,19 +3,26 @@
 # all), each under `timeout`, logs and JSON under $OUT, a short summary last.
 #   suite   the README's GPU command (pytest -m gpu, the default build)
 #   step    profile_ops (kernel times) and bench_step (what a program pays per step)
+#   shared  2 processes sharing the GPU (jax_ep.launch --processes-per-gpu 2): the chains of split
+#           halves, the split ops and the adversarial routings over CUDA IPC peers
 #   ptx     scripts/ptx_check.sh: a PTX-only compute_80 build (the A100 code path, JIT-compiled
 #           on this GPU), the image the driver loaded, the GPU suite (last: it replaces the build)
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/gpu_out}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH"
 export JAX_EP_TIMEOUT_S=10 JAX_EP_COMMIT=${JAX_EP_COMMIT:-unknown}
-SECTIONS="${SECTIONS:-suite step ptx}"  # ptx runs last
+SECTIONS="${SECTIONS:-suite shared step ptx}"  # ptx runs last
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 sum=()
 step() { local n=$1 l=$2; shift 2; local s; s=$(date +%s); timeout "$l" "$@" > "$OUT/$n.log" 2>&1; local rc=$?
   sum+=("$n rc=$rc $(( $(date +%s) - s ))s $(grep -E 'passed|failed' "$OUT/$n.log" | tail -1)"); }
 step build 300 python3 -m pip install --no-build-isolation --no-deps --force-reinstall .
 has suite && step gpu_suite "${SUITE_S:-330}" pytest -m gpu -q -p no:cacheprovider -rs --durations=15
+# The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
+has shared && step shared 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 290 -- \
+  pytest -m gpu -q -p no:cacheprovider tests/test_split_chains.py tests/test_low_latency_split.py \
+  tests/test_faults.py --deselect \
+  tests/test_low_latency_split.py::test_gradients_through_send_and_recv_equal_fused
 if has step; then
   (cd /tmp && step profile 200 python3 "$R/benchmarks/profile_ops.py" --out "$OUT" --tokens 4096 \
      --ll-tokens 128 --ops dispatch_bf16,combine,ll_dispatch_fp8,ll_dispatch_bf16,ll_combine,ll_dispatch_split_fp8,ll_combine_split

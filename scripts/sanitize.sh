@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# compute-sanitizer's tools over the op suite (issue 18), at EP=1 (one process) and with two
+# processes sharing one GPU (`jax_ep.launch --processes-per-gpu 2`: the multi-process protocol
+# with CUDA IPC peers). Only jax_ep's kernels are instrumented (their names end in `_kernel`;
+# XLA's run as usual, which keeps a run within minutes). Run from the repository root with
+# jax_ep installed; logs under $OUT/sanitize/, one summary line per run in
+# $OUT/sanitize/summary.txt.
+#   TOOLS     default "memcheck racecheck synccheck initcheck"
+#   MODES     default "ep1 shared"
+#   SAN_S     seconds per run (default 240)
+#   SAN_TESTS pytest arguments (default: the adversarial routings through every op, with invalid
+#             ids, repeated experts and overflow, and the chains of split halves)
+set -uo pipefail
+R="$PWD"; OUT="${OUT:-$R/gpu_out}"; LOGS="$OUT/sanitize"; mkdir -p "$LOGS"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH"
+# Instrumented kernels run 10-100x slower: a peer's bounded waits must outlast that.
+export JAX_EP_TIMEOUT_S="${JAX_EP_TIMEOUT_S:-120}"
+# XLA's own allocator hides out-of-bounds accesses inside its pool; the platform allocator gives
+# every buffer its own allocation, so memcheck sees each one's bounds.
+export XLA_PYTHON_CLIENT_ALLOCATOR=platform
+TOOLS="${TOOLS:-memcheck racecheck synccheck initcheck}"
+MODES="${MODES:-ep1 shared}"
+SAN_TESTS="${SAN_TESTS:-tests/test_faults.py tests/test_split_chains.py --deselect tests/test_faults.py::test_hundred_buffers_return_device_memory}"
+# The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
+SHARED_DESELECT=(--deselect tests/test_gradients.py::test_low_latency_gradients
+  --deselect tests/test_low_latency_split.py::test_gradients_through_send_and_recv_equal_fused)
+compute-sanitizer --version | tail -1 > "$LOGS/version.txt"
+filter=()
+compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name" && filter=(--kernel-name kns=_kernel)
+summary="$LOGS/summary.txt"; : > "$summary"
+for mode in $MODES; do
+  for tool in $TOOLS; do
+    san=(compute-sanitizer --tool "$tool" "${filter[@]}" --report-api-errors no
+      --target-processes all --error-exitcode 9 --print-limit 50)
+    [[ $tool == initcheck ]] && san+=(--track-unused-memory no)
+    # shellcheck disable=SC2086
+    if [[ $mode == ep1 ]]; then
+      cmd=("${san[@]}" pytest -m gpu -q -p no:cacheprovider $SAN_TESTS)
+    else
+      cmd=(python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout "$((${SAN_S:-240} - 10))"
+        -- "${san[@]}" pytest -m gpu -q -p no:cacheprovider "${SHARED_DESELECT[@]}" $SAN_TESTS)
+    fi
+    log="$LOGS/$mode-$tool.log"; s=$(date +%s)
+    timeout "${SAN_S:-240}" "${cmd[@]}" > "$log" 2>&1; rc=$?
+    # One "ERROR SUMMARY" (racecheck: "RACECHECK SUMMARY") per process, and pytest's last line.
+    errs=$(grep -hoE "(ERROR|RACECHECK) SUMMARY: [0-9]+ (error|hazard)s?[^=]*" "$log" | sort | uniq -c | tr -s ' ' | paste -sd ';')
+    tests=$(grep -E "[0-9]+ (passed|failed)" "$log" | tail -2 | tr -s ' ' | paste -sd ';')
+    echo "$mode $tool rc=$rc $(( $(date +%s) - s ))s | ${errs:-no sanitizer summary} | ${tests:-no pytest summary}" | tee -a "$summary"
+  done
+done
