@@ -30,7 +30,7 @@ if has step; then
    printf '%s\n' "${sum[@]}" > "$OUT/step_summary.txt")
 fi
 if has ptx; then  # the whole GPU suite by default (PTX_TESTS narrows it)
-  step ptx bash "$R/scripts/ptx_check.sh"
+  step ptx "${PTX_S:-300}" bash "$R/scripts/ptx_check.sh"
   tail -1 "$OUT/ptx.log"
 fi
 printf '%s\n' "${sum[@]}"; cat "$OUT/step_summary.txt" 2>/dev/null
