@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/l
 export JAX_EP_TIMEOUT_S="${JAX_EP_TIMEOUT_S:-120}"
 # XLA's own allocator hides out-of-bounds accesses inside its pool; the platform allocator gives
 # every buffer its own allocation, so memcheck sees each one's bounds.
-export XLA_PYTHON_CLIENT_ALLOCATOR=platform
+export XLA_PYTHON_CLIENT_ALLOCATOR=platform PYTHONFAULTHANDLER=1  # a crash shows every thread
 TOOLS="${TOOLS:-memcheck racecheck synccheck initcheck}"
 MODES="${MODES:-ep1 shared}"
 SAN_TESTS="${SAN_TESTS:-tests/test_faults.py tests/test_split_chains.py}"
@@ -35,7 +35,6 @@ for mode in $MODES; do
   for tool in $TOOLS; do
     san=(compute-sanitizer --tool "$tool" "${filter[@]}" --report-api-errors no
       --target-processes all --error-exitcode 9 --print-limit 50)
-    [[ $tool == initcheck ]] && san+=(--track-unused-memory no)
     # racecheck is the slowest by far: its first launches of each kernel cover every routing kind.
     [[ $tool == racecheck ]] && san+=(--launch-count "${RACE_LAUNCHES:-300}")
     # shellcheck disable=SC2086
