@@ -245,11 +245,14 @@ def routing_stats(topk_idx: np.ndarray, num_ranks: int, experts: int) -> dict[st
     }
 
 
-def bytes_per_rank(op: str, dtype: str, hidden: int, stats: dict[str, float]):
-    """``(bytes, remote_bytes)`` one rank moves for one call (docs/api.md, "Measuring"); None
-    for layout."""
-    if op in ("dispatch", "combine"):
-        per_row = hidden * (1 + 4 / FP8_BLOCK) if dtype == "fp8" else 2 * hidden
+def bytes_per_rank(op: str, dtype: str, hidden: int, stats: dict[str, float],
+                   peer: bool = False):
+    """``(bytes, remote_bytes)`` one rank moves for one call (docs/api.md, "Measuring"), counted
+    by what it moves: jax_ep's low-latency ops (either backend) move one row per (token, expert)
+    selection, a ``peer`` moves each token once per destination rank in both modes. None for
+    layout."""
+    per_row = hidden * (1 + 4 / FP8_BLOCK) if dtype == "fp8" else 2 * hidden
+    if op in ("dispatch", "combine") or (op.startswith("low_latency") and peer):
         return per_row * stats["recv_rows"], per_row * stats["remote_recv_rows"]
     if op == "low_latency_dispatch":
         per_sel = hidden + hidden / 32 + 16 if dtype == "fp8" else 2 * hidden

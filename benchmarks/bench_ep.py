@@ -87,8 +87,10 @@ def parse_args(argv):
     p.add_argument("--n-short", type=int, help="iterations of the short program (default 2)")
     p.add_argument("--n-long", type=int, help="iterations of the long program (default 12)")
     p.add_argument("--repeats", type=int, help="timed runs of each program (default 20)")
-    p.add_argument("--outputs", choices=("all", "last"), default="all",
-                   help="program outputs: every call's (default) or the last call's only")
+    p.add_argument("--outputs", choices=("all", "last"), default="last",
+                   help="program outputs: the last call's only (default: what a model keeps; "
+                        "the others feed the next call) or every call's (each one more output "
+                        "buffer for XLA to allocate and hand back)")
     p.add_argument("--warmup", type=int, help="untimed runs of each program first (default 3)")
     p.add_argument("--tag", help="appended to the result file name: <machine>-<date>-<tag>.json")
     p.add_argument("--seed", type=int, default=0)
@@ -370,7 +372,7 @@ def make_record(args, num_ranks, case, impl, time_us, inputs, extra):
     # A send half moves the op's bytes; a receive half's GB/s would mean nothing (None).
     op_name, half = SPLIT_OPS.get(case.op, (case.op, None))
     nbytes, remote = bc.bytes_per_rank(op_name if half != "recv" else "", case.dtype,
-                                       args.hidden, stats)
+                                       args.hidden, stats, peer=impl in bc.PEER_CLASSES)
     rec = {
         "op": case.op, "impl": impl, "dtype": case.dtype, "ranks": num_ranks,
         "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,

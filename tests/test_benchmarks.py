@@ -69,7 +69,8 @@ def _positive(value):
 
 
 def test_bench_ep_quick(tmp_path):
-    stdout = _run("bench_ep.py", tmp_path)
+    # Every call's outputs kept: more work per op, so that CPU timing noise stays below it.
+    stdout = _run("bench_ep.py", tmp_path, "--outputs", "all")
     payload = _load(tmp_path, "8xcpu-*[0-9].json")
     results = payload["results"]
     assert results, payload
@@ -104,10 +105,11 @@ def test_bench_ep_quick(tmp_path):
         ref = {(r["op"], r["dtype"], r["tokens"]) for r in results if r["impl"] == "reference"}
         layout = {("layout", "bf16", 128)}
         assert ref | (layout if noise else set()) == cases | layout
-    # Same shape, same routing -> the same byte count for every impl.
+    # Same shape, same routing -> the same byte count for jax_ep's backends, and for the peers.
     by_case = {}
     for r in results:
-        by_case.setdefault((r["op"], r["dtype"], r["tokens"]), set()).add(r["bytes_per_rank"])
+        key = (r["op"], r["dtype"], r["tokens"], r["impl"] in bc.PEER_CLASSES)
+        by_case.setdefault(key, set()).add(r["bytes_per_rank"])
     assert all(len(v) == 1 for v in by_case.values()), by_case
     # The table is printed last.
     assert "x best peer" in stdout.strip().splitlines()[-1]
@@ -230,7 +232,7 @@ def test_split_halves_programs_run(op):
 
 def test_byte_counts_follow_deepep():
     """Normal: received rows x 2H (fp8: x (1 + 4/128) / 2); low latency: selections x
-    (H + H/32 + 16) for fp8, x 2H for bf16 and combine."""
+    (H + H/32 + 16) for fp8, x 2H for bf16 and combine; peers by received rows in both modes."""
     # 2 ranks, 2 experts each, 2 tokens per rank, top-2.
     idx = np.array([[0, 1], [0, 2],      # rank 0: t0 -> rank 0 only, t1 -> ranks 0 and 1
                     [3, -1], [2, 3]])    # rank 1: t0 -> rank 1, t1 -> rank 1
@@ -248,6 +250,11 @@ def test_byte_counts_follow_deepep():
     assert bc.bytes_per_rank("low_latency_dispatch", "bf16", hidden, stats)[0] == 3.5 * 2048
     assert bc.bytes_per_rank("low_latency_combine", "bf16", hidden, stats)[0] == 3.5 * 2048
     assert bc.bytes_per_rank("layout", "bf16", hidden, stats) == (None, None)
+    # Peers move a token once per destination rank in low-latency mode too.
+    for op in ("low_latency_dispatch", "low_latency_combine"):
+        assert bc.bytes_per_rank(op, "bf16", hidden, stats, peer=True) == (2.5 * 2048, 0.5 * 2048)
+    assert bc.bytes_per_rank("low_latency_dispatch", "fp8", hidden, stats,
+                             peer=True)[0] == 2.5 * (1024 + 32)
 
 
 def test_bench_step_quick(tmp_path):
