@@ -119,7 +119,8 @@ __device__ __forceinline__ int warp_sum(int value) {
 // [b * tokens_per_block, (b + 1) * tokens_per_block), one per thread per round of kPlanThreads.
 // Phases of every block:
 //   1. rank mask of its tokens and its count per destination; the count row goes to
-//      plan_counts[b] (tagged words, relaxed: they carry only themselves).
+//      plan_counts[b] (tagged words, relaxed: they carry only themselves). Also zeroes its share
+//      of num_recv_tokens_per_expert and adds its invalid ids to the error counter.
 //   2. block_base[dst] = tokens of blocks < b that go to dst (waits for their count rows); the
 //      last block adds its own counts: the rank's totals, which it publishes as its row of
 //      every rank's count matrix.
