@@ -35,6 +35,7 @@ VEC = 16                 # kBytesPerVector
 NORMAL_FIELD_ALIGN = 256
 NORMAL_DATA_ALIGN = 4096
 LL_ALIGN = 256
+PLAN_TOKENS_PER_BLOCK = 256  # kPlanTokensPerBlock (normal_workspace.h)
 LL_CONTROL_BYTES = 48    # LowLatencyControl: 6 x 8 bytes
 
 
@@ -73,6 +74,7 @@ def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2, r_max=None):
     take(8 * r_max * t_max)               # row_flags
     take(4 * r_max * t_max)               # send_tokens
     take(t_max)                           # token_masks
+    take(8 * r_max * max(1, -(-t_max // PLAN_TOKENS_PER_BLOCK)))  # plan_counts
     data = align_up(offset, NORMAL_DATA_ALIGN)
     hidden_bytes = H * dtype_bytes
     dispatch = capacity * dispatch_row_bytes(hidden_bytes, H // CHANNELS_PER_SCALE)

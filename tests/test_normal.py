@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ep_mesh
+from conftest import ep_mesh, require_gpus
 from harness import run_sharded
 
 import jax_ep
@@ -73,6 +73,59 @@ def test_fewer_tokens_than_max_and_changing_t(backend, rng):
         out = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
         assert out[0].recv_x.shape == (R, R * T, H)
         assert_dispatch_matches(out, oracle.dispatch(x, idx, w, E), T)
+
+
+def sequential_send_pos(idx, num_experts):
+    """send_pos of every rank ``[R, T, R]`` as one sequential scan: rows at rank r are numbered
+    over (source rank, token) in order (oracle.dispatch's rule, vectorised for large T)."""
+    R, T = idx.shape[:2]
+    owner = np.where((idx >= 0) & (idx < num_experts), idx // (num_experts // R), -1)
+    sent = (owner[..., None] == np.arange(R)).any(2).reshape(R * T, R)
+    return np.where(sent, np.cumsum(sent, 0) - sent, -1).reshape(R, T, R).astype(np.int32)
+
+
+@pytest.mark.gpu
+def test_plan_grid_shapes(rng):
+    """The dispatch plan's grid (a block per 256 tokens, at most one per SM, more rounds per
+    block past that) numbers rows as one sequential scan: T at block and round boundaries, up to
+    past 4 rounds per block (its mask scratch), with -1, all -1 and invalid ids; the cached
+    dispatch's plan (routing from send_pos) too."""
+    require_gpus(1)
+    mesh = ep_mesh("cuda")
+    R, H = mesh.shape["ep"], 128
+    num_sms = mesh.devices.flat[0].core_count
+    cases = [(1, "with_minus_one"), (255, "uniform"), (257, "skewed"), (1000, "all_minus_one"),
+             (num_sms * 256 + 1, "with_minus_one"), (num_sms * 256 * 5 + 77, "uniform")]
+    buf = make_buffer("cuda", mesh, H, tokens=max(t for t, _ in cases))
+
+    def step(x, idx, w):
+        d = jax_ep.dispatch(buf, x, idx, w)
+        again = jax_ep.dispatch(buf, x, handle=d.handle)
+        # Channel 0 of a row is its source index: the rows' order without moving [C, H] back.
+        return (d.handle.send_pos, d.num_recv_tokens, d.handle.recv_src, d.recv_x[:, 0],
+                again.recv_x[:, 0])
+
+    for T, routing in cases:
+        idx, w = oracle.make_routing(routing, rng, R, T, E, K)
+        if routing != "all_minus_one":
+            idx[:, ::97, 0] = E + 3
+        x = np.zeros((R, T, H), np.float32)
+        x[..., 0] = np.arange(R * T, dtype=np.float32).reshape(R, T)
+        send_pos, num_recv, recv_src, first, first_again = run_sharded(mesh, step, x, idx, w)
+        expected = sequential_send_pos(idx, E)
+        np.testing.assert_array_equal(send_pos, expected, err_msg=f"T={T}")
+        for r in range(R):
+            sources = np.flatnonzero(expected[:, :, r].reshape(-1) >= 0)
+            n = len(sources)
+            assert int(num_recv[r]) == n
+            np.testing.assert_array_equal(recv_src[r][:n], sources, err_msg=f"T={T}")
+            np.testing.assert_array_equal(first[r][:n], sources.astype(np.float32))
+            np.testing.assert_array_equal(first_again[r][:n], sources.astype(np.float32))
+        if routing == "all_minus_one":
+            buf.check()
+        else:
+            with pytest.raises(RuntimeError, match=f"{R * len(range(0, T, 97))} expert ids"):
+                buf.check()
 
 
 def test_fp8_pair_moves_bit_exact(backend, rng):

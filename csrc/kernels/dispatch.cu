@@ -1,9 +1,10 @@
 // Normal-mode dispatch (jax_ep_dispatch_v2) and cached dispatch (jax_ep_cached_dispatch_v2).
 //
 // Two kernels per call, on the caller's stream:
-//   1. dispatch_plan_kernel (1 block): token -> rank masks, per-destination stream positions
-//      (block scan), count exchange with every rank, send_pos / num_recv_tokens, the plan and
-//      the inverse maps send_tokens[dst][position] = token.
+//   1. dispatch_plan_kernel (cooperative; a block per kPlanTokensPerBlock tokens, at most one
+//      per SM): token -> rank masks, per-destination stream positions (per-block counts, a scan
+//      over blocks, then one inside each block), count exchange with every rank, send_pos /
+//      num_recv_tokens, the plan and the inverse maps send_tokens[dst][position] = token.
 //   2. dispatch_transfer_kernel (many blocks): pushes rows into the peers' data regions at their
 //      final output row (one release flag per row), copies this rank's own rows straight from x,
 //      zero-fills the padding rows, and copies arrived peer rows into the outputs as their flags
@@ -11,6 +12,8 @@
 // The cached dispatch runs the same two kernels with routing taken from send_pos (mask
 // send_pos >= 0) and an optional float32 payload `w` instead of ids/weights/src.
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch.h"
@@ -22,10 +25,17 @@
 namespace jax_ep {
 namespace {
 
-constexpr int kPlanThreads = 1024;
+// One token per thread per round; the block size is the layout's unit of per-block counts.
+constexpr int kPlanThreads = kPlanTokensPerBlock;
 constexpr int kPlanWarps = kPlanThreads / kWarpSize;
-static_assert(kPlanWarps == kWarpSize, "the plan scan combines one total per warp in one warp");
+static_assert(kPlanThreads % kWarpSize == 0, "whole warps: positions come from warp ballots");
 static_assert(kMaxRanks * kMaxRanks <= kPlanThreads, "one thread per count-matrix entry");
+static_assert(kMaxRanks <= 8, "a token's rank mask is one byte (token_masks)");
+// Per-block count words a thread loads before it checks any, so the loads overlap.
+constexpr int kPlanPrefixBatch = 4;
+// Rounds whose masks a thread keeps in one register (a byte each); later rounds store theirs in
+// token_masks and read them back (only when T > kPlanKeptRounds * kPlanThreads * blocks).
+constexpr int kPlanKeptRounds = 4;
 
 constexpr int kTransferThreads = 512;
 constexpr int kTransferWarps = kTransferThreads / kWarpSize;
@@ -41,6 +51,7 @@ struct DispatchPlanArgs {
   const int32_t* topk_idx;  // [T, K]
   const int32_t* send_pos;  // [T, R]
   int num_tokens;
+  int tokens_per_block;  // block b owns tokens [b * tokens_per_block, (b + 1) * tokens_per_block)
   int num_topk;
   int num_ranks;
   int rank;
@@ -55,175 +66,214 @@ struct DispatchPlanArgs {
   // Workspace of this rank.
   const uint64_t* seq;
   NormalPlan* plan;
-  int32_t* send_tokens;  // [kMaxRanks][T_max]
-  uint8_t* token_masks;  // [T_max]
+  int32_t* send_tokens;   // [kMaxRanks][T_max]
+  uint8_t* token_masks;   // [T_max]
+  uint64_t* plan_counts;  // [blocks][kMaxRanks]
   const uint64_t* count_matrix;
   uint64_t* peer_count_matrix[kMaxRanks];  // every rank's count matrix (this one's included)
   ErrorCounters* errors;
   WaitContext wait;
 };
 
-// Role: routing summary and count exchange of one call; one block of kPlanThreads, thread i owns
-// the consecutive tokens [i*n, (i+1)*n), n = ceil(T / kPlanThreads).
-// Synchronisation: writes its count row (tag-stamped words, release) into every rank's matrix
-// (the one of the tag's parity), then spins on all R x R words of its own. A rank writes its row
-// for call e only after its previous kernels (call e-1) finished, and the transfer kernel pushes
-// only after this kernel, so seeing every row of call e means no rank still reads its data
-// region or row flags for call e-1: the exchange is also the barrier that lets a single data
-// region be reused every call.
-__global__ void __launch_bounds__(kPlanThreads, 1)
-    dispatch_plan_kernel(const DispatchPlanArgs args) {
-  __shared__ int warp_offsets[kPlanWarps][kMaxRanks];
-  __shared__ int totals[kMaxRanks];
+// Bit r: token t goes to rank r. Counts ids outside [-1, E) in *num_invalid (they are ignored).
+__device__ __forceinline__ uint32_t token_rank_mask(const DispatchPlanArgs& args, int t,
+                                                    int* num_invalid) {
+  uint32_t mask = 0;
+  if (args.topk_idx != nullptr) {
+    // All ids of a token are loaded before they are used: one memory latency per token.
+    const int32_t* row = args.topk_idx + static_cast<int64_t>(t) * args.num_topk;
+    int ids[kMaxTopk];
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) ids[k] = k < args.num_topk ? __ldg(row + k) : -1;
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) {
+      const int expert = ids[k];
+      if (expert == -1) continue;
+      if (expert < -1 || expert >= args.num_experts) {
+        ++*num_invalid;
+        continue;
+      }
+      mask |= 1u << (expert / args.num_local_experts);
+    }
+  } else {
+    const int32_t* row = args.send_pos + static_cast<int64_t>(t) * args.num_ranks;
+    int pos[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) pos[r] = r < args.num_ranks ? __ldg(row + r) : -1;
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) mask |= (pos[r] >= 0 ? 1u : 0u) << r;
+  }
+  return mask;
+}
+
+__device__ __forceinline__ int warp_sum(int value) {
+#pragma unroll
+  for (int delta = kWarpSize / 2; delta > 0; delta >>= 1) {
+    value += __shfl_xor_sync(0xffffffffu, value, delta);
+  }
+  return value;
+}
+
+// Role: routing summary and count exchange of one call. Cooperative grid (every block resident:
+// blocks wait for each other's counts); block b owns the consecutive tokens
+// [b * tokens_per_block, (b + 1) * tokens_per_block), one per thread per round of kPlanThreads.
+// Phases of every block:
+//   1. rank mask of its tokens and its count per destination; the count row goes to
+//      plan_counts[b] (tagged words, relaxed: they carry only themselves). Also zeroes its share
+//      of num_recv_tokens_per_expert and adds its invalid ids to the error counter.
+//   2. block_base[dst] = tokens of blocks < b that go to dst (waits for their count rows); the
+//      last block adds its own counts: the rank's totals, which it publishes as its row of
+//      every rank's count matrix.
+//   3. waits for the count-matrix rows it needs (rows < rank give dest_base; the last block
+//      waits for all rows and writes the plan, num_recv_tokens and the overflow count).
+//   4. per round: stream positions by warp ballots + a scan over the block's warps; writes
+//      send_tokens[dst][position] = token and send_pos (dest_base + position, may be >= C; -1
+//      when not sent). Positions grow with the token index, as blocks own consecutive tokens.
+// Synchronisation: the last block writes the rank's row (tag-stamped words, release) into every
+// rank's matrix (the one of the tag's parity); the blocks spin on the words they need of their
+// own. A rank writes its row for call e only after its previous kernels (call e-1) finished, and
+// the transfer kernel pushes only after this kernel, whose last block saw every row: the
+// exchange is also the barrier that lets a single data region be reused every call. The
+// per-block count rows need no parity: the next plan kernel runs after this one on the stream.
+__global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const DispatchPlanArgs args) {
+  __shared__ int own_count[kMaxRanks];   // this block's tokens per destination
+  __shared__ int block_base[kMaxRanks];  // first position of this block's tokens in each stream
+  __shared__ int warp_counts[kPlanWarps][kMaxRanks];
   __shared__ int matrix[kMaxRanks][kMaxRanks];
   __shared__ int dest_base[kMaxRanks];
-  __shared__ int invalid_ids;
 
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
   const int warp = tid / kWarpSize;
+  const int block = blockIdx.x;
+  const bool last_block = block == static_cast<int>(gridDim.x) - 1;
   const int num_ranks = args.num_ranks;
   const int rank = args.rank;
-  const int num_tokens = args.num_tokens;
   const bool routing = args.topk_idx != nullptr;
   const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
+  const WaitPhase phase = static_cast<WaitPhase>(args.wait.phase);
+  const int token_begin = min(args.num_tokens, block * args.tokens_per_block);
+  const int token_end = min(args.num_tokens, token_begin + args.tokens_per_block);
+  const int num_rounds = (token_end - token_begin + kPlanThreads - 1) / kPlanThreads;
 
-  if (tid == 0) invalid_ids = 0;
+  if (tid < kMaxRanks) block_base[tid] = 0;
   if (routing) {
-    for (int e = tid; e < args.num_local_experts; e += kPlanThreads) {
+    for (int e = block * kPlanThreads + tid; e < args.num_local_experts;
+         e += gridDim.x * kPlanThreads) {
       args.num_recv_tokens_per_expert[e] = 0;
     }
   }
 
-  // 1. Rank mask of every token (coalesced: token t by thread t mod kPlanThreads; all ids of a
-  //    token are loaded before they are used, so each token costs one memory latency).
+  // 1. Masks (kept for phase 4) and this block's count per destination.
   int num_invalid = 0;
-  for (int t = tid; t < num_tokens; t += kPlanThreads) {
-    uint32_t mask = 0;
-    if (routing) {
-      const int32_t* row = args.topk_idx + static_cast<int64_t>(t) * args.num_topk;
-      int ids[kMaxTopk];
-#pragma unroll
-      for (int k = 0; k < kMaxTopk; ++k) ids[k] = k < args.num_topk ? __ldg(row + k) : -1;
-#pragma unroll
-      for (int k = 0; k < kMaxTopk; ++k) {
-        const int expert = ids[k];
-        if (expert == -1) continue;
-        if (expert < -1 || expert >= args.num_experts) {
-          ++num_invalid;
-          continue;
-        }
-        mask |= 1u << (expert / args.num_local_experts);
-      }
-    } else {
-      const int32_t* row = args.send_pos + static_cast<int64_t>(t) * num_ranks;
-      int pos[kMaxRanks];
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) pos[r] = r < num_ranks ? __ldg(row + r) : -1;
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) mask |= (pos[r] >= 0 ? 1u : 0u) << r;
-    }
-    args.token_masks[t] = static_cast<uint8_t>(mask);
-  }
-  __syncthreads();  // token_masks written, invalid_ids initialised
-  if (num_invalid > 0) atomicAdd(&invalid_ids, num_invalid);
-
-  // Counts of this thread's consecutive tokens [token_begin, token_end) per destination.
-  const int tokens_per_thread = (num_tokens + kPlanThreads - 1) / kPlanThreads;
-  const int token_begin = min(num_tokens, tid * tokens_per_thread);
-  const int token_end = min(num_tokens, token_begin + tokens_per_thread);
+  uint32_t kept_masks = 0;
   int count[kMaxRanks];
 #pragma unroll
   for (int r = 0; r < kMaxRanks; ++r) count[r] = 0;
-  for (int t = token_begin; t < token_end; ++t) {
-    const uint32_t mask = args.token_masks[t];
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) count[r] += (mask >> r) & 1u;
-  }
-
-  // 2. Exclusive scan of the counts over threads: offset[r] = this thread's first position in
-  //    the stream to rank r. Warp scan, then one warp scans the warp totals.
-  int offset[kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    int inclusive = count[r];
-#pragma unroll
-    for (int delta = 1; delta < kWarpSize; delta <<= 1) {
-      const int other = __shfl_up_sync(0xffffffffu, inclusive, delta);
-      if (lane >= delta) inclusive += other;
+  for (int round = 0; round < num_rounds; ++round) {
+    const int t = token_begin + round * kPlanThreads + tid;
+    const uint32_t mask = t < token_end ? token_rank_mask(args, t, &num_invalid) : 0;
+    if (round < kPlanKeptRounds) {
+      kept_masks |= mask << (8 * round);
+    } else if (t < token_end) {
+      args.token_masks[t] = static_cast<uint8_t>(mask);
     }
-    if (lane == kWarpSize - 1) warp_offsets[warp][r] = inclusive;
-    offset[r] = inclusive - count[r];
-  }
-  __syncthreads();
-  if (warp == 0) {
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
-      const int warp_total = warp_offsets[lane][r];
-      int inclusive = warp_total;
+      if (r < num_ranks) count[r] += __syncthreads_count((mask >> r) & 1u);
+    }
+  }
 #pragma unroll
-      for (int delta = 1; delta < kWarpSize; delta <<= 1) {
-        const int other = __shfl_up_sync(0xffffffffu, inclusive, delta);
-        if (lane >= delta) inclusive += other;
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (tid == r && r < num_ranks) {
+      own_count[r] = count[r];
+      st_relaxed_gpu(args.plan_counts + block * kMaxRanks + r,
+                     pack_tagged_count(tag, static_cast<uint32_t>(count[r])));
+    }
+  }
+  if (routing) {
+    num_invalid = warp_sum(num_invalid);
+    if (lane == 0 && num_invalid > 0) {
+      atomicAdd(&args.errors->invalid_expert_ids, static_cast<unsigned long long>(num_invalid));
+    }
+  }
+  __syncthreads();  // block_base zeroed, own_count written
+
+  // 2. Sum of the count rows of blocks < b, every thread a strided share of the words.
+  {
+    int sum[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) sum[r] = 0;
+    // Word w: block w / R, destination w % R.
+    const int num_words = block * num_ranks;
+    auto word_at = [&](int w) {
+      return args.plan_counts + (w / num_ranks) * kMaxRanks + w % num_ranks;
+    };
+    for (int first = tid; first < num_words; first += kPlanThreads * kPlanPrefixBatch) {
+      uint64_t words[kPlanPrefixBatch];
+#pragma unroll
+      for (int i = 0; i < kPlanPrefixBatch; ++i) {
+        const int w = first + i * kPlanThreads;
+        words[i] = w < num_words ? ld_relaxed_gpu(word_at(w)) : 0;
       }
-      warp_offsets[lane][r] = inclusive - warp_total;
-      if (lane == kWarpSize - 1) totals[r] = inclusive;
+#pragma unroll
+      for (int i = 0; i < kPlanPrefixBatch; ++i) {
+        const int w = first + i * kPlanThreads;
+        if (w >= num_words) continue;
+        uint32_t value = static_cast<uint32_t>(words[i]);
+        if (!has_tag(words[i], tag)) {
+          value = wait_tagged_count<false>(word_at(w), tag, args.wait.timeout_ns, args.wait.record,
+                                           rank, rank, phase);
+        }
+        const int dst = w % num_ranks;
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) sum[r] += r == dst ? static_cast<int>(value) : 0;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (r < num_ranks) {
+        const int total = warp_sum(sum[r]);
+        if (lane == 0 && total > 0) atomicAdd(&block_base[r], total);
+      }
     }
   }
   __syncthreads();
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) offset[r] += warp_offsets[warp][r];
 
-  // 3. Publish this rank's counts: entry [rank][dst] of every rank's matrix of this parity.
+  // The last block publishes this rank's totals: entry [rank][dst] of every rank's matrix.
   const int64_t parity_offset = static_cast<int64_t>(tag & 1) * kCountMatrixStride;
-  if (tid < num_ranks * num_ranks) {
+  if (last_block && tid < num_ranks * num_ranks) {
     const int peer = tid / num_ranks;
     const int dst = tid % num_ranks;
     st_release_sys(args.peer_count_matrix[peer] + parity_offset + rank * kMaxRanks + dst,
-                   pack_tagged_count(tag, static_cast<uint32_t>(totals[dst])));
+                   pack_tagged_count(tag, static_cast<uint32_t>(block_base[dst] + own_count[dst])));
   }
 
-  // 4. While the counts travel: send_tokens[dst][position] = token.
-  {
-    int position[kMaxRanks];
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) position[r] = offset[r];
-    for (int t = token_begin; t < token_end; ++t) {
-      const uint32_t mask = args.token_masks[t];
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) {
-        if ((mask >> r) & 1u) {
-          args.send_tokens[static_cast<int64_t>(r) * args.max_tokens + position[r]] = t;
-          ++position[r];
-        }
-      }
-    }
-  }
-
-  // 5. Wait for every rank's row of this call.
-  if (tid < num_ranks * num_ranks) {
+  // 3. The rows of the count matrix this block needs.
+  const int num_rows = last_block ? num_ranks : rank;
+  if (tid < num_rows * num_ranks) {
     const int src = tid / num_ranks;
     const int dst = tid % num_ranks;
-    matrix[src][dst] = static_cast<int>(wait_tagged_count(
-        args.count_matrix + parity_offset + src * kMaxRanks + dst, tag, args.wait.timeout_ns,
-        args.wait.record, rank, src, static_cast<WaitPhase>(args.wait.phase)));
+    matrix[src][dst] = static_cast<int>(
+        wait_tagged_count(args.count_matrix + parity_offset + src * kMaxRanks + dst, tag,
+                          args.wait.timeout_ns, args.wait.record, rank, src, phase));
   }
   __syncthreads();
-
-  // 6. The plan: where this rank writes at each destination, where each source lands here.
   if (tid < num_ranks) {
     const int r = tid;
     int base = 0;
     for (int s = 0; s < rank; ++s) base += matrix[s][r];
-    int prefix = 0;
-    for (int s = 0; s < r; ++s) prefix += matrix[s][rank];
     dest_base[r] = base;
-    args.plan->send_count[r] = matrix[rank][r];
-    args.plan->dest_base[r] = base;
-    args.plan->recv_count[r] = matrix[r][rank];
-    args.plan->recv_prefix[r] = prefix;
+    if (last_block) {
+      int prefix = 0;
+      for (int s = 0; s < r; ++s) prefix += matrix[s][rank];
+      args.plan->send_count[r] = matrix[rank][r];
+      args.plan->dest_base[r] = base;
+      args.plan->recv_count[r] = matrix[r][rank];
+      args.plan->recv_prefix[r] = prefix;
+    }
   }
-  if (tid == 0) {
+  if (last_block && tid == 0) {
     int num_recv = 0;
     for (int s = 0; s < num_ranks; ++s) num_recv += matrix[s][rank];
     args.plan->num_recv = num_recv;
@@ -233,27 +283,56 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
         atomicAdd(&args.errors->overflow_rows,
                   static_cast<unsigned long long>(num_recv - args.capacity));
       }
-      if (invalid_ids > 0) {
-        atomicAdd(&args.errors->invalid_expert_ids, static_cast<unsigned long long>(invalid_ids));
-      }
     }
   }
   __syncthreads();
 
-  // 7. send_pos[t, r] = row of token t at rank r (may be >= C), -1 when not sent.
-  if (routing) {
-    for (int t = token_begin; t < token_end; ++t) {
-      const uint32_t mask = args.token_masks[t];
-      int32_t* out = args.send_pos_out + static_cast<int64_t>(t) * num_ranks;
+  // 4. Positions in token order: earlier rounds, earlier warps, lower lanes.
+  int position[kMaxRanks];  // first position of the current round in each stream
+  int base[kMaxRanks];
 #pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) {
-        if (r < num_ranks) {
-          const bool sent = (mask >> r) & 1u;
-          out[r] = sent ? dest_base[r] + offset[r] : -1;
-          offset[r] += sent ? 1 : 0;
+  for (int r = 0; r < kMaxRanks; ++r) {
+    position[r] = r < num_ranks ? block_base[r] : 0;
+    base[r] = r < num_ranks ? dest_base[r] : 0;
+  }
+  const uint32_t lanes_below = (1u << lane) - 1;
+  for (int round = 0; round < num_rounds; ++round) {
+    const int t = token_begin + round * kPlanThreads + tid;
+    const bool active = t < token_end;
+    uint32_t mask = 0;
+    if (round < kPlanKeptRounds) {
+      mask = (kept_masks >> (8 * round)) & 0xffu;
+    } else if (active) {
+      mask = args.token_masks[t];  // this thread's own store of phase 1
+    }
+    uint32_t ballot[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      ballot[r] = r < num_ranks ? __ballot_sync(0xffffffffu, (mask >> r) & 1u) : 0;
+      if (lane == 0 && r < num_ranks) warp_counts[warp][r] = __popc(ballot[r]);
+    }
+    __syncthreads();
+    int32_t* out =
+        routing && active ? args.send_pos_out + static_cast<int64_t>(t) * num_ranks : nullptr;
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (r < num_ranks) {
+        int before = 0;
+        int total = 0;
+#pragma unroll
+        for (int w = 0; w < kPlanWarps; ++w) {
+          const int c = warp_counts[w][r];
+          before += w < warp ? c : 0;
+          total += c;
         }
+        const bool sent = (mask >> r) & 1u;
+        const int pos = position[r] + before + __popc(ballot[r] & lanes_below);
+        if (sent) args.send_tokens[static_cast<int64_t>(r) * args.max_tokens + pos] = t;
+        if (out != nullptr) out[r] = sent ? base[r] + pos : -1;
+        position[r] += total;
       }
     }
+    __syncthreads();  // warp_counts is rewritten by the next round
   }
 }
 
@@ -573,6 +652,7 @@ DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layo
   args.plan = reinterpret_cast<NormalPlan*>(ctx.workspace + layout.plan);
   args.send_tokens = reinterpret_cast<int32_t*>(ctx.workspace + layout.send_tokens);
   args.token_masks = reinterpret_cast<uint8_t*>(ctx.workspace + layout.token_masks);
+  args.plan_counts = reinterpret_cast<uint64_t*>(ctx.workspace + layout.plan_counts);
   args.count_matrix = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.count_matrix);
   for (int r = 0; r < config.num_ranks; ++r) {
     args.peer_count_matrix[r] =
@@ -581,6 +661,17 @@ DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layo
   args.errors = ctx.error_counters;
   args.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank, static_cast<int32_t>(phase)};
   return args;
+}
+
+// Grid of the plan: one block per kPlanTokensPerBlock tokens (so at most plan_block_slots()),
+// at most one per SM (cooperative), at least one (it also runs the exchange when T = 0).
+cudaError_t launch_plan(const RankContext& ctx, DispatchPlanArgs args, cudaStream_t stream) {
+  int num_sms = 0;
+  CUDA_RETURN_IF_ERROR(device_num_sms(ctx.device, ctx.num_sms, &num_sms));
+  const int num_blocks =
+      std::max(1, std::min(ceil_div(args.num_tokens, kPlanTokensPerBlock), num_sms));
+  args.tokens_per_block = ceil_div(args.num_tokens, num_blocks);
+  return launch_cooperative(dispatch_plan_kernel, num_blocks, kPlanThreads, 0, stream, args);
 }
 
 DispatchTransferArgs make_transfer_args(const RankContext& ctx, const NormalLayout& layout,
@@ -628,8 +719,7 @@ cudaError_t launch_dispatch(const RankContext& ctx, const DispatchParams& params
   plan.send_pos_out = params.send_pos;
   plan.num_recv_tokens = params.num_recv_tokens;
   plan.num_recv_tokens_per_expert = params.num_recv_tokens_per_expert;
-  dispatch_plan_kernel<<<1, kPlanThreads, 0, stream>>>(plan);
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
 
   DispatchTransferArgs transfer = make_transfer_args(ctx, layout, params.num_tokens,
                                                      params.capacity, WaitPhase::kDispatchArrival);
@@ -661,8 +751,7 @@ cudaError_t launch_cached_dispatch(const RankContext& ctx, const CachedDispatchP
   DispatchPlanArgs plan =
       make_plan_args(ctx, layout, params.num_tokens, params.capacity, WaitPhase::kCombineBarrier);
   plan.send_pos = params.send_pos;
-  dispatch_plan_kernel<<<1, kPlanThreads, 0, stream>>>(plan);
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
 
   DispatchTransferArgs transfer = make_transfer_args(ctx, layout, params.num_tokens,
                                                      params.capacity, WaitPhase::kCombineArrival);

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
 #include "kernels/low_latency_launch.h"
@@ -152,12 +153,9 @@ constexpr int kLowLatencyFreeSms = 8;
 // JAX_EP_LOW_LATENCY_BLOCKS (ctx.low_latency_blocks, at most one per SM). On 2x H200 at T=128
 // all 132 SMs give fp8 dispatch 23.7 us and combine 32 us, 124 give 24.7 and 35 us.
 inline cudaError_t low_latency_grid_size(const RankContext& ctx, int* num_blocks) {
-  int num_sms = ctx.num_sms;
-  if (num_sms <= 0) {
-    const cudaError_t err =
-        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, ctx.device);
-    if (err != cudaSuccess) return err;
-  }
+  int num_sms = 0;
+  const cudaError_t err = device_num_sms(ctx.device, ctx.num_sms, &num_sms);
+  if (err != cudaSuccess) return err;
   if (ctx.low_latency_blocks > 0) {
     *num_blocks = ctx.low_latency_blocks < num_sms ? ctx.low_latency_blocks : num_sms;
   } else {
@@ -176,17 +174,7 @@ cudaError_t launch_low_latency_kernel(void (*kernel)(Args), int num_blocks, size
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
     if (err != cudaSuccess) return err;
   }
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeCooperative;
-  attribute.val.cooperative = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(num_blocks);
-  config.blockDim = dim3(kLowLatencyThreads);
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args);
+  return launch_cooperative(kernel, num_blocks, kLowLatencyThreads, smem_bytes, stream, args);
 }
 
 }  // namespace jax_ep

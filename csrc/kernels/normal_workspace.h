@@ -17,6 +17,9 @@
 //   send_tokens    int32[R_max][T_max]  [dst][p] = this rank's token at position p of its
 //                                       stream to dst (inverse of send_pos)
 //   token_masks    uint8[T_max]         bit r: token goes to rank r (plan kernel scratch)
+//   plan_counts    uint64[B_max][R_max] [b][dst] = (tag << 32 | tokens of block b of the
+//                                       dispatch plan that go to dst); B_max =
+//                                       plan_block_slots(config)
 //   data           rows                 dispatch: receive rows at their final output row;
 //                                       combine: rows [src][token]. Shared by both: every call
 //                                       starts with an all-rank exchange that each rank enters
@@ -55,10 +58,21 @@ struct NormalLayout {
   size_t row_flags = 0;
   size_t send_tokens = 0;
   size_t token_masks = 0;
+  size_t plan_counts = 0;
   size_t data = 0;
   size_t data_bytes = 0;
   size_t total_bytes = 0;
 };
+
+// Tokens per block of the dispatch plan kernel (one per thread): its grid is
+// ceil(T / kPlanTokensPerBlock) blocks, fewer when the device has fewer SMs, so it never needs
+// more than plan_block_slots() per-block count rows.
+constexpr int kPlanTokensPerBlock = 256;
+
+inline int plan_block_slots(const BufferConfig& config) {
+  const int slots = (config.max_tokens_per_rank + kPlanTokensPerBlock - 1) / kPlanTokensPerBlock;
+  return slots > 1 ? slots : 1;
+}
 
 // One count matrix per tag parity.
 constexpr int kCountMatrixStride = kMaxRanks * kMaxRanks;
@@ -100,6 +114,7 @@ inline NormalLayout normal_layout(const BufferConfig& config) {
   layout.row_flags = take(sizeof(uint64_t) * kMaxRanks * max_tokens);
   layout.send_tokens = take(sizeof(int32_t) * kMaxRanks * max_tokens);
   layout.token_masks = take(sizeof(uint8_t) * max_tokens);
+  layout.plan_counts = take(sizeof(uint64_t) * kMaxRanks * plan_block_slots(config));
   offset = align_up(offset, kNormalDataAlignment);
   layout.data = offset;
 

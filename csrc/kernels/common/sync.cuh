@@ -75,18 +75,43 @@ __host__ __device__ constexpr uint64_t pack_tagged_count(uint64_t tag, uint32_t 
   return (static_cast<uint64_t>(static_cast<uint32_t>(tag)) << 32) | count;
 }
 
+// Words written and read on one device that publish nothing but their own value.
+__device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* ptr) {
+  uint64_t value;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void st_relaxed_gpu(uint64_t* ptr, uint64_t value) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+// True when the tagged count word `value` carries the low 32 bits of `tag`.
+__device__ __forceinline__ bool has_tag(uint64_t value, uint64_t tag) {
+  return static_cast<uint32_t>(value >> 32) == static_cast<uint32_t>(tag);
+}
+
 // Spins until the 32-bit tag of *word equals the low 32 bits of `tag`, then returns the 32-bit
 // payload. Equality keeps it right across the 2^32 wrap-around; callers make sure a word is not
 // rewritten before its reader consumed it (the normal mode alternates two matrices by tag
-// parity). Bounded like wait_flag_at_least.
+// parity). Bounded like wait_flag_at_least. kSystem: acquire at system scope (a peer's word
+// that publishes what it wrote before); else relaxed at GPU scope (a word of this device that
+// carries only its count).
+template <bool kSystem = true>
 __device__ __forceinline__ uint32_t wait_tagged_count(const uint64_t* word, uint64_t tag,
                                                       uint64_t timeout_ns, TimeoutRecord* record,
                                                       int rank, int peer, WaitPhase phase) {
-  const uint32_t expected = static_cast<uint32_t>(tag);
-  uint64_t value = ld_acquire_sys(word);
-  if (static_cast<uint32_t>(value >> 32) == expected) return static_cast<uint32_t>(value);
+  auto load = [word] {
+    if constexpr (kSystem) {
+      return ld_acquire_sys(word);
+    } else {
+      return ld_relaxed_gpu(word);
+    }
+  };
+  uint64_t value = load();
+  if (has_tag(value, tag)) return static_cast<uint32_t>(value);
   const uint64_t start = global_timer_ns();
-  while (static_cast<uint32_t>((value = ld_acquire_sys(word)) >> 32) != expected) {
+  while (!has_tag(value = load(), tag)) {
     if (global_timer_ns() - start > timeout_ns) {
       report_timeout_and_trap(record, rank, peer, phase, tag);
     }
