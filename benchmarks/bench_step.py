@@ -62,6 +62,9 @@ def parse_args(argv):
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--carry", choices=("donated", "input"), default="donated",
+                   help="the carried expert buffer: donated to each call (a serving loop's "
+                        "state) or an input XLA may not write (it copies it)")
     p.add_argument("--repeats", type=int, default=30, help="timed calls of each program")
     p.add_argument("--no-kernel-trace", action="store_true", help="skip the CUPTI trace")
     p.add_argument("--host-trace", action="store_true",
@@ -300,9 +303,9 @@ def measure(programs, args, repeats, trace):
             (enq[N_LONG] - enq[N_SHORT]) / span, wall)
 
 
-def build_programs(mesh, step, backward, make_carry):
-    return {n: CarriedProgram(bc.shard_mapped(mesh, chained(step, n, backward), 4, donate=(3,)),
-                              make_carry())
+def build_programs(mesh, step, backward, make_carry, donate):
+    return {n: CarriedProgram(bc.shard_mapped(mesh, chained(step, n, backward), 4,
+                                              donate=(3,) if donate else ()), make_carry())
             for n in (N_SHORT, N_LONG)}
 
 
@@ -342,7 +345,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     make_carry = jax.jit(lambda: jnp.zeros(carry_shape, jnp.bfloat16),
                          out_shardings=bc.sharded(mesh))
     # Called as a user calls a jitted step (its C++ fast path), compiled by the warm-up calls.
-    programs = build_programs(mesh, step, backward, make_carry)
+    programs = build_programs(mesh, step, backward, make_carry, args.carry == "donated")
     call_args = step_inputs(mesh, tokens, args, seed=7)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
     time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
@@ -360,7 +363,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
             print(f"  {us:9.1f} us  x{count:6.1f}  {name}")
     record = {"op": op, "impl": impl, "dtype": dtype if decode else "bf16", "ranks": R,
               "tokens": tokens, "hidden": args.hidden, "experts": args.experts,
-              "topk": args.topk, "time_us": time_us, "kernel_us": kernel_us,
+              "topk": args.topk, "carry": args.carry, "time_us": time_us, "kernel_us": kernel_us,
               "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
               "enqueue_us": enqueue_us, "wall_short_us": wall[N_SHORT],
               "wall_long_us": wall[N_LONG]}
