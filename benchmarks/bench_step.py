@@ -13,10 +13,13 @@ The peers run the same step with ``jax.lax.all_to_all`` (capacity-padded) and
 ``jax.lax.ragged_all_to_all`` (benchmarks/bench_common.py).
 
 Each program chains ``N`` steps like the layers of a model (step i+1 takes step i's output as
-its tokens, each layer its own routing), and only the last output leaves the program. Three
+its tokens, each layer its own routing), and only the last output leaves the program. Four
 measures per step, each the difference of N=12 and N=2 programs divided by 10 (so the fixed
 cost of a call cancels):
-- ``time_us``: wall time, from the call to its results being ready (what the program pays);
+- ``time_us``: wall time per step of calls made back to back, as a training or serving loop
+  makes them (the host enqueues call i+1 while the GPU runs call i): what the program pays;
+- ``latency_us``: wall time per step from one call to its results being ready, each call waited
+  for before the next (the host's enqueue is then not hidden behind the GPU's work);
 - ``kernel_us``: the device's busy time (the sum of every kernel's and copy's duration, from a
   CUPTI trace through ``jax.profiler``): what the GPU works; ``ep_kernel_us``: of that, jax_ep's
   own kernels;
@@ -118,12 +121,19 @@ def jax_ep_decode(jax_ep, buf, use_fp8):
         if not use_fp8:
             return jax_ep.low_latency_combine(buf, d.recv_x, idx, w, d.handle), carry
         rows_bound = buf.num_ranks * T_max * buf.num_topk  # every selection of every source
-        expert, row = valid_slots(d.recv_count, buf.num_ranks * T_max, rows_bound)
+        rows_per_expert = buf.num_ranks * T_max
+        expert, row = valid_slots(d.recv_count, rows_per_expert, rows_bound)
         safe = jnp.minimum(expert, E_loc - 1)
-        rows = d.recv_x[safe, row].astype(jnp.float32)
-        rows = rows * jnp.repeat(d.recv_scales[safe, row], bc.FP8_BLOCK, axis=1)
-        y = carry.at[expert, row].set((rows * scale[safe][:, None]).astype(jnp.bfloat16),
-                                      mode="drop")
+        # Whole rows by one flat index: XLA:GPU scatters [E*R*T, H] rows by a 1-D index with a
+        # row copy per index; the (expert, row) pair made it a slow element-wise scatter.
+        flat = expert * rows_per_expert + row  # past the end for padding: dropped
+        H = d.recv_x.shape[-1]
+        rows = d.recv_x.reshape(-1, H)[jnp.minimum(flat, E_loc * rows_per_expert - 1)]
+        scales = d.recv_scales.reshape(E_loc * rows_per_expert, -1)[
+            jnp.minimum(flat, E_loc * rows_per_expert - 1)]
+        rows = rows.astype(jnp.float32) * jnp.repeat(scales, bc.FP8_BLOCK, axis=1)
+        y = carry.reshape(-1, H).at[flat].set(
+            (rows * scale[safe][:, None]).astype(jnp.bfloat16), mode="drop").reshape(carry.shape)
         return jax_ep.low_latency_combine(buf, y, idx, w, d.handle), y
 
     return step
@@ -215,7 +225,10 @@ class CarriedProgram:
 
 
 def host_clocks(fn, args, repeats):
-    """Medians of (enqueue, ready) microseconds over ``repeats`` calls after 3 warm ones."""
+    """Medians of (enqueue, ready) microseconds over ``repeats`` calls after 3 warm ones, each
+    call waited for before the next (its latency), and the microseconds per call of ``repeats``
+    calls made back to back and waited for once (a training or serving loop: the host enqueues
+    call i+1 while the GPU runs call i, so a call costs the larger of the two)."""
     rows = []
     for i in range(3 + repeats):
         t0 = time.perf_counter()
@@ -226,7 +239,11 @@ def host_clocks(fn, args, repeats):
         del out
         if i >= 3:
             rows.append((t1 - t0, t2 - t0))
-    return [statistics.median(r[j] for r in rows) * 1e6 for j in range(2)]
+    t0 = time.perf_counter()
+    outs = [fn(*args) for _ in range(repeats)]
+    jax.block_until_ready(outs)
+    loop = (time.perf_counter() - t0) / repeats
+    return [statistics.median(r[j] for r in rows) * 1e6 for j in range(2)] + [loop * 1e6]
 
 
 def device_busy_us(fn, args, calls=3, by_kernel=None):
@@ -284,14 +301,14 @@ def host_events(fn, args, calls=10, top=30):
 
 
 def measure(programs, args, repeats, trace):
-    """Per step: (time_us, kernel_us, ep_kernel_us, enqueue_us, walls) from the N_SHORT and
-    N_LONG programs."""
+    """Per step: (time_us, latency_us, kernel_us, ep_kernel_us, enqueue_us, walls) from the
+    N_SHORT and N_LONG programs; walls: each program's latency."""
     clocks = {}
     for _ in range(2):  # interleave: drift hits both programs
         for n, fn in programs.items():
             clocks.setdefault(n, []).append(host_clocks(fn, args, repeats // 2 or 1))
-    enq = {n: statistics.median(c[0] for c in v) for n, v in clocks.items()}
-    wall = {n: statistics.median(c[1] for c in v) for n, v in clocks.items()}
+    enq, wall, loop = ({n: statistics.median(c[j] for c in v) for n, v in clocks.items()}
+                       for j in range(3))
     span = N_LONG - N_SHORT
     kernel = ours = None
     if trace:
@@ -299,8 +316,8 @@ def measure(programs, args, repeats, trace):
         if busy[N_LONG][0] is not None:
             kernel = (busy[N_LONG][0] - busy[N_SHORT][0]) / span
             ours = (busy[N_LONG][1] - busy[N_SHORT][1]) / span
-    return ((wall[N_LONG] - wall[N_SHORT]) / span, kernel, ours,
-            (enq[N_LONG] - enq[N_SHORT]) / span, wall)
+    return ((loop[N_LONG] - loop[N_SHORT]) / span, (wall[N_LONG] - wall[N_SHORT]) / span,
+            kernel, ours, (enq[N_LONG] - enq[N_SHORT]) / span, wall)
 
 
 def build_programs(mesh, step, backward, make_carry, donate):
@@ -348,7 +365,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     programs = build_programs(mesh, step, backward, make_carry, args.carry == "donated")
     call_args = step_inputs(mesh, tokens, args, seed=7)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
-    time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
+    time_us, latency_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
         programs, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep" and bc.on_gpu():
         kernels = {}
@@ -363,7 +380,8 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
             print(f"  {us:9.1f} us  x{count:6.1f}  {name}")
     record = {"op": op, "impl": impl, "dtype": dtype if decode else "bf16", "ranks": R,
               "tokens": tokens, "hidden": args.hidden, "experts": args.experts,
-              "topk": args.topk, "carry": args.carry, "time_us": time_us, "kernel_us": kernel_us,
+              "topk": args.topk, "carry": args.carry, "time_us": time_us,
+              "latency_us": latency_us, "kernel_us": kernel_us,
               "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
               "enqueue_us": enqueue_us, "wall_short_us": wall[N_SHORT],
               "wall_long_us": wall[N_LONG]}
@@ -419,7 +437,7 @@ def main(argv=None):
 
 
 HEADER = (f"{'op':<17} {'impl':<18} {'dtype':<5} {'R':>2} {'T':>5} {'time_us':>9} "
-          f"{'kernel_us':>9} {'ep_kern_us':>10} {'enqueue_us':>10}")
+          f"{'latency_us':>10} {'kernel_us':>9} {'ep_kern_us':>10} {'enqueue_us':>10}")
 
 
 def format_row(rec):
@@ -430,7 +448,8 @@ def format_row(rec):
         return "-" if v is None else f"{v:.1f}"
 
     return (f"{rec['op']:<17} {rec['impl']:<18} {rec['dtype']:<5} {rec['ranks']:>2} "
-            f"{rec['tokens']:>5} {f(rec['time_us']):>9} {f(rec['kernel_us']):>9} "
+            f"{rec['tokens']:>5} {f(rec['time_us']):>9} {f(rec['latency_us']):>10} "
+            f"{f(rec['kernel_us']):>9} "
             f"{f(rec['ep_kernel_us']):>10} {f(rec['enqueue_us']):>10}")
 
 
