@@ -13,13 +13,13 @@ The peers run the same step with ``jax.lax.all_to_all`` (capacity-padded) and
 ``jax.lax.ragged_all_to_all`` (benchmarks/bench_common.py).
 
 Each program chains ``N`` steps like the layers of a model (step i+1 takes step i's output as
-its tokens, each layer its own routing), and only the last output leaves the program. Four
+its tokens, each layer its own routing), and only the last output leaves the program. Three
 measures per step, each the difference of N=12 and N=2 programs divided by 10 (so the fixed
 cost of a call cancels):
-- ``time_us``: wall time per step of calls made back to back, as a training or serving loop
-  makes them (the host enqueues call i+1 while the GPU runs call i): what the program pays;
-- ``latency_us``: wall time per step from one call to its results being ready, each call waited
-  for before the next (the host's enqueue is then not hidden behind the GPU's work);
+- ``time_us``: wall time, from the call to its results being ready (what the program pays);
+  each call is waited for before the next. (Calls made back to back do not work with the
+  difference: the host's fixed cost per call, larger than a short program's GPU work, bounds
+  both programs and cancels out.)
 - ``kernel_us``: the device's busy time (the sum of every kernel's and copy's duration, from a
   CUPTI trace through ``jax.profiler``): what the GPU works; ``ep_kernel_us``: of that, jax_ep's
   own kernels;
@@ -226,9 +226,7 @@ class CarriedProgram:
 
 def host_clocks(fn, args, repeats):
     """Medians of (enqueue, ready) microseconds over ``repeats`` calls after 3 warm ones, each
-    call waited for before the next (its latency), and the microseconds per call of ``repeats``
-    calls made back to back and waited for once (a training or serving loop: the host enqueues
-    call i+1 while the GPU runs call i, so a call costs the larger of the two)."""
+    call waited for before the next."""
     rows = []
     for i in range(3 + repeats):
         t0 = time.perf_counter()
@@ -239,11 +237,7 @@ def host_clocks(fn, args, repeats):
         del out
         if i >= 3:
             rows.append((t1 - t0, t2 - t0))
-    t0 = time.perf_counter()
-    outs = [fn(*args) for _ in range(repeats)]
-    jax.block_until_ready(outs)
-    loop = (time.perf_counter() - t0) / repeats
-    return [statistics.median(r[j] for r in rows) * 1e6 for j in range(2)] + [loop * 1e6]
+    return [statistics.median(r[j] for r in rows) * 1e6 for j in range(2)]
 
 
 def device_busy_us(fn, args, calls=3, by_kernel=None):
@@ -301,14 +295,14 @@ def host_events(fn, args, calls=10, top=30):
 
 
 def measure(programs, args, repeats, trace):
-    """Per step: (time_us, latency_us, kernel_us, ep_kernel_us, enqueue_us, walls) from the
-    N_SHORT and N_LONG programs; walls: each program's latency."""
+    """Per step: (time_us, kernel_us, ep_kernel_us, enqueue_us, walls) from the N_SHORT and
+    N_LONG programs."""
     clocks = {}
     for _ in range(2):  # interleave: drift hits both programs
         for n, fn in programs.items():
             clocks.setdefault(n, []).append(host_clocks(fn, args, repeats // 2 or 1))
-    enq, wall, loop = ({n: statistics.median(c[j] for c in v) for n, v in clocks.items()}
-                       for j in range(3))
+    enq = {n: statistics.median(c[0] for c in v) for n, v in clocks.items()}
+    wall = {n: statistics.median(c[1] for c in v) for n, v in clocks.items()}
     span = N_LONG - N_SHORT
     kernel = ours = None
     if trace:
@@ -316,8 +310,8 @@ def measure(programs, args, repeats, trace):
         if busy[N_LONG][0] is not None:
             kernel = (busy[N_LONG][0] - busy[N_SHORT][0]) / span
             ours = (busy[N_LONG][1] - busy[N_SHORT][1]) / span
-    return ((loop[N_LONG] - loop[N_SHORT]) / span, (wall[N_LONG] - wall[N_SHORT]) / span,
-            kernel, ours, (enq[N_LONG] - enq[N_SHORT]) / span, wall)
+    return ((wall[N_LONG] - wall[N_SHORT]) / span, kernel, ours,
+            (enq[N_LONG] - enq[N_SHORT]) / span, wall)
 
 
 def build_programs(mesh, step, backward, make_carry, donate):
@@ -365,7 +359,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     programs = build_programs(mesh, step, backward, make_carry, args.carry == "donated")
     call_args = step_inputs(mesh, tokens, args, seed=7)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
-    time_us, latency_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
+    time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
         programs, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep" and bc.on_gpu():
         kernels = {}
@@ -380,8 +374,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
             print(f"  {us:9.1f} us  x{count:6.1f}  {name}")
     record = {"op": op, "impl": impl, "dtype": dtype if decode else "bf16", "ranks": R,
               "tokens": tokens, "hidden": args.hidden, "experts": args.experts,
-              "topk": args.topk, "carry": args.carry, "time_us": time_us,
-              "latency_us": latency_us, "kernel_us": kernel_us,
+              "topk": args.topk, "carry": args.carry, "time_us": time_us, "kernel_us": kernel_us,
               "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
               "enqueue_us": enqueue_us, "wall_short_us": wall[N_SHORT],
               "wall_long_us": wall[N_LONG]}
@@ -437,7 +430,7 @@ def main(argv=None):
 
 
 HEADER = (f"{'op':<17} {'impl':<18} {'dtype':<5} {'R':>2} {'T':>5} {'time_us':>9} "
-          f"{'latency_us':>10} {'kernel_us':>9} {'ep_kern_us':>10} {'enqueue_us':>10}")
+          f"{'kernel_us':>9} {'ep_kern_us':>10} {'enqueue_us':>10}")
 
 
 def format_row(rec):
@@ -448,8 +441,7 @@ def format_row(rec):
         return "-" if v is None else f"{v:.1f}"
 
     return (f"{rec['op']:<17} {rec['impl']:<18} {rec['dtype']:<5} {rec['ranks']:>2} "
-            f"{rec['tokens']:>5} {f(rec['time_us']):>9} {f(rec['latency_us']):>10} "
-            f"{f(rec['kernel_us']):>9} "
+            f"{rec['tokens']:>5} {f(rec['time_us']):>9} {f(rec['kernel_us']):>9} "
             f"{f(rec['ep_kernel_us']):>10} {f(rec['enqueue_us']):>10}")
 
 
