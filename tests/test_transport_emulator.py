@@ -286,6 +286,15 @@ def test_source_reused_before_quiet_is_caught_in_snapshot_mode():
     world.queue.run()
     assert [(e[0], e[2]) for e in world.queue.errors()] == [("source_reused", early)]
 
+    # Torn: reported once, however many chunks read the changed source.
+    world = World(seed=0, snapshot_sources=True, chunk_bytes=16)
+    torn = world.queue.put(0, 1, DATA, 0, SEND, 0, 256)
+    world.queue.poll()
+    world.send[:256] ^= 0xFF
+    world.queue.quiet(0)
+    world.queue.run()
+    assert [(e[0], e[2]) for e in world.queue.errors()] == [("source_reused", torn)]
+
     # Changed after delivery but before the warp's quiet.
     world = World(seed=0, snapshot_sources=True)
     late = world.queue.put(0, 1, DATA, 0, SEND, 0, 64)

@@ -187,7 +187,7 @@ void HostProxy::deliver_chunk(Pending& p, size_t chunk_index) {
   const uint64_t offset = p.chunks_left[chunk_index];
   const uint64_t chunk = options_.chunk_bytes ? options_.chunk_bytes : p.command.bytes;
   const uint64_t bytes = std::min(chunk, p.command.bytes - offset);
-  if (options_.snapshot_sources && !source_unchanged(p.src, offset, bytes, p.snapshot)) {
+  if (!p.snapshot.empty() && !source_unchanged(p.src, offset, bytes, p.snapshot)) {
     std::ostringstream m;
     m << "source bytes [" << offset << ", +" << bytes << ") changed between the put and its "
       << "delivery (reused before quiet)";
