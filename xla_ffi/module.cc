@@ -35,4 +35,5 @@ NB_MODULE(_C, m) {
       "13000): the CUDA runtime is linked statically, so the driver must support this major "
       "version, and at least this minor version to JIT-compile its PTX.");
   jax_ep::add_runtime_functions(m);
+  jax_ep::add_transport_test_functions(m);
 }

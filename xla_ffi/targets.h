@@ -11,5 +11,8 @@ void add_normal_targets(nanobind::dict& targets);
 void add_low_latency_targets(nanobind::dict& targets);
 // create_buffer / destroy_buffer / read_errors / workspace_bytes ... (runtime_bindings.cc).
 void add_runtime_functions(nanobind::module_& m);
+// EmulatedQueueForTests and the ring stress test: the transport's host proxy on CPU
+// (transport_bindings.cc).
+void add_transport_test_functions(nanobind::module_& m);
 
 }  // namespace jax_ep

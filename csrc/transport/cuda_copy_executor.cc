@@ -1,0 +1,60 @@
+#include "transport/cuda_copy_executor.h"
+
+namespace jax_ep {
+namespace transport {
+
+CudaCopyExecutor::CudaCopyExecutor(cudaStream_t stream, uint32_t signal_slots)
+    : stream_(stream), slots_(signal_slots == 0 ? 1 : signal_slots) {
+  ok(cudaHostAlloc(reinterpret_cast<void**>(&staging_), slots_ * sizeof(uint64_t),
+                   cudaHostAllocDefault),
+     "cudaHostAlloc");
+}
+
+CudaCopyExecutor::~CudaCopyExecutor() {
+  if (staging_ != nullptr) {
+    cudaStreamSynchronize(stream_);
+    cudaFreeHost(staging_);
+  }
+}
+
+bool CudaCopyExecutor::ok(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return true;
+  if (error_.empty()) {
+    error_ = std::string(what) + ": " + cudaGetErrorName(status) + " (" +
+             cudaGetErrorString(status) + ")";
+  }
+  return false;
+}
+
+void CudaCopyExecutor::copy(void* dst, const void* src, uint64_t bytes) {
+  if (!error_.empty()) return;
+  ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync (data)");
+}
+
+void CudaCopyExecutor::write_signal(uint64_t* dst, uint64_t value) {
+  if (!error_.empty() || staging_ == nullptr) return;
+  // A staging word may be rewritten only once the copy that reads it has run.
+  if (next_slot_ == slots_) {
+    complete();
+    next_slot_ = 0;
+  }
+  uint64_t* word = staging_ + next_slot_++;
+  *word = value;
+  ok(cudaMemcpyAsync(dst, word, sizeof(uint64_t), cudaMemcpyDefault, stream_),
+     "cudaMemcpyAsync (signal)");
+}
+
+void CudaCopyExecutor::read(void* host_dst, const void* src, uint64_t bytes) {
+  if (!error_.empty()) return;
+  if (ok(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync")) {
+    ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (read)");
+  }
+}
+
+void CudaCopyExecutor::complete() {
+  if (!error_.empty()) return;
+  ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+}
+
+}  // namespace transport
+}  // namespace jax_ep

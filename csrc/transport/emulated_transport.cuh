@@ -1,0 +1,131 @@
+// The device side of the emulated transport: every put, signal and quiet becomes one command in
+// a ring in pinned host memory (command_ring.h); the host proxy (host_proxy.h) performs it with
+// copy-engine copies. The kernel never touches a peer's memory, as over a network.
+//
+// One object per warp (it holds the warp's pending fence in a register). Lane 0 writes the
+// command; the other lanes only keep the warp converged.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common/sync.cuh"
+#include "transport/command_ring.h"
+#include "transport/device_transport.cuh"
+
+namespace jax_ep {
+namespace transport {
+
+struct EmulatedTransport {
+  RegionTable regions;  // only this rank's row is read
+  RingView ring;        // this warp's queue
+  int rank;
+  uint32_t warp;  // rank-wide warp index: keys quiet and fence in the proxy
+  WaitContext wait_context;
+  bool fence_pending = false;
+
+  __device__ __forceinline__ char* local(SymmetricAddress address) const {
+    return regions.at(rank, address);
+  }
+
+  // Lane 0 only. Claims a slot, waits (bounded) until the proxy has freed it, fills it and
+  // publishes it with a system-scope release, so the proxy that acquires `ready` sees every
+  // field. Returns the command's position in the ring.
+  __device__ __forceinline__ uint64_t push(TransportCommand command) {
+    command.warp = warp;
+    command.flags |= fence_pending ? kFenceBefore : 0u;
+    const uint64_t position = atomicAdd(reinterpret_cast<unsigned long long*>(ring.reserve), 1ull);
+    if (position >= ring.capacity) {
+      wait_flag(wait_context, ring.consumed, position + 1 - ring.capacity, rank);
+    }
+    volatile TransportCommand* slot = ring.slots + (position & (ring.capacity - 1));
+    slot->op = command.op;
+    slot->flags = command.flags;
+    slot->warp = command.warp;
+    slot->peer = command.peer;
+    slot->src_region = command.src_region;
+    slot->dst_region = command.dst_region;
+    slot->signal_region = command.signal_region;
+    slot->signal_op = command.signal_op;
+    slot->src_offset = command.src_offset;
+    slot->dst_offset = command.dst_offset;
+    slot->signal_offset = command.signal_offset;
+    slot->bytes = command.bytes;
+    slot->signal_value = command.signal_value;
+    st_release_sys(const_cast<uint64_t*>(&slot->ready), position + 1);
+    return position;
+  }
+
+  // Called by the whole warp; lane 0 pushes. The source bytes were written by all lanes: the
+  // warp barrier orders them before lane 0's release (the proxy reads them after its acquire).
+  __device__ __forceinline__ uint64_t push_from_warp(const TransportCommand& command, int lane) {
+    __syncwarp();
+    uint64_t position = 0;
+    if (lane == 0) position = push(command);
+    fence_pending = false;
+    __syncwarp();
+    return __shfl_sync(0xffffffffu, position, 0);
+  }
+
+  __device__ __forceinline__ void put(int peer, SymmetricAddress dst, SymmetricAddress src,
+                                      uint64_t bytes, int lane) {
+    TransportCommand command = {};
+    command.op = static_cast<uint32_t>(CommandOp::kPut);
+    command.peer = peer;
+    command.src_region = src.region;
+    command.src_offset = src.offset;
+    command.dst_region = dst.region;
+    command.dst_offset = dst.offset;
+    command.bytes = bytes;
+    push_from_warp(command, lane);
+  }
+
+  __device__ __forceinline__ void put_signal(int peer, SymmetricAddress dst, SymmetricAddress src,
+                                             uint64_t bytes, SymmetricAddress sig, uint64_t value,
+                                             SignalOp op, int lane) {
+    TransportCommand command = {};
+    command.op = static_cast<uint32_t>(CommandOp::kPutSignal);
+    command.peer = peer;
+    command.src_region = src.region;
+    command.src_offset = src.offset;
+    command.dst_region = dst.region;
+    command.dst_offset = dst.offset;
+    command.bytes = bytes;
+    command.signal_region = sig.region;
+    command.signal_offset = sig.offset;
+    command.signal_value = value;
+    command.signal_op = static_cast<uint32_t>(op);
+    push_from_warp(command, lane);
+  }
+
+  __device__ __forceinline__ void signal(int peer, SymmetricAddress sig, uint64_t value,
+                                         SignalOp op, int lane) {
+    TransportCommand command = {};
+    command.op = static_cast<uint32_t>(CommandOp::kSignal);
+    command.peer = peer;
+    command.signal_region = sig.region;
+    command.signal_offset = sig.offset;
+    command.signal_value = value;
+    command.signal_op = static_cast<uint32_t>(op);
+    push_from_warp(command, lane);
+  }
+
+  // Marks the warp's next command; costs no slot.
+  __device__ __forceinline__ void fence(int /*lane*/) { fence_pending = true; }
+
+  // The proxy writes acks[warp] = position + 1 once this warp's earlier commands are delivered.
+  __device__ __forceinline__ void quiet(int lane) {
+    TransportCommand command = {};
+    command.op = static_cast<uint32_t>(CommandOp::kQuiet);
+    command.peer = rank;
+    const uint64_t position = push_from_warp(command, lane);
+    if (lane == 0) wait_flag(wait_context, ring.acks + warp, position + 1, rank);
+    __syncwarp();
+  }
+
+  __device__ __forceinline__ void wait(SymmetricAddress sig, uint64_t value, int peer) const {
+    wait_signal_at_least(regions, rank, sig, value, wait_context, peer);
+  }
+};
+
+}  // namespace transport
+}  // namespace jax_ep
