@@ -250,7 +250,7 @@ def test_hundred_buffers_return_device_memory():
     """Creating and closing 100 Buffers (normal + low latency) leaves free device memory where it
     started (within 1 MiB on every GPU)."""
     gpus = require_gpus(1)
-    from jax_ep import _cuda_driver
+    from jax_ep.system import cuda_driver as _cuda_driver
 
     driver, reason = _cuda_driver.get_driver()
     if driver is None:
