@@ -131,8 +131,8 @@ def parse_args(argv):
             setattr(args, name, QUICK[name] if args.quick else value)
     args.check = args.check or args.quick
     jax_ep, _ = bc.import_jax_ep()
-    if jax_ep is not None and not hasattr(jax_ep, "grouped_gemm"):
-        p.error(f"{jax_ep.__file__} predates jax_ep.grouped_gemm: reinstall jax_ep")
+    if jax_ep is not None and not hasattr(jax_ep.moe, "grouped_gemm"):
+        p.error(f"{jax_ep.__file__} predates jax_ep.moe.grouped_gemm: reinstall jax_ep")
     known = (jax_ep.moe.MATMULS if jax_ep is not None else ("tiled", "ragged_dot"))
     known = tuple(known) + tuple(XLA_VARIANTS) + (DENSE,)
     args.matmul = args.matmul or ("auto" if jax_ep is not None else "tiled",)
