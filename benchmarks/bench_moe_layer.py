@@ -131,8 +131,8 @@ def parse_args(argv):
             setattr(args, name, QUICK[name] if args.quick else value)
     args.check = args.check or args.quick
     jax_ep, _ = bc.import_jax_ep()
-    if jax_ep is not None and not hasattr(jax_ep, "grouped_gemm"):
-        p.error(f"{jax_ep.__file__} predates jax_ep.grouped_gemm: reinstall jax_ep")
+    if jax_ep is not None and not hasattr(jax_ep.moe, "grouped_gemm"):
+        p.error(f"{jax_ep.__file__} predates jax_ep.moe.grouped_gemm: reinstall jax_ep")
     known = (jax_ep.moe.MATMULS if jax_ep is not None else ("tiled", "ragged_dot"))
     known = tuple(known) + tuple(XLA_VARIANTS) + (DENSE,)
     args.matmul = args.matmul or ("auto" if jax_ep is not None else "tiled",)
@@ -280,7 +280,7 @@ def base_matmul(matmul):
 
 def library_kernels(matmul):
     """The libraries a matmul's kernels come from (empty for XLA matmuls)."""
-    from jax_ep import grouped_gemm
+    from jax_ep.moe import grouped_gemm
 
     kernels = grouped_gemm.LIBRARY_MATMULS.get(matmul)
     return sorted({kernels.forward, kernels.dx, kernels.dw}) if kernels else []
@@ -288,7 +288,7 @@ def library_kernels(matmul):
 
 def unavailable(matmul):
     """Why ``matmul`` cannot run here, or None."""
-    from jax_ep import grouped_gemm
+    from jax_ep.moe import grouped_gemm
 
     if matmul in XLA_VARIANTS and not bc.on_gpu():
         return f"{matmul}: an XLA:GPU option, no GPU ({jax.default_backend()})"
@@ -371,7 +371,7 @@ def experts_step(matmul, used):
 
 
 def product_step(library, product):
-    from jax_ep import grouped_gemm
+    from jax_ep.moe import grouped_gemm
 
     def step(_, a, b, sizes):
         return grouped_gemm._product(library, product, a, b, sizes)
@@ -556,7 +556,7 @@ class Runner:
 
 
 def resolved_name(matmul):
-    from jax_ep import grouped_gemm
+    from jax_ep.moe import grouped_gemm
 
     if matmul == "auto":
         return grouped_gemm.resolve_matmul("auto", jnp.bfloat16)
@@ -616,7 +616,7 @@ def run_products(r, matmuls, inputs):
     args = r.args
     one = bc.make_mesh(1)
     libraries = sorted({lib for m in matmuls for lib in library_kernels(m)})
-    from jax_ep import grouped_gemm
+    from jax_ep.moe import grouped_gemm
 
     for library in libraries:
         configs = {"tokamax": grouped_gemm.TOKAMAX_CONFIGS,
@@ -740,7 +740,7 @@ def run(args, mesh, deadline, checkpoint):
         f"N = {args.n_short}/{args.n_long}, repeats {args.repeats}, "
         f"forward check {'on' if args.check else 'off'}")
     if jax_ep is not None:
-        from jax_ep import grouped_gemm
+        from jax_ep.moe import grouped_gemm
 
         log(f"[bench] matmul 'auto' -> {grouped_gemm.selection_report()}")
     # Order: experts, layer, then the products (a breakdown), so that --max-minutes cuts the

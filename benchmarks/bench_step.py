@@ -388,7 +388,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
 
 
 def _handler_counts(jax_ep):
-    from jax_ep import _cuda  # noqa: PLC0415
+    from jax_ep.backends import cuda as _cuda  # noqa: PLC0415
 
     module, _ = _cuda.load_extension()
     counts = module.handler_call_counts()

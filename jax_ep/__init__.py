@@ -5,7 +5,6 @@ reference backend runs the same ops on any platform. See ``Buffer`` for the shar
 """
 
 from jax_ep import moe
-from jax_ep._cuda import export_safety_checks
 from jax_ep._types import (
     Dispatched,
     DispatchHandle,
@@ -16,6 +15,7 @@ from jax_ep._types import (
     LowLatencyPendingDispatch,
 )
 from jax_ep.aot import aot_compile, export_step
+from jax_ep.backends.cuda import export_safety_checks
 from jax_ep.buffer import Buffer
 from jax_ep.fp8 import per_token_cast_from_fp8, per_token_cast_to_fp8
 from jax_ep.ops import (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _cuda
+from jax_ep.backends import cuda
 
 
 def _zeros_like(example):
@@ -66,7 +66,7 @@ def export_step(step, *args, platforms=("cuda",), **export_kwargs):
     name instead of a compatibility guarantee) and lowers with the GSPMD partitioner, so that a
     symbolic token count (``jax.export.symbolic_shape``) refines to static shapes when the
     deserialised program is compiled: under Shardy, jax 0.10-0.11 leave the shard_map body's
-    shapes dynamic and the GPU compile fails (``_cuda.gspmd_partitioner``). The exported program
+    shapes dynamic and the GPU compile fails (``cuda.gspmd_partitioner``). The exported program
     is called as usual, under either partitioner.
 
     Args:
@@ -76,7 +76,7 @@ def export_step(step, *args, platforms=("cuda",), **export_kwargs):
         ``Buffer(..., backend="cuda", lowering_only=True)``).
       **export_kwargs: passed to ``jax.export.export``.
     """
-    checks = list(export_kwargs.pop("disabled_checks", ())) + _cuda.export_safety_checks()
-    with _cuda.gspmd_partitioner():
+    checks = list(export_kwargs.pop("disabled_checks", ())) + cuda.export_safety_checks()
+    with cuda.gspmd_partitioner():
         return jax.export.export(step, platforms=platforms, disabled_checks=checks,
                                  **export_kwargs)(*args)

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _cuda, _ipc, _nvshmem, settings
-from jax_ep.reference import ReferenceBackend
+from jax_ep import backends, settings
+from jax_ep.backends import cuda, gate
+from jax_ep.transports import ipc, nvshmem
 
 BACKENDS = ("auto", "cuda", "xla")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -128,11 +129,10 @@ class Buffer:
         self.transport = None
         if self.backend == "cuda":
             self.transport = self._resolve_transport(lowering_only)
-            self._impl = _cuda.CudaBackend(self)
-            if not lowering_only:
-                self._allocate()
-        else:
-            self._impl = ReferenceBackend(self)
+        # The calls of the ops (jax_ep.backends.Backend).
+        self._impl: backends.Backend = backends.create(self.backend, self)
+        if self.backend == "cuda" and not lowering_only:
+            self._allocate()
 
     # ---------------------------------------------------------------------------- properties
     @property
@@ -153,7 +153,7 @@ class Buffer:
         """Device memory the CUDA backend allocates per device (0 for the reference backend)."""
         if self.backend != "cuda":
             return 0
-        module, _ = _cuda.load_extension()
+        module, _ = cuda.load_extension()
         return module.workspace_bytes(*self._runtime_config()[:-1]) if module else 0
 
     def __repr__(self):
@@ -164,22 +164,20 @@ class Buffer:
 
     # ------------------------------------------------------------------------------ set-up
     def _resolve_backend(self, backend, lowering_only):
-        from jax_ep import env  # noqa: PLC0415 - probes the driver: only when a Buffer is made
-
         devices = list(self.mesh.devices.flat)
         if backend == "xla":
             return "xla"
         if backend == "cuda" and lowering_only:
             return "cuda"
         all_gpus = all(d.platform == "gpu" for d in devices)
-        module, reason = _cuda.load_extension()
+        module, reason = cuda.load_extension()
         if backend == "auto":
             if not all_gpus or module is None:
                 choice, self.backend_reasons = "xla", []
             else:
-                choice, self.backend_reasons = env.auto_backend(
+                choice, self.backend_reasons = gate.auto_backend(
                     devices, ep_groups=self._ep_group_devices())
-            if _ipc.spans_processes(devices):
+            if ipc.spans_processes(devices):
                 choice = self._agree_across_processes(choice)
             return choice
         if not all_gpus:
@@ -190,25 +188,25 @@ class Buffer:
         if self.num_ranks > MAX_CUDA_RANKS:
             raise ValueError(f"backend='cuda' supports at most {MAX_CUDA_RANKS} ranks along "
                              f"{self.axis_name!r}, got {self.num_ranks}")
-        env.check_cuda_backend(devices, module.workspace_bytes(*self._runtime_config()[:-1]),
+        gate.check_cuda_backend(devices, module.workspace_bytes(*self._runtime_config()[:-1]),
                                ep_groups=self._ep_group_devices())
-        if _ipc.spans_processes(devices):
+        if ipc.spans_processes(devices):
             problem = self._other_hosts()
             if problem:
                 raise ValueError(f"backend='cuda': {problem}; use backend='xla'")
         return "cuda"
 
     def _resolve_transport(self, lowering_only):
-        requested = _nvshmem.requested_transport()
+        requested = nvshmem.requested_transport()
         if requested == "nvshmem":
             if not lowering_only:
-                _nvshmem.check_usable(self)
+                nvshmem.check_usable(self)
             return "nvshmem"
-        return "ipc" if _ipc.spans_processes(self.mesh.devices.flat) else "local"
+        return "ipc" if ipc.spans_processes(self.mesh.devices.flat) else "local"
 
     def _other_hosts(self):
         """Why the EP groups cannot use CUDA IPC (a group spans hosts), or ""."""
-        hosts = _ipc.hosts(self)
+        hosts = ipc.hosts(self)
         for g, group in enumerate(self._ep_group_devices()):
             names = sorted({hosts[d.process_index] for d in group})
             if len(names) > 1:
@@ -224,7 +222,7 @@ class Buffer:
         problem = self._other_hosts()  # collective: every process gathers, whatever its choice
         if choice == "cuda" and problem:
             choice, self.backend_reasons = "xla", [problem]
-        choices = _ipc.all_gather(self, "backend", choice)
+        choices = ipc.all_gather(self, "backend", choice)
         others = sorted(p for p, c in choices.items() if c != "cuda")
         if choice == "cuda" and others:
             self.backend_reasons = [f"processes {others} cannot use the cuda backend (their "
@@ -252,15 +250,15 @@ class Buffer:
 
     def _allocate(self):
         if self.backend == "cuda":
-            _cuda.register_targets()
-            module, _ = _cuda.load_extension()
-            multiprocess = _ipc.spans_processes(self.mesh.devices.flat)
+            cuda.register_targets()
+            module, _ = cuda.load_extension()
+            multiprocess = ipc.spans_processes(self.mesh.devices.flat)
             if multiprocess:
-                _ipc.check_same_configuration(self)
+                ipc.check_same_configuration(self)
             pes = []
             if self.transport == "nvshmem":
-                _nvshmem.join(self, module, self.workspace_bytes)
-                pes = _nvshmem.pes(self)
+                nvshmem.join(self, module, self.workspace_bytes)
+                pes = nvshmem.pes(self)
             grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
                      for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks")}
             module.create_buffer(self.buffer_id, self._ep_groups(), *self._runtime_config(),
@@ -268,7 +266,7 @@ class Buffer:
             self._allocated = True
             if multiprocess and not pes:
                 try:
-                    _ipc.exchange_workspaces(self, module)
+                    ipc.exchange_workspaces(self, module)
                 except BaseException:
                     self._allocated = False
                     module.destroy_buffer(self.buffer_id)
@@ -289,12 +287,12 @@ class Buffer:
             return
         self._closed = True
         if self._allocated:
-            module, _ = _cuda.load_extension()
+            module, _ = cuda.load_extension()
             self._allocated = False
             if self.transport == "nvshmem":
-                _nvshmem.release(self, module)  # a collective: every process closes
-            elif _ipc.spans_processes(self.mesh.devices.flat):
-                _ipc.release_workspaces(self, module)  # a collective: every process closes
+                nvshmem.release(self, module)  # a collective: every process closes
+            elif ipc.spans_processes(self.mesh.devices.flat):
+                ipc.release_workspaces(self, module)  # a collective: every process closes
             else:
                 module.destroy_buffer(self.buffer_id)
 
@@ -346,7 +344,7 @@ class Buffer:
         of every timed-out wait)."""
         self._check_open()
         if self.backend == "cuda" and self._allocated:
-            module, _ = _cuda.load_extension()
+            module, _ = cuda.load_extension()
             # Timeout records live in host memory: read them first, without a CUDA call, since
             # a device whose kernel trapped has lost its context.
             stuck = [r for r in module.read_timeouts(self.buffer_id) if r["timed_out"]]
@@ -359,18 +357,18 @@ class Buffer:
             jax.effects_barrier()
             with self._errors_lock:
                 counts = dict(self._host_errors)
-        if _ipc.spans_processes(self.mesh.devices.flat):
+        if ipc.spans_processes(self.mesh.devices.flat):
             # Each process counts only its own ranks: sum over processes (a collective, so
             # every process calls errors()/check() at the same point). Through the key-value
             # store, not an XLA all-gather: no NCCL communicator to set up (~0.5 s the first
             # time), and it works where NCCL refuses (processes sharing a GPU).
             self._error_sums += 1
-            counts = _ipc.sum_over_processes(self, f"errors{self._error_sums}", counts)
+            counts = ipc.sum_over_processes(self, f"errors{self._error_sums}", counts)
         return dict(counts, timeouts=[])
 
     @staticmethod
     def _describe_timeout(record):
-        phase = _cuda.WAIT_PHASES.get(record["timeout_phase"], record["timeout_phase"])
+        phase = cuda.WAIT_PHASES.get(record["timeout_phase"], record["timeout_phase"])
         return (f"rank {record['rank']} (device {record['device']}) waited for rank "
                 f"{record['timeout_peer']} in {phase} (call {record['seq']}) longer than the "
                 f"timeout; the GPU context of that device is lost: restart the process")
@@ -401,7 +399,7 @@ class Buffer:
 
     def _reset_errors(self):
         if self.backend == "cuda" and self._allocated:
-            module, _ = _cuda.load_extension()
+            module, _ = cuda.load_extension()
             module.reset_errors(self.buffer_id)
         with self._errors_lock:
             self._host_errors = dict.fromkeys(ERROR_COUNTERS, 0)

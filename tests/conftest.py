@@ -41,7 +41,7 @@ def require_gpus(count=1):
     gpus = gpu_devices()
     if len(gpus) < count:
         pytest.skip(f"needs {count} CUDA GPU(s), jax sees {len(gpus)}")
-    from jax_ep import _cuda
+    from jax_ep.backends import cuda as _cuda
 
     module, reason = _cuda.load_extension()
     if module is None:

@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import _ipc
+from jax_ep.transports import ipc as _ipc
 
 
 def shard_spec(mesh, axis="ep"):
@@ -93,7 +93,7 @@ def fetch(a):
     communicator."""
     if getattr(a, "is_fully_addressable", True) or a.is_fully_replicated:
         return np.asarray(a)
-    client, key = _ipc._client(), f"harness/fetch{next(_fetches)}"  # the store's one accessor
+    client, key = _ipc.kv_client(), f"harness/fetch{next(_fetches)}"  # the store's one accessor
     bounds, data = [], []
     for shard in a.addressable_shards:
         bounds.append([(s.start or 0, n if s.stop is None else s.stop)

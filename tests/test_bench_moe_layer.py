@@ -96,7 +96,7 @@ def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
         pytest.skip("jax_ep not importable")
     from test_grouped_gemm import _reference_product
 
-    from jax_ep import grouped_gemm
+    from jax_ep.moe import grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "_product", _reference_product)
     monkeypatch.setattr(grouped_gemm, "_import_status", lambda module: (True, module))
@@ -187,7 +187,7 @@ def test_bench_sweeps_library_configs(tmp_path, monkeypatch):
     configuration in place (seen by the kernels while they trace), the module's restored after."""
     if not _jax_ep_importable():
         pytest.skip("jax_ep not importable")
-    from jax_ep import grouped_gemm
+    from jax_ep.moe import grouped_gemm
 
     seen = []
 

@@ -11,6 +11,7 @@ import fatbin
 import pytest
 
 from jax_ep import env
+from jax_ep.system import compat, probes
 
 _C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
 
@@ -47,12 +48,12 @@ def test_the_driver_runs_the_code_the_report_names():
     """On every local GPU the driver loads the code `env.code_for` names: the SASS it names, or
     code JIT-compiled through the PTX it names (a build of only compute_80 on a 9.0 GPU runs
     binary version 90 compiled through PTX version 80: the sm_80 code path, software fp8 casts)."""
-    gpus = env._probe_gpus(free_memory=False, nvlinks=False)
+    gpus = probes.probe_gpus(free_memory=False, nvlinks=False)
     if not gpus:
         pytest.skip("the CUDA driver sees no GPU")
     archs = _C.cuda_architectures()
     for gpu in gpus:
-        cc = env._parse_cc(gpu.compute_capability)
+        cc = compat.parse_cc(gpu.compute_capability)
         code = env.code_for(archs, cc)
         assert code is not None, f"GPU {gpu.ordinal} ({gpu.name}, {cc}): no code in {archs!r}"
         image = _C.kernel_image(gpu.ordinal)

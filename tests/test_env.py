@@ -1,4 +1,5 @@
-"""`python -m jax_ep.env` and the backend choice (jax_ep/env.py, jax_ep/_cuda_driver.py).
+"""`python -m jax_ep.env` and the backend choice (jax_ep/env.py, jax_ep/backends/gate.py,
+jax_ep/system/).
 
 CPU tests run the real probes on this machine (no GPU expected) and the decision logic on fake
 device descriptions; the `gpu` test checks a machine with at least two peer-connected GPUs.
@@ -12,7 +13,10 @@ import sys
 import jax
 import pytest
 
-from jax_ep import _cuda_driver, env
+from jax_ep import env
+from jax_ep.system import compat
+from jax_ep.system import cuda_driver as _cuda_driver
+from jax_ep.tools import env_report
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,7 +179,7 @@ def test_json_output_has_documented_keys_and_types(capsys):
     assert data["workspace"]["spec"]["num_ranks"] == 2
     assert data["workspace"]["spec"]["max_tokens_per_rank"] == 128
     for key in TOP_LEVEL_KEYS:  # the schema in the module docstring names every key
-        assert f'"{key}"' in env.__doc__
+        assert f'"{key}"' in env_report.__doc__
 
 
 def test_json_of_fake_report_matches_schema():
@@ -475,8 +479,8 @@ def test_describe_and_cmake_architectures():
         "sm_80, sm_89, sm_90, sm_100, sm_120 + PTX compute_120")
     assert env.describe_architectures("compute_80") == "PTX compute_80"
     assert env.describe_architectures("90") == "sm_90 + PTX compute_90"
-    assert env._cmake_architectures(DEFAULT_ARCHS) == "80-real;89-real;90-real;100-real;120"
-    assert env._cmake_architectures("compute_80") == "80-virtual"
+    assert compat.cmake_architectures(DEFAULT_ARCHS) == "80-real;89-real;90-real;100-real;120"
+    assert compat.cmake_architectures("compute_80") == "80-virtual"
     code = env.parse_architectures("80-real;90;native")
     assert (code.sass, code.ptx, code.unknown) == (("80", "90"), ("90",), ("native",))
 

@@ -12,7 +12,7 @@ from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding
 
 import jax_ep
-from jax_ep import _cuda
+from jax_ep.backends import cuda as _cuda
 
 E, K, H, R = 16, 2, 256, 2
 

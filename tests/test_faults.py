@@ -251,7 +251,7 @@ def test_hundred_buffers_return_device_memory():
     started (within 1 MiB on every GPU of this process: with several processes each process
     measures its own)."""
     require_gpus(1)
-    from jax_ep import _cuda_driver
+    from jax_ep.system import cuda_driver as _cuda_driver
 
     driver, reason = _cuda_driver.get_driver()
     if driver is None:

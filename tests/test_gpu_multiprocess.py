@@ -43,7 +43,8 @@ def test_nvshmem_transport_gives_the_bits_of_one_process():
     """JAX_EP_TRANSPORT=nvshmem (workspaces on NVSHMEM's symmetric heap, peers by nvshmem_ptr
     through NVSHMEM's own peer-to-peer transport): the same bits as 1 process x 2 GPUs."""
     require_gpus(2)
-    from jax_ep import _cuda, _nvshmem  # noqa: PLC0415
+    from jax_ep.backends import cuda as _cuda  # noqa: PLC0415
+    from jax_ep.transports import nvshmem as _nvshmem  # noqa: PLC0415
 
     module, _ = _cuda.load_extension()
     if not module.nvshmem_built():
@@ -94,7 +95,8 @@ def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
     gives identical bits, and moves the reference backend's bits. Runs where 2 GPUs are not
     to be had."""
     require_gpus(1)
-    from jax_ep import _cuda, _nvshmem  # noqa: PLC0415
+    from jax_ep.backends import cuda as _cuda  # noqa: PLC0415
+    from jax_ep.transports import nvshmem as _nvshmem  # noqa: PLC0415
 
     reference = subprocess.run(
         [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True,

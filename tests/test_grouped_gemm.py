@@ -22,7 +22,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import grouped_gemm, moe
+from jax_ep import moe
+from jax_ep.moe import grouped_gemm
 
 NUM_DEVICES = 8
 # bf16 comparisons: |got - want| <= BF16_TOL * (max|want| + |want|).

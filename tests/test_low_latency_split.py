@@ -25,8 +25,8 @@ from test_low_latency import (
 )
 
 import jax_ep
-from jax_ep import _cuda
 from jax_ep import testing as oracle
+from jax_ep.backends import cuda as _cuda
 
 
 def bits(a):

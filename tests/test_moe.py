@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_ep
-from jax_ep import moe, tiled_matmul
+from jax_ep import moe
+from jax_ep.moe import tiled_matmul
 
 NUM_DEVICES = 8
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "flax_moe"

@@ -1,6 +1,7 @@
 """The NVSHMEM transport's host-side rules (CPU): the switch, the library lookup, the layout it
 needs. Its GPU test is in test_gpu_multiprocess.py."""
 
+import importlib.metadata
 import types
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jax_ep import _nvshmem, env
+from jax_ep.transports import nvshmem as _nvshmem
 
 
 @pytest.mark.parametrize("value,want", [(None, "ipc"), ("", "ipc"), ("ipc", "ipc"),
@@ -34,7 +35,7 @@ def test_library_path_prefers_the_variable(monkeypatch):
 
 def test_library_path_without_the_wheel_says_what_to_install(monkeypatch):
     monkeypatch.delenv(_nvshmem.ENV_LIBRARY, raising=False)
-    monkeypatch.setattr(env.importlib.metadata, "distribution", missing_distribution)
+    monkeypatch.setattr(importlib.metadata, "distribution", missing_distribution)
     with pytest.raises(RuntimeError, match="nvidia-nvshmem-cu13.*JAX_EP_NVSHMEM_LIB"):
         _nvshmem.library_path()
 
@@ -47,14 +48,14 @@ def test_library_path_finds_the_wheel(monkeypatch, tmp_path):
     wheel = types.SimpleNamespace(
         version="3.8.0", files=[types.SimpleNamespace(name=library.name)],
         locate_file=lambda file: library)
-    monkeypatch.setattr(env.importlib.metadata, "distribution",
+    monkeypatch.setattr(importlib.metadata, "distribution",
                         lambda name: wheel if name == "nvidia-nvshmem-cu13"
                         else missing_distribution(name))
     assert _nvshmem.library_path() == str(library)
 
 
 def missing_distribution(name):
-    raise env.importlib.metadata.PackageNotFoundError(name)
+    raise importlib.metadata.PackageNotFoundError(name)
 
 
 class FakeDevice:
@@ -95,7 +96,7 @@ def test_release_of_one_pe_needs_no_barrier(monkeypatch):
     def barrier(buf, name):
         raise AssertionError("a job of one PE has nobody to meet")
 
-    monkeypatch.setattr(_nvshmem._ipc, "barrier", barrier)
+    monkeypatch.setattr(_nvshmem.ipc, "barrier", barrier)
     module = FakeModule()
     _nvshmem.release(types.SimpleNamespace(buffer_id=3), module)
     assert module.destroyed == [3]
@@ -117,7 +118,7 @@ class FakeModule:
 
 def test_release_frees_after_every_process_arrived(monkeypatch):
     monkeypatch.setattr(_nvshmem.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(_nvshmem._ipc, "barrier", lambda buf, name: None)
+    monkeypatch.setattr(_nvshmem.ipc, "barrier", lambda buf, name: None)
     module = FakeModule()
     _nvshmem.release(types.SimpleNamespace(buffer_id=7), module)
     assert module.destroyed == [7]
@@ -128,7 +129,7 @@ def test_release_never_waits_for_a_dead_process(monkeypatch):
         raise RuntimeError(f"not every process reached {name!r}")
 
     monkeypatch.setattr(_nvshmem.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(_nvshmem._ipc, "barrier", barrier)
+    monkeypatch.setattr(_nvshmem.ipc, "barrier", barrier)
     module = FakeModule()
     with pytest.warns(RuntimeWarning, match="stays allocated"):
         _nvshmem.release(types.SimpleNamespace(buffer_id=7), module)

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep import grouped_gemm
+from jax_ep.moe import grouped_gemm
+from jax_ep.moe.tiled_matmul import grouped_matmul
 from jax_ep.ops import combine, dispatch
-from jax_ep.tiled_matmul import grouped_matmul
 
 if TYPE_CHECKING:  # pragma: no cover
     from jax_ep.buffer import Buffer

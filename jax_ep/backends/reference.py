@@ -7,8 +7,9 @@ received into the contract's order (source rank, then source token). Moved rows 
 selected, never computed on, so they are bit-exact. ``ragged_all_to_all`` would avoid the padding
 but does not run on XLA:CPU.
 
-Every method has the same signature and handle layout as the CUDA backend (``jax_ep/_cuda.py``),
-so the public ops in ``jax_ep/ops.py`` treat both alike.
+Every method has the same signature and handle layout as the CUDA backend
+(``jax_ep/backends/cuda.py``; both implement ``jax_ep.backends.Backend``), so the public ops in
+``jax_ep/ops.py`` treat both alike.
 """
 
 from __future__ import annotations

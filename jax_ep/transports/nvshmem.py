@@ -23,7 +23,9 @@ import warnings
 
 import jax
 
-from jax_ep import _ipc, env, settings
+from jax_ep import settings
+from jax_ep.system import probes
+from jax_ep.transports import ipc
 
 ENV_TRANSPORT = "JAX_EP_TRANSPORT"
 ENV_LIBRARY = "JAX_EP_NVSHMEM_LIB"
@@ -42,7 +44,7 @@ def library_path() -> str:
     explicit = settings.value(ENV_LIBRARY)
     if explicit:
         return explicit
-    found = env.probe_nvshmem()
+    found = probes.probe_nvshmem()
     if found.host_library is None:
         raise RuntimeError(f"{ENV_TRANSPORT}=nvshmem needs NVSHMEM's host library: {found.reason}; "
                            f"or set {ENV_LIBRARY}")
@@ -59,12 +61,12 @@ def check_usable(buf) -> None:
     heap and kernels, on one GPU)."""
     local = _local_devices(buf)
     if len(local) != 1 or (buf.mesh.devices.size > 1
-                           and not _ipc.spans_processes(buf.mesh.devices.flat)):
+                           and not ipc.spans_processes(buf.mesh.devices.flat)):
         raise ValueError(
             f"{ENV_TRANSPORT}=nvshmem needs one process per GPU (this process drives "
             f"{len(local)} of the mesh's {buf.mesh.devices.size} devices); start one process per "
             f"GPU (python -m jax_ep.launch) or use the default transport")
-    processes = _ipc._processes(buf.mesh.devices.flat)
+    processes = ipc.process_indices(buf.mesh.devices.flat)
     if processes != list(range(jax.process_count())):
         raise ValueError(f"{ENV_TRANSPORT}=nvshmem needs a mesh over every process of the job "
                          f"(NVSHMEM's PEs), this one has processes {processes} of "
@@ -93,7 +95,7 @@ def join(buf, module, workspace_bytes: int) -> None:
     if jax.process_count() == 1:  # a job of one PE: nobody to send the id to or wait for
         module.nvshmem_initialize(module.nvshmem_unique_id(), 0, 1, int(ordinal))
         return
-    client, timeout_s = _ipc._client(), _ipc.join_timeout_s()
+    client, timeout_s = ipc.kv_client(), ipc.join_timeout_s()
     if jax.process_index() == 0:
         client.key_value_set(_UNIQUE_ID_KEY, module.nvshmem_unique_id().hex())
     try:
@@ -101,9 +103,9 @@ def join(buf, module, workspace_bytes: int) -> None:
                                                                 int(timeout_s * 1000)))
     except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
         raise RuntimeError(f"process 0 did not publish the NVSHMEM unique id within "
-                           f"{timeout_s:g} s ({_ipc.ENV_JOIN_TIMEOUT})") from e
+                           f"{timeout_s:g} s ({ipc.ENV_JOIN_TIMEOUT})") from e
     # NVSHMEM's initialisation waits for every PE without a bound: meet at ours first.
-    _ipc.barrier(buf, "nvshmem")
+    ipc.barrier(buf, "nvshmem")
     module.nvshmem_initialize(unique_id, jax.process_index(), jax.process_count(), int(ordinal))
 
 
@@ -113,7 +115,7 @@ def release(buf, module) -> None:
     memory is left allocated with a warning instead of waiting forever."""
     try:
         if jax.process_count() > 1:
-            _ipc.barrier(buf, "released")
+            ipc.barrier(buf, "released")
     except RuntimeError as e:
         warnings.warn(f"{e}; its NVSHMEM workspace stays allocated (nvshmem_free would wait for "
                       f"the missing process forever)", RuntimeWarning, stacklevel=3)

@@ -35,7 +35,7 @@ def join_timeout_s() -> float:
     return settings.value(ENV_JOIN_TIMEOUT)
 
 
-def _client():
+def kv_client():
     from jax._src import distributed  # noqa: PLC0415 - the key-value store has no public API
 
     client = distributed.global_state.client
@@ -47,18 +47,18 @@ def _client():
     return client
 
 
-def _processes(devices) -> list[int]:
+def process_indices(devices) -> list[int]:
     return sorted({d.process_index for d in devices})
 
 
 def all_gather(buf, name: str, value: str) -> dict[int, str]:
     """Every process of ``buf``'s mesh publishes ``value`` under ``name``; returns the values
     of all of them by process index (bounded wait)."""
-    client, timeout_s = _client(), join_timeout_s()
+    client, timeout_s = kv_client(), join_timeout_s()
     prefix = f"jax_ep/buffer{buf.buffer_id}/{name}"
     client.key_value_set(f"{prefix}/p{jax.process_index()}", value)
     values = {}
-    for p in _processes(buf.mesh.devices.flat):
+    for p in process_indices(buf.mesh.devices.flat):
         try:
             values[p] = client.blocking_key_value_get(f"{prefix}/p{p}", int(timeout_s * 1000))
         except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
@@ -107,7 +107,7 @@ def hosts(buf) -> dict[int, str]:
 def exchange_workspaces(buf, module) -> None:
     """Publishes this process's workspace handles, maps those of the other processes' ranks of
     our EP groups, then waits until every process has done the same."""
-    client, timeout_s = _client(), join_timeout_s()
+    client, timeout_s = kv_client(), join_timeout_s()
     me = jax.process_index()
     prefix = f"jax_ep/buffer{buf.buffer_id}/workspace"
     for group, rank, handle in module.export_workspace_handles(buf.buffer_id):
@@ -134,10 +134,10 @@ def exchange_workspaces(buf, module) -> None:
 def barrier(buf, name: str) -> None:
     """All processes of ``buf``'s mesh meet (bounded by the join timeout)."""
     timeout_s = join_timeout_s()
-    processes = _processes(buf.mesh.devices.flat)
+    processes = process_indices(buf.mesh.devices.flat)
     everyone = processes == list(range(jax.process_count()))
     try:
-        _client().wait_at_barrier(f"jax_ep/buffer{buf.buffer_id}/{name}", int(timeout_s * 1000),
+        kv_client().wait_at_barrier(f"jax_ep/buffer{buf.buffer_id}/{name}", int(timeout_s * 1000),
                                   None if everyone else processes)
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(

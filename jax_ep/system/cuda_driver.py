@@ -1,9 +1,9 @@
 """Tiny ctypes wrappers over the CUDA driver API (libcuda.so.1) and NVML (libnvidia-ml.so.1).
 
-Used by `jax_ep.env` to describe the machine (driver version, GPUs, memory, peer access,
-NVLink) without the CUDA toolkit, without the jax_ep extension and without initialising JAX's
-GPU backend. Both libraries are optional: on a machine without an NVIDIA driver `get_driver()` and
-`get_nvml()` return `(None, reason)` and nothing here raises on import.
+Used by the probes (`jax_ep.system.probes`) to describe the machine (driver version, GPUs,
+memory, peer access, NVLink) without the CUDA toolkit, without the jax_ep extension and without
+initialising JAX's GPU backend. Both libraries are optional: on a machine without an NVIDIA
+driver `get_driver()` and `get_nvml()` return `(None, reason)` and nothing here raises on import.
 
 Device numbers are CUDA device ordinals as the driver sees them in this process (after
 `CUDA_VISIBLE_DEVICES`), which are also the `local_hardware_id` of JAX's GPU devices.

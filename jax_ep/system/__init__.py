@@ -1,0 +1,7 @@
+"""What this machine has: the CUDA driver and NVML through ctypes (`cuda_driver`), the probes of
+versions, devices, GPUs, peer links and the extension (`probes`), the records they fill
+(`records`) and what code runs on which GPU and driver (`compat`).
+
+Used by the backend gate (`jax_ep.backends.gate`), the NVSHMEM transport and the environment
+report; imports nothing else of jax_ep.
+"""

@@ -1,0 +1,53 @@
+"""The first-call and step benchmarks run on CPU and write their records (apart from
+tests/test_benchmarks.py so that the two files run in parallel under ``--dist loadfile``)."""
+
+import glob
+import json
+import os
+
+import pytest
+from bench_scripts import jax_ep_importable, load_record, positive, run_script
+
+
+def test_first_call_quick(tmp_path):
+    run_script("first_call.py", tmp_path)
+    payload = load_record(tmp_path, "8xcpu-*-first_call.json")
+    assert payload["errors"] == [], payload["errors"]
+    results = payload["results"]
+    seen = set()
+    for rec in results:
+        assert rec["op"] == "first_call" and rec["mode"] in ("normal", "low_latency"), rec
+        seen.add((rec["mode"], rec["impl"]))
+        for key in ("cold_us", "aot_first_us", "steady_us", "aot_ratio"):
+            assert positive(rec[key]), (key, rec)
+        if rec["impl"] == "all_to_all":
+            assert rec["warm_first_us"] is None and rec["ratio"] is None, rec
+        else:
+            assert positive(rec["warm_first_us"]) and positive(rec["ratio"]), rec
+            assert rec["ratio"] == pytest.approx(rec["warm_first_us"] / rec["steady_us"],
+                                                 rel=1e-3)
+    expected = {("normal", "all_to_all"), ("low_latency", "all_to_all")}
+    if jax_ep_importable():
+        expected |= {("normal", "reference"), ("low_latency", "reference")}
+    assert seen == expected
+
+
+def test_bench_step_quick(tmp_path):
+    """The step benchmark runs on CPU (reference backend, the padded all_to_all peer) and writes
+    one record per op, impl and dtype with the three measures."""
+    run_script("bench_step.py", tmp_path, "--ops", "decode_step,normal_step", "--dtypes", "bf16",
+         "--impls", "jax_ep,all_to_all", "--repeats", "2")
+    files = glob.glob(os.path.join(str(tmp_path), "8xcpu-*-step.json"))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        payload = json.load(f)
+    for key in ("machine", "date", "commit", "command", "method", "records"):
+        assert key in payload, key
+    records = payload["records"]
+    assert {(r["op"], r["impl"]) for r in records} == {
+        (op, impl) for op in ("decode_step", "normal_step") for impl in ("jax_ep", "all_to_all")}
+    for r in records:
+        assert "error" not in r, r
+        for key in ("dtype", "ranks", "tokens", "hidden", "time_us", "kernel_us", "enqueue_us"):
+            assert key in r, (key, r)
+        assert r["ranks"] == 8 and r["kernel_us"] is None  # no device trace on CPU
