@@ -79,8 +79,8 @@ def test_bench_ep_quick(tmp_path):
 
 def test_bench_ep_sweep_writes_plots(tmp_path):
     run_script("bench_ep.py", tmp_path, "--sweep", "--impls", "all_to_all", "--ops",
-         "dispatch,low_latency_dispatch", "--sweep-tokens", "32,64", "--ll-tokens", "1,2",
-         "--tokens", "64", "--tag", "sweep")
+               "dispatch,low_latency_dispatch", "--sweep-tokens", "32,64", "--ll-tokens", "1,2",
+               "--tokens", "64", "--tag", "sweep", "--outputs", "all")  # outputs: as above
     payload = load_record(tmp_path, "8xcpu-*-sweep.json")
     tokens = {r["tokens"] for r in payload["results"] if r["op"] == "dispatch"}
     assert tokens == {32, 64}
