@@ -83,6 +83,9 @@ SETTINGS = {s.name: s for s in (
     Setting("JAX_EP_PROCESS_ID", "launcher", None, _text, "this process's index"),
     Setting("JAX_EP_LOCAL_DEVICE_IDS", "launcher", None, _text,
             "GPUs this process drives among those it sees (launcher --share-gpus)"),
+    Setting("JAX_EP_HOST", "launcher", None, _text,
+            "the host name by which jax_ep tells hosts apart (default: the machine's; the "
+            "launcher's --fake-hosts sets it)"),
     Setting("JAX_EP_CUDA_ARCHS", "build", None, _text,
             "CUDA architectures to build, a CMake list (default: see Supported platforms)"),
     Setting("JAX_EP_ENABLE_CUDA", "build", "AUTO", _text,

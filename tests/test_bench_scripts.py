@@ -1,5 +1,5 @@
 """The first-call and step benchmarks run on CPU and write their records (apart from
-tests/test_benchmarks.py so that the two files run in parallel under ``--dist loadfile``)."""
+tests/test_benchmarks.py so that the slow smoke tests of the two files spread over the workers)."""
 
 import glob
 import json

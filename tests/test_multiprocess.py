@@ -189,9 +189,10 @@ PROTOCOL_SCRIPT = textwrap.dedent("""
                  backend="auto" if sys.argv[1] == "auto" else "xla")
     if sys.argv[1] == "auto":
         print("backend", buf.backend)
+        print("host", _ipc.host_name())  # the name this process gave the others
         sys.exit(0)
     if sys.argv[1] == "absent" and me == 1:
-        time.sleep(20)
+        time.sleep(10)  # past process 0's join timeout (3 s), however late it started
         sys.exit(0)
     start = time.monotonic()
     try:
@@ -222,11 +223,30 @@ def test_process_that_never_joins_is_named_within_the_timeout():
 
 
 def test_auto_backend_agrees_across_processes():
-    """backend="auto" on a mesh of two processes: both gather hosts and choices (no process waits
-    for a key another never publishes) and pick the same backend."""
-    proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--", sys.executable, "-c",
-                           PROTOCOL_SCRIPT, "auto", timeout=120,
+    """backend="auto" on a mesh of two processes, each a host of its own (``--fake-hosts 2``):
+    both gather hosts and choices (no process waits for a key another never publishes), each
+    under its own fake host name, and pick the same backend."""
+    proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--fake-hosts", "2", "--",
+                           sys.executable, "-c", PROTOCOL_SCRIPT, "auto", timeout=120,
                            extra_env={"JAX_EP_JOIN_TIMEOUT_S": "20"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(2):
-        assert "backend xla" in lines_of(proc.stdout, rank), proc.stdout
+        lines = lines_of(proc.stdout, rank)
+        assert "backend xla" in lines, proc.stdout
+        host = next(line for line in lines if line.startswith("host "))
+        assert host.endswith(f"/fake{rank}"), host
+
+
+def test_fake_hosts_group_consecutive_processes():
+    """--fake-hosts H: H groups of N/H consecutive processes, one host name per group for jax_ep
+    and for NCCL; H must divide N."""
+    envs = launch.child_environments(4, "h:1", platform="cpu", fake_hosts=2)
+    names = [e[launch.ENV_HOST] for e in envs]
+    assert names[0] == names[1] != names[2] == names[3], names
+    assert names[0].endswith("/fake0") and names[2].endswith("/fake1"), names
+    assert [e["NCCL_HOSTID"] for e in envs] == names
+    assert all(launch.ENV_HOST not in e for e in launch.child_environments(2, "h:1",
+                                                                           platform="cpu"))
+    for bad in (0, 3, 5):
+        with pytest.raises(ValueError, match="--fake-hosts must divide"):
+            launch.child_environments(4, "h:1", platform="cpu", fake_hosts=bad)

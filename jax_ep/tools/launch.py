@@ -1,7 +1,8 @@
 """Starts N local processes of one command for multi-process JAX (``jax.distributed``).
 
     python -m jax_ep.launch -n N [--coordinator HOST:PORT] [--devices-per-process K]
-                            [--platform auto|gpu|cpu] [--timeout S] [--grace S] -- COMMAND...
+                            [--platform auto|gpu|cpu] [--share-gpus] [--processes-per-gpu P]
+                            [--fake-hosts H] [--timeout S] [--grace S] -- COMMAND...
 
 Each child gets, besides the launcher's own environment:
 
@@ -20,6 +21,11 @@ Each child gets, besides the launcher's own environment:
   protocol (CUDA IPC or NVSHMEM peers) on fewer GPUs than ranks, for correctness only: kernels
   of processes on one GPU take turns (time slices), so their timings mean nothing, and NCCL
   refuses two ranks on one GPU (XLA collectives across those processes fail).
+- with ``--fake-hosts H`` (H divides N): the processes form H groups of N/H consecutive
+  processes, each group pretending to be a host of its own: ``JAX_EP_HOST`` (the name jax_ep
+  tells hosts apart by) and ``NCCL_HOSTID`` (NCCL's) = ``<this host>/fake<h>`` for group h.
+  An EP group then "spans hosts" on one machine, with processes sharing a GPU or one per GPU,
+  so the multi-host code paths run where only one host is at hand.
 - ``PYTHONUNBUFFERED=1`` (unless set), so output lines arrive as they are printed.
 
 The command then calls :func:`initialize_from_env` (``tests/conftest.py`` does) before it touches
@@ -48,6 +54,7 @@ ENV_COORDINATOR = "JAX_EP_COORDINATOR"
 ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
 ENV_LOCAL_DEVICE_IDS = "JAX_EP_LOCAL_DEVICE_IDS"
 ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"
+ENV_HOST = "JAX_EP_HOST"
 TIMEOUT_EXIT_CODE = 124
 
 _HOST_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -126,7 +133,7 @@ def visible_gpus(environ=None) -> list[str]:
 
 
 def child_environments(num_processes, coordinator, devices_per_process=None, platform="auto",
-                       environ=None, share_gpus=False, processes_per_gpu=1):
+                       environ=None, share_gpus=False, processes_per_gpu=1, fake_hosts=None):
     """The environment of every child (see the module docstring). Raises ValueError on a
     request the machine cannot meet."""
     environ = dict(os.environ if environ is None else environ)
@@ -136,6 +143,10 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
         raise ValueError(f"--processes-per-gpu must be at least 1, got {processes_per_gpu}")
     if devices_per_process is not None and devices_per_process < 1:
         raise ValueError(f"--devices-per-process must be at least 1, got {devices_per_process}")
+    if fake_hosts is not None and not (1 <= fake_hosts <= num_processes
+                                       and num_processes % fake_hosts == 0):
+        raise ValueError(f"--fake-hosts must divide -n ({num_processes}) into groups of "
+                         f"processes, got {fake_hosts}")
     gpus = visible_gpus(environ) if platform in ("auto", "gpu") else []
     if platform == "gpu" and not gpus:
         raise ValueError("--platform gpu: no GPU visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
@@ -167,6 +178,9 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
         env[ENV_NUM_PROCESSES] = str(num_processes)
         env[ENV_PROCESS_ID] = str(i)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if fake_hosts is not None:
+            host = f"{socket.gethostname()}/fake{i // (num_processes // fake_hosts)}"
+            env[ENV_HOST] = env["NCCL_HOSTID"] = host
         if processes_per_gpu > 1:
             env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.7 / processes_per_gpu:.3f}")
         if use_gpus and share_gpus:
@@ -222,14 +236,15 @@ def _terminate(procs, grace_s, say):
 
 def launch(command, num_processes, *, coordinator=None, devices_per_process=None,
            platform="auto", timeout_s=None, grace_s=10.0, stdout=None, stderr=None,
-           share_gpus=False, processes_per_gpu=1) -> int:
+           share_gpus=False, processes_per_gpu=1, fake_hosts=None) -> int:
     """Runs ``command`` (a list) in ``num_processes`` children; returns the exit code (see the
     module docstring)."""
     if not command:
         raise ValueError("no command given (usage: python -m jax_ep.launch -n N -- COMMAND...)")
     coordinator = coordinator or f"127.0.0.1:{free_port()}"
     envs = child_environments(num_processes, coordinator, devices_per_process, platform,
-                              share_gpus=share_gpus, processes_per_gpu=processes_per_gpu)
+                              share_gpus=share_gpus, processes_per_gpu=processes_per_gpu,
+                              fake_hosts=fake_hosts)
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr.buffer
     lock = threading.Lock()
@@ -336,6 +351,9 @@ def main(argv=None) -> int:
     parser.add_argument("--processes-per-gpu", type=int, default=1, metavar="P",
                         help="P processes share each GPU (one GPU each; correctness runs on "
                              "fewer GPUs than ranks: timings mean nothing, NCCL refuses it)")
+    parser.add_argument("--fake-hosts", type=int, default=None, metavar="H",
+                        help="H groups of N/H consecutive processes, each pretending to be a "
+                             "host of its own (JAX_EP_HOST, NCCL_HOSTID)")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="terminate everything after S seconds and exit 124")
     parser.add_argument("--grace", type=float, default=10.0, metavar="S",
@@ -351,7 +369,7 @@ def main(argv=None) -> int:
         return launch(command, args.num_processes, coordinator=args.coordinator,
                       devices_per_process=args.devices_per_process, platform=args.platform,
                       timeout_s=args.timeout, grace_s=args.grace, share_gpus=args.share_gpus,
-                      processes_per_gpu=args.processes_per_gpu)
+                      processes_per_gpu=args.processes_per_gpu, fake_hosts=args.fake_hosts)
     except ValueError as e:
         parser.error(str(e))
     except OSError as e:  # the command could not be started

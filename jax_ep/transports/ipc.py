@@ -99,9 +99,15 @@ def check_same_configuration(buf) -> None:
                     f"every process must create the same Buffers in the same order")
 
 
+def host_name() -> str:
+    """The name by which this process's host is told apart from others: ``JAX_EP_HOST`` (the
+    launcher's ``--fake-hosts``) or the machine's."""
+    return settings.value("JAX_EP_HOST") or socket.gethostname()
+
+
 def hosts(buf) -> dict[int, str]:
     """Host name of every process of the mesh."""
-    return all_gather(buf, "host", socket.gethostname())
+    return all_gather(buf, "host", host_name())
 
 
 def exchange_workspaces(buf, module) -> None:
