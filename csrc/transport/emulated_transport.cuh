@@ -66,46 +66,49 @@ struct EmulatedTransport {
     return __shfl_sync(0xffffffffu, position, 0);
   }
 
-  __device__ __forceinline__ void put(int peer, SymmetricAddress dst, SymmetricAddress src,
-                                      uint64_t bytes, int lane) {
+  // The fields of a command: its kind and peer, the data (put), the signal (signal).
+  static __device__ __forceinline__ TransportCommand command_of(CommandOp op, int peer) {
     TransportCommand command = {};
-    command.op = static_cast<uint32_t>(CommandOp::kPut);
+    command.op = static_cast<uint32_t>(op);
     command.peer = peer;
+    return command;
+  }
+  static __device__ __forceinline__ void set_data(TransportCommand& command, SymmetricAddress dst,
+                                                  SymmetricAddress src, uint64_t bytes) {
     command.src_region = src.region;
     command.src_offset = src.offset;
     command.dst_region = dst.region;
     command.dst_offset = dst.offset;
     command.bytes = bytes;
+  }
+  static __device__ __forceinline__ void set_signal(TransportCommand& command, SymmetricAddress sig,
+                                                    uint64_t value, SignalOp op) {
+    command.signal_region = sig.region;
+    command.signal_offset = sig.offset;
+    command.signal_value = value;
+    command.signal_op = static_cast<uint32_t>(op);
+  }
+
+  __device__ __forceinline__ void put(int peer, SymmetricAddress dst, SymmetricAddress src,
+                                      uint64_t bytes, int lane) {
+    TransportCommand command = command_of(CommandOp::kPut, peer);
+    set_data(command, dst, src, bytes);
     push_from_warp(command, lane);
   }
 
   __device__ __forceinline__ void put_signal(int peer, SymmetricAddress dst, SymmetricAddress src,
                                              uint64_t bytes, SymmetricAddress sig, uint64_t value,
                                              SignalOp op, int lane) {
-    TransportCommand command = {};
-    command.op = static_cast<uint32_t>(CommandOp::kPutSignal);
-    command.peer = peer;
-    command.src_region = src.region;
-    command.src_offset = src.offset;
-    command.dst_region = dst.region;
-    command.dst_offset = dst.offset;
-    command.bytes = bytes;
-    command.signal_region = sig.region;
-    command.signal_offset = sig.offset;
-    command.signal_value = value;
-    command.signal_op = static_cast<uint32_t>(op);
+    TransportCommand command = command_of(CommandOp::kPutSignal, peer);
+    set_data(command, dst, src, bytes);
+    set_signal(command, sig, value, op);
     push_from_warp(command, lane);
   }
 
   __device__ __forceinline__ void signal(int peer, SymmetricAddress sig, uint64_t value,
                                          SignalOp op, int lane) {
-    TransportCommand command = {};
-    command.op = static_cast<uint32_t>(CommandOp::kSignal);
-    command.peer = peer;
-    command.signal_region = sig.region;
-    command.signal_offset = sig.offset;
-    command.signal_value = value;
-    command.signal_op = static_cast<uint32_t>(op);
+    TransportCommand command = command_of(CommandOp::kSignal, peer);
+    set_signal(command, sig, value, op);
     push_from_warp(command, lane);
   }
 
@@ -114,9 +117,7 @@ struct EmulatedTransport {
 
   // The proxy writes acks[warp] = position + 1 once this warp's earlier commands are delivered.
   __device__ __forceinline__ void quiet(int lane) {
-    TransportCommand command = {};
-    command.op = static_cast<uint32_t>(CommandOp::kQuiet);
-    command.peer = rank;
+    const TransportCommand command = command_of(CommandOp::kQuiet, rank);
     const uint64_t position = push_from_warp(command, lane);
     if (lane == 0) wait_flag(wait_context, ring.acks + warp, position + 1, rank);
     __syncwarp();
