@@ -36,9 +36,10 @@ def test_bench_ep_quick(tmp_path):
     payload = load_record(tmp_path, "8xcpu-*[0-9].json")
     results = payload["results"]
     assert results, payload
-    # The only error allowed: an op of a few us on CPU (layout, the tiny low-latency peers)
+    # The only error allowed: an op of a few us on CPU (layout, the low-latency ops at T=8)
     # measuring below the timer noise of a busy 2-core machine (the suite runs in two workers);
-    # the script then reports it instead of a meaningless time.
+    # the script then reports it instead of a meaningless time. Every case must still be
+    # accounted for, by a result or by such a report.
     noise = [e for e in payload["errors"] if "non-positive time" in e.get("error", "")]
     assert [e for e in payload["errors"] if e not in noise] == [], payload["errors"]
     for rec in results:
@@ -53,20 +54,21 @@ def test_bench_ep_quick(tmp_path):
         else:
             assert positive(rec["gbps"]) and positive(rec["nvlink_share"]), rec
             assert positive(rec["bytes_per_rank"]), rec
-    impls = {r["impl"] for r in results}
     # No GPU: jax_ep's kernels and ragged_all_to_all are skipped, saying why.
     assert "jax_ep" in payload["skipped"] and "ragged_all_to_all" in payload["skipped"]
-    assert "all_to_all" in impls
-    cases = {(r["op"], r["dtype"], r["tokens"]) for r in results if r["impl"] == "all_to_all"}
-    assert cases == {("dispatch", "bf16", 128), ("dispatch", "fp8", 128),
-                     ("combine", "bf16", 128)} | {
-        (op, dt, 8) for op, dt in [
-            ("low_latency_dispatch", "fp8"), ("low_latency_dispatch", "bf16"),
-            ("low_latency_combine", "bf16")]}
+    assert any(r["impl"] == "all_to_all" and r["op"] == "dispatch" for r in results), results
+
+    def reported(impl):
+        return {(r["op"], r["dtype"], r["tokens"]) for r in [*results, *noise]
+                if r["impl"] == impl}
+
+    cases = {("dispatch", "bf16", 128), ("dispatch", "fp8", 128), ("combine", "bf16", 128)} | {
+        (op, dt, 8) for op, dt in [("low_latency_dispatch", "fp8"),
+                                   ("low_latency_dispatch", "bf16"),
+                                   ("low_latency_combine", "bf16")]}
+    assert reported("all_to_all") == cases
     if jax_ep_importable():
-        ref = {(r["op"], r["dtype"], r["tokens"]) for r in results if r["impl"] == "reference"}
-        layout = {("layout", "bf16", 128)}
-        assert ref | (layout if noise else set()) == cases | layout
+        assert reported("reference") == cases | {("layout", "bf16", 128)}
     # Same shape, same routing -> the same byte count for jax_ep's backends, and for the peers.
     by_case = {}
     for r in results:
@@ -82,8 +84,10 @@ def test_bench_ep_sweep_writes_plots(tmp_path):
                "dispatch,low_latency_dispatch", "--sweep-tokens", "32,64", "--ll-tokens", "1,2",
                "--tokens", "64", "--tag", "sweep", "--outputs", "all")  # outputs: as above
     payload = load_record(tmp_path, "8xcpu-*-sweep.json")
-    tokens = {r["tokens"] for r in payload["results"] if r["op"] == "dispatch"}
-    assert tokens == {32, 64}
+    # Every swept size has a result or a timer-noise report (see test_bench_ep_quick).
+    noise = [e for e in payload["errors"] if "non-positive time" in e.get("error", "")]
+    tokens = {r["tokens"] for r in [*payload["results"], *noise] if r["op"] == "dispatch"}
+    assert tokens == {32, 64}, payload["errors"]
     for plot in payload["plots"]:
         path = os.path.join(str(tmp_path), plot)
         with open(path, "rb") as f:
