@@ -16,14 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import backends, settings
+from jax_ep import backends, fp8, settings
 from jax_ep.backends import cuda, gate
 from jax_ep.transports import ipc, nvshmem
 
 BACKENDS = ("auto", "cuda", "xla")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
-MAX_CUDA_RANKS = 8       # one NVLink domain
 # Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 
@@ -90,8 +89,8 @@ class Buffer:
                 f"num_experts ({num_experts}) must be a multiple of the number of ranks along "
                 f"{axis_name!r} ({self.num_ranks})")
         self.hidden = _positive_int("hidden", hidden)
-        if self.hidden % 128:
-            raise ValueError(f"hidden must be a multiple of 128, got {hidden}")
+        if self.hidden % fp8.CHANNELS_PER_SCALE:
+            raise ValueError(f"hidden must be a multiple of {fp8.CHANNELS_PER_SCALE}, got {hidden}")
         self.max_tokens_per_rank = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
         self.num_topk = _positive_int("num_topk", num_topk)
         if self.num_topk > min(MAX_TOPK, self.num_experts):
@@ -167,10 +166,12 @@ class Buffer:
         devices = list(self.mesh.devices.flat)
         if backend == "xla":
             return "xla"
+        module, reason = cuda.load_extension()
         if backend == "cuda" and lowering_only:
+            if module is None:  # the target names and limits come from it
+                raise ValueError(f"backend='cuda': {reason}; use backend='xla'")
             return "cuda"
         all_gpus = all(d.platform == "gpu" for d in devices)
-        module, reason = cuda.load_extension()
         if backend == "auto":
             if not all_gpus or module is None:
                 choice, self.backend_reasons = "xla", []
@@ -185,8 +186,8 @@ class Buffer:
                              f"{sorted({d.platform for d in devices})}; use backend='xla'")
         if module is None:
             raise ValueError(f"backend='cuda': {reason}; use backend='xla'")
-        if self.num_ranks > MAX_CUDA_RANKS:
-            raise ValueError(f"backend='cuda' supports at most {MAX_CUDA_RANKS} ranks along "
+        if self.num_ranks > cuda.max_ranks():
+            raise ValueError(f"backend='cuda' supports at most {cuda.max_ranks()} ranks along "
                              f"{self.axis_name!r}, got {self.num_ranks}")
         gate.check_cuda_backend(devices, module.workspace_bytes(*self._runtime_config()[:-1]),
                                ep_groups=self._ep_group_devices())
@@ -368,7 +369,7 @@ class Buffer:
 
     @staticmethod
     def _describe_timeout(record):
-        phase = cuda.WAIT_PHASES.get(record["timeout_phase"], record["timeout_phase"])
+        phase = cuda.wait_phase_names().get(record["timeout_phase"], record["timeout_phase"])
         return (f"rank {record['rank']} (device {record['device']}) waited for rank "
                 f"{record['timeout_peer']} in {phase} (call {record['seq']}) longer than the "
                 f"timeout; the GPU context of that device is lost: restart the process")

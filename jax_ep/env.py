@@ -13,7 +13,6 @@ on this machine, and why. The code lives in its layers; this module only re-expo
 import sys
 
 from jax_ep.backends.gate import (
-    MAX_CUDA_RANKS,
     MIN_COMPUTE_CAPABILITY,
     auto_backend,
     check_cuda_backend,
@@ -59,7 +58,7 @@ from jax_ep.tools.env_report import (
 )
 
 __all__ = [
-    "DEFAULT_MEM_FRACTION", "MAX_CUDA_RANKS", "MIN_COMPUTE_CAPABILITY", "SCHEMA_VERSION",
+    "DEFAULT_MEM_FRACTION", "MIN_COMPUTE_CAPABILITY", "SCHEMA_VERSION",
     "BackendDecision", "BufferSpec", "BuiltCode", "DeviceInfo", "DriverInfo", "EnvReport",
     "ExtensionInfo", "GpuInfo", "JaxInfo", "NvshmemInfo", "PeerLink", "Versions",
     "WorkspaceEstimate", "XlaMemorySettings",

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0          # largest finite e4m3fn value
 AMAX_FLOOR = 1e-4        # keeps the scale of an all-zero block finite
+# The one Python copy (the reference backend needs it too); the kernels' kChannelsPerScale
+# must agree (tests/test_build.py).
 CHANNELS_PER_SCALE = 128
 
 

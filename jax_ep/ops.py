@@ -65,8 +65,8 @@ def _split_input(buf, x):
             raise ValueError(f"x must be an array or a pair (x_fp8, scales), got {len(x)} items")
         x_fp8, scales = x
         _check_array("x[0] (fp8 data)", x_fp8, (None, buf.hidden), (fp8.FP8_DTYPE,))
-        _check_array("x[1] (scales)", scales, (x_fp8.shape[0], buf.hidden // 128),
-                     (jnp.float32,))
+        _check_array("x[1] (scales)", scales,
+                     (x_fp8.shape[0], buf.hidden // fp8.CHANNELS_PER_SCALE), (jnp.float32,))
         return x_fp8, scales, True
     _check_array("x", x, (None, buf.hidden), (buf.dtype,))
     return x, jnp.zeros((x.shape[0], 0), jnp.float32), False

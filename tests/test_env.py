@@ -44,7 +44,7 @@ SECTION_KEYS = {
             "device_count": int, "local_devices": list, "error": (str, NONE)},
     "extension": {"importable": bool, "cuda_architectures": (str, NONE), "path": (str, NONE),
                   "error": (str, NONE), "nvshmem_built": (bool, NONE),
-                  "cuda_runtime_version": (int, NONE)},
+                  "cuda_runtime_version": (int, NONE), "max_ranks": (int, NONE)},
     "nvshmem": {"package": (str, NONE), "version": (str, NONE), "host_library": (str, NONE),
                 "reason": (str, NONE)},
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
@@ -64,10 +64,11 @@ SPEC_KEYS = {"num_ranks": int, "num_experts": int, "hidden": int, "max_tokens_pe
              "num_topk": int, "capacity": int, "dtype_bytes": int, "low_latency": bool}
 
 H200 = 141 * (1 << 30)
-EXT_90 = env.ExtensionInfo(True, "90", "/fake/_C.so", None)  # a build that reports CMake's list
+# a build that reports CMake's list (and the kernels' rank limit, kMaxRanks)
+EXT_90 = env.ExtensionInfo(True, "90", "/fake/_C.so", None, max_ranks=8)
 # What the default build reports (CMakeLists.txt: 80-real;89-real;90-real;100-real;120).
 DEFAULT_ARCHS = "sm_80 sm_89 sm_90 sm_100 sm_120 compute_120"
-EXT_DEFAULT = env.ExtensionInfo(True, DEFAULT_ARCHS, "/fake/_C.so", None, False, 13000)
+EXT_DEFAULT = env.ExtensionInfo(True, DEFAULT_ARCHS, "/fake/_C.so", None, False, 13000, 8)
 EXT_MISSING = env.ExtensionInfo(False, None, None,
                                 "ModuleNotFoundError: No module named 'jax_ep._C'")
 

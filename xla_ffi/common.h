@@ -132,18 +132,19 @@ inline ffi::Error check_array(const char* op, const char* arg, const ffi::AnyBuf
   return check_shape(op, arg, buffer, expected);
 }
 
+// The one spelling of each wait phase: timeout errors here and in Python (_C.wait_phase_names()).
 inline const char* wait_phase_name(int32_t phase) {
   switch (static_cast<WaitPhase>(phase)) {
     case WaitPhase::kNone:
       return "none";
     case WaitPhase::kDispatchCounts:
-      return "dispatch counts";
+      return "dispatch count exchange";
     case WaitPhase::kDispatchArrival:
       return "dispatch arrival";
     case WaitPhase::kCombineBarrier:
-      return "combine barrier";
+      return "combine/cached-dispatch barrier";
     case WaitPhase::kCombineArrival:
-      return "combine arrival";
+      return "combine/cached-dispatch arrival";
     case WaitPhase::kLowLatencyDispatchRecv:
       return "low-latency dispatch receive";
     case WaitPhase::kLowLatencyCombineRecv:

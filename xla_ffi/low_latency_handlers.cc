@@ -22,12 +22,12 @@ namespace nb = nanobind;
 namespace jax_ep {
 namespace {
 
-constexpr const char* kLowLatencyDispatchOp = "jax_ep_low_latency_dispatch_v2";
-constexpr const char* kLowLatencyDispatchSendOp = "jax_ep_low_latency_dispatch_send_v2";
-constexpr const char* kLowLatencyDispatchRecvOp = "jax_ep_low_latency_dispatch_recv_v2";
-constexpr const char* kLowLatencyCombineOp = "jax_ep_low_latency_combine_v2";
-constexpr const char* kLowLatencyCombineSendOp = "jax_ep_low_latency_combine_send_v2";
-constexpr const char* kLowLatencyCombineRecvOp = "jax_ep_low_latency_combine_recv_v2";
+constexpr const char* kLowLatencyDispatchOp = EP_TARGET_NAME("low_latency_dispatch");
+constexpr const char* kLowLatencyDispatchSendOp = EP_TARGET_NAME("low_latency_dispatch_send");
+constexpr const char* kLowLatencyDispatchRecvOp = EP_TARGET_NAME("low_latency_dispatch_recv");
+constexpr const char* kLowLatencyCombineOp = EP_TARGET_NAME("low_latency_combine");
+constexpr const char* kLowLatencyCombineSendOp = EP_TARGET_NAME("low_latency_combine_send");
+constexpr const char* kLowLatencyCombineRecvOp = EP_TARGET_NAME("low_latency_combine_recv");
 
 // The Buffer must have low-latency regions, and its static shape must fit the kernels.
 ffi::Error check_low_latency_config(const char* op, const BufferConfig& config) {
@@ -349,17 +349,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, LowLatencyCombineRec
                                   .Ret<ffi::AnyBuffer>(),  // out [T, H] bf16
                               {ffi::Traits::kCmdBufferCompatible});
 
-void add_low_latency_targets(nb::dict& targets) {
-  targets[kLowLatencyDispatchOp] = nb::capsule(reinterpret_cast<void*>(LowLatencyDispatchHandler));
-  targets[kLowLatencyDispatchSendOp] =
-      nb::capsule(reinterpret_cast<void*>(LowLatencyDispatchSendHandler));
-  targets[kLowLatencyDispatchRecvOp] =
-      nb::capsule(reinterpret_cast<void*>(LowLatencyDispatchRecvHandler));
-  targets[kLowLatencyCombineOp] = nb::capsule(reinterpret_cast<void*>(LowLatencyCombineHandler));
-  targets[kLowLatencyCombineSendOp] =
-      nb::capsule(reinterpret_cast<void*>(LowLatencyCombineSendHandler));
-  targets[kLowLatencyCombineRecvOp] =
-      nb::capsule(reinterpret_cast<void*>(LowLatencyCombineRecvHandler));
+void add_low_latency_targets(std::vector<FfiTarget>& targets) {
+  targets.push_back(EP_FFI_TARGET("low_latency_dispatch", LowLatencyDispatchHandler));
+  targets.push_back(EP_FFI_TARGET("low_latency_dispatch_send", LowLatencyDispatchSendHandler));
+  targets.push_back(EP_FFI_TARGET("low_latency_dispatch_recv", LowLatencyDispatchRecvHandler));
+  targets.push_back(EP_FFI_TARGET("low_latency_combine", LowLatencyCombineHandler));
+  targets.push_back(EP_FFI_TARGET("low_latency_combine_send", LowLatencyCombineSendHandler));
+  targets.push_back(EP_FFI_TARGET("low_latency_combine_recv", LowLatencyCombineRecvHandler));
 }
 
 }  // namespace jax_ep

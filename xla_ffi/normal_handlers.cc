@@ -22,10 +22,10 @@ namespace nb = nanobind;
 namespace jax_ep {
 namespace {
 
-constexpr const char* kLayoutOp = "jax_ep_layout_v2";
-constexpr const char* kDispatchOp = "jax_ep_dispatch_v2";
-constexpr const char* kCachedDispatchOp = "jax_ep_cached_dispatch_v2";
-constexpr const char* kCombineOp = "jax_ep_combine_v2";
+constexpr const char* kLayoutOp = EP_TARGET_NAME("layout");
+constexpr const char* kDispatchOp = EP_TARGET_NAME("dispatch");
+constexpr const char* kCachedDispatchOp = EP_TARGET_NAME("cached_dispatch");
+constexpr const char* kCombineOp = EP_TARGET_NAME("combine");
 
 // The Buffer's data dtype D.
 ffi::DataType buffer_dtype(const BufferConfig& config) {
@@ -360,12 +360,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineHandler, CombineImpl,
                                   .Ret<ffi::AnyBuffer>(),  // combined_w [T, K'] f32
                               {ffi::Traits::kCmdBufferCompatible});
 
-void add_normal_targets(nb::dict& targets) {
-  targets["jax_ep_layout_v2"] = nb::capsule(reinterpret_cast<void*>(LayoutHandler));
-  targets["jax_ep_dispatch_v2"] = nb::capsule(reinterpret_cast<void*>(DispatchHandler));
-  targets["jax_ep_cached_dispatch_v2"] =
-      nb::capsule(reinterpret_cast<void*>(CachedDispatchHandler));
-  targets["jax_ep_combine_v2"] = nb::capsule(reinterpret_cast<void*>(CombineHandler));
+void add_normal_targets(std::vector<FfiTarget>& targets) {
+  targets.push_back(EP_FFI_TARGET("layout", LayoutHandler));
+  targets.push_back(EP_FFI_TARGET("dispatch", DispatchHandler));
+  targets.push_back(EP_FFI_TARGET("cached_dispatch", CachedDispatchHandler));
+  targets.push_back(EP_FFI_TARGET("combine", CombineHandler));
 }
 
 }  // namespace jax_ep

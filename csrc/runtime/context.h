@@ -44,6 +44,7 @@ enum class WaitPhase : int32_t {
   kCombineArrival = 4,   // normal combine / cached dispatch: waiting for a peer's rows
   kLowLatencyDispatchRecv = 5,
   kLowLatencyCombineRecv = 6,
+  kLastPhase = kLowLatencyCombineRecv,  // _C.wait_phase_names() lists phases up to this one
 };
 
 // Written by a kernel (plain stores + __threadfence_system) into host-mapped memory before it

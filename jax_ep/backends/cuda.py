@@ -16,34 +16,62 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _vma
+from jax_ep import _vma, fp8
 from jax_ep._types import DispatchHandle, Layout
 
-# Bump the suffix whenever an operand, result, attribute or semantic changes: a program (or a
-# persistent-cache entry) compiled against another version then fails to find its target
-# instead of running the wrong kernel.
-TARGET_VERSION = "v2"
-TARGETS = ("layout", "dispatch", "cached_dispatch", "combine",
-           "low_latency_dispatch", "low_latency_combine",
-           "low_latency_dispatch_send", "low_latency_dispatch_recv",
-           "low_latency_combine_send", "low_latency_combine_recv")
-WAIT_PHASES = {0: "none", 1: "dispatch count exchange", 2: "dispatch arrival",
-               3: "combine/cached-dispatch barrier", 4: "combine/cached-dispatch arrival",
-               5: "low-latency dispatch receive", 6: "low-latency combine receive"}
+
+def load_extension():
+    """The compiled module ``jax_ep._C``, or None with the reason when it is not available."""
+    try:
+        from jax_ep import _C  # noqa: PLC0415
+    except ImportError as e:
+        return None, f"the CUDA extension jax_ep._C is not built or cannot load ({e})"
+    return _C, ""
+
+
+def _extension():
+    module, reason = load_extension()
+    if module is None:
+        raise RuntimeError(reason)
+    return module
+
+
+# The facts below belong to the kernels: jax_ep._C is their one source (read on first use, so
+# that jax_ep imports without it).
+@functools.cache
+def target_names() -> dict[str, str]:
+    """Op (``"layout"``, ``"low_latency_dispatch_send"``, ...) -> its FFI target name, whose
+    version suffix changes with any change of operands, results, attributes or semantics."""
+    return dict(_extension().target_names())
 
 
 def target_name(op: str) -> str:
-    return f"jax_ep_{op}_{TARGET_VERSION}"
+    return target_names()[op]
+
+
+@functools.cache
+def wait_phase_names() -> dict[int, str]:
+    """A timeout record's ``timeout_phase`` -> the wait it names."""
+    return dict(_extension().wait_phase_names())
+
+
+@functools.cache
+def max_ranks() -> int:
+    """Most ranks in one EP group of the cuda backend (one NVLink domain)."""
+    return int(_extension().max_ranks())
 
 
 def export_safety_checks():
     """``disabled_checks`` for ``jax.export.export`` of programs that call jax_ep's kernels.
 
     jax.export refuses custom calls without a compatibility guarantee; ours carry a version in
-    their name instead (``TARGET_VERSION``), so a program exported against another version fails
-    to find its target rather than running a different kernel.
+    their name instead, so a program exported against another version fails to find its target
+    rather than running a different kernel. Without jax_ep._C nothing lowers to our targets:
+    no checks to disable.
     """
-    return [jax.export.DisabledSafetyCheck.custom_call(target_name(op)) for op in TARGETS]
+    if load_extension()[0] is None:
+        return []
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in target_names().values()]
 
 
 @contextlib.contextmanager
@@ -64,15 +92,6 @@ def gspmd_partitioner():
         yield
     finally:
         jax.config.update("jax_use_shardy_partitioner", shardy)
-
-
-def load_extension():
-    """The compiled module ``jax_ep._C``, or None with the reason when it is not available."""
-    try:
-        from jax_ep import _C  # noqa: PLC0415
-    except ImportError as e:
-        return None, f"the CUDA extension jax_ep._C is not built or cannot load ({e})"
-    return _C, ""
 
 
 @functools.cache
@@ -161,7 +180,7 @@ class CudaBackend:
         H = operands[0].shape[1]
         E_loc, rows = self.num_local_experts, self.num_ranks * self.buf.max_tokens_per_rank
         x_dtype = jnp.float8_e4m3fn if use_fp8 else jnp.bfloat16
-        num_scales = H // 128 if use_fp8 else 0
+        num_scales = H // fp8.CHANNELS_PER_SCALE if use_fp8 else 0
         recv_x, recv_scales, recv_count, recv_src, recv_k = self._call(
             target, operands,
             [((E_loc, rows, H), x_dtype), ((E_loc, rows, num_scales), jnp.float32),

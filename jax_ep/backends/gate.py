@@ -56,8 +56,6 @@ from jax_ep.system.records import (
 # once; the driver's cudaDevAttrCooperativeLaunch, checked per GPU). Nothing newer: fp8 casts
 # below sm_89 are converted in software.
 MIN_COMPUTE_CAPABILITY = (7, 0)
-# Most ranks in one EP group of the cuda backend (one NVLink domain; csrc/runtime/context.h).
-MAX_CUDA_RANKS = 8
 _GIB = 1 << 30
 
 def _gpus_text(ordinals: Sequence[int]) -> str:
@@ -201,9 +199,11 @@ def decide_backend(
     # Group size and peer access (this process's GPUs only).
     groups = [list(g) for g in ep_groups] if ep_groups is not None else [list(devices)]
     largest = max((len(g) for g in groups), default=0)
-    if cuda_devices and largest > MAX_CUDA_RANKS:
+    # The limit is the kernels' (jax_ep._C.max_ranks()): unknown without the extension.
+    limit = extension.max_ranks
+    if cuda_devices and limit is not None and largest > limit:
         reasons.append(
-            f"an EP group has {largest} ranks; the cuda backend supports up to {MAX_CUDA_RANKS} "
+            f"an EP group has {largest} ranks; the cuda backend supports up to {limit} "
             f"(one NVLink domain): use a smaller EP axis"
         )
     access = {(p.src, p.dst): p.access for p in peers}
@@ -299,9 +299,9 @@ def auto_backend(
     "cuda" only when jax's default backend is gpu, jax_ep._C imports and the driver supports
     the CUDA runtime it was built with, every device is a CUDA GPU of compute capability >= 7.0
     that supports cooperative launches and for which jax_ep._C carries SASS or PTX (PTX only when
-    the driver is at least as new as the toolkit that built it), every EP group has at most 8
-    ranks whose GPUs (of this process) have peer access to each other, and (when
-    `workspace_bytes_needed` is given) every GPU has that much free memory.
+    the driver is at least as new as the toolkit that built it), every EP group has at most
+    jax_ep._C.max_ranks() ranks whose GPUs (of this process) have peer access to each other,
+    and (when `workspace_bytes_needed` is given) every GPU has that much free memory.
     Call on the host, outside jit.
 
     Args:

@@ -280,9 +280,11 @@ def probe_extension() -> ExtensionInfo:
         pass
     built = getattr(module, "nvshmem_built", None)
     runtime = getattr(module, "cuda_runtime_version", None)
+    max_ranks = getattr(module, "max_ranks", None)
     return ExtensionInfo(True, archs, getattr(module, "__file__", None), None,
                          bool(built()) if built is not None else None,
-                         int(runtime()) if runtime is not None else None)
+                         int(runtime()) if runtime is not None else None,
+                         int(max_ranks()) if max_ranks is not None else None)
 
 
 def probe_nvshmem() -> NvshmemInfo:

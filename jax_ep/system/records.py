@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-SCALE_BLOCK = 128  # channels per fp8 scale
+from jax_ep.fp8 import CHANNELS_PER_SCALE
+
 
 @dataclasses.dataclass(frozen=True)
 class Versions:
@@ -165,6 +166,8 @@ class ExtensionInfo:
         None if unknown.
       cuda_runtime_version: CUDART_VERSION of the toolkit that built it, e.g. 13000 for 13.0
         (its CUDA runtime is linked in, so the driver must support it), None if unknown.
+      max_ranks: most ranks in one EP group its kernels support (_C.max_ranks()), None if
+        unknown.
     """
 
     importable: bool
@@ -173,6 +176,7 @@ class ExtensionInfo:
     error: str | None
     nvshmem_built: bool | None = None
     cuda_runtime_version: int | None = None
+    max_ranks: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,8 +254,10 @@ class BufferSpec:
                 f"num_experts ({self.num_experts}) must be a multiple of num_ranks "
                 f"({self.num_ranks}): choose num_experts = k * {self.num_ranks}"
             )
-        if self.hidden % SCALE_BLOCK:
-            raise ValueError(f"hidden must be a multiple of {SCALE_BLOCK}, got {self.hidden}")
+        if self.hidden % CHANNELS_PER_SCALE:
+            raise ValueError(
+                f"hidden must be a multiple of {CHANNELS_PER_SCALE}, got {self.hidden}"
+            )
         if self.num_topk > self.num_experts:
             raise ValueError(
                 f"num_topk ({self.num_topk}) must be <= num_experts ({self.num_experts})"

@@ -46,7 +46,8 @@ JSON schema (`--json`; `schema_version` 1; keys are stable, `null` where unknown
     "extension": {"importable": bool,
                   "cuda_architectures": str|null (e.g. "sm_80 sm_90 compute_90"),
                   "path": str|null, "error": str|null, "nvshmem_built": bool|null,
-                  "cuda_runtime_version": int|null (CUDART_VERSION of the build, e.g. 13000)},
+                  "cuda_runtime_version": int|null (CUDART_VERSION of the build, e.g. 13000),
+                  "max_ranks": int|null (most ranks in one EP group, _C.max_ranks())},
     "nvshmem": {"package": str|null, "version": str|null, "host_library": str|null,
                 "reason": str|null},
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
@@ -80,6 +81,7 @@ from typing import Any
 import jax
 
 from jax_ep.backends.gate import decide_backend
+from jax_ep.fp8 import CHANNELS_PER_SCALE
 from jax_ep.system.compat import (
     code_for,
     cuda_version_text,
@@ -103,7 +105,6 @@ from jax_ep.system.probes import (
     xla_memory_settings,
 )
 from jax_ep.system.records import (
-    SCALE_BLOCK,
     BackendDecision,
     BufferSpec,
     EnvReport,
@@ -131,7 +132,7 @@ def approximate_workspace_bytes(spec: BufferSpec) -> int:
     """
     r, e, h, t, k = (spec.num_ranks, spec.num_experts, spec.hidden, spec.max_tokens_per_rank,
                      spec.num_topk)
-    scales = h // SCALE_BLOCK * 4
+    scales = h // CHANNELS_PER_SCALE * 4
     total = 2 * r * t * (h * spec.dtype_bytes + scales + 2 * k * 4 + 4) + _WORKSPACE_HEADER_BYTES
     if spec.low_latency:
         total += 2 * e * t * (h * 2 + scales + 16) + 2 * t * k * h * 2 + _WORKSPACE_HEADER_BYTES

@@ -1,0 +1,63 @@
+"""The facts C++ and Python share have one source (issue 19).
+
+The CUDA backend's facts (target names, wait phases, rank limit) are read from jax_ep._C, so
+here we check that what Python asks for exists there. The fp8 scale block is needed without
+_C too: Python and the kernels keep one constant each, and they must agree.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from jax_ep import Buffer, env, fp8
+from jax_ep.backends import cuda
+
+_C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+
+CUDA_BACKEND = Path(cuda.__file__)
+OP_CALLS = ("_call", "_low_latency_dispatch_call")
+
+
+def _ops_the_backend_calls():
+    """The op names CudaBackend passes to its custom-call helpers (string literals)."""
+    ops = set()
+    for node in ast.walk(ast.parse(CUDA_BACKEND.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in OP_CALLS and node.args
+                and isinstance(node.args[0], ast.Constant)):
+            ops.add(node.args[0].value)
+    return ops
+
+
+def test_every_op_the_backend_calls_has_a_target():
+    ops = _ops_the_backend_calls()
+    assert len(ops) == 10, ops  # the scan still sees every call
+    assert ops == set(_C.target_names())
+
+
+def test_target_names_are_the_registered_ones_with_one_version():
+    names = _C.target_names()
+    assert set(_C.registrations()) == set(names.values())
+    versions = {re.fullmatch(rf"jax_ep_{op}_(v\d+)", name).group(1) for op, name in names.items()}
+    assert len(versions) == 1, names
+    checks = cuda.export_safety_checks()
+    assert len(checks) == len(names)
+
+
+def test_wait_phase_names_cover_every_phase_once():
+    names = _C.wait_phase_names()
+    assert sorted(names) == list(range(len(names))) and len(names) >= 7
+    assert len(set(names.values())) == len(names) and "unknown" not in names.values()
+    record = dict(rank=0, device=0, timeout_peer=1, seq=3, timeout_phase=1)
+    assert names[1] in Buffer._describe_timeout(record)
+
+
+def test_the_probe_reports_the_kernels_rank_limit():
+    assert cuda.max_ranks() == _C.max_ranks() >= 2
+    assert env.probe_extension().max_ranks == _C.max_ranks()
+
+
+def test_fp8_scale_block_agrees_with_the_kernels():
+    assert fp8.CHANNELS_PER_SCALE == _C.channels_per_scale()

@@ -1,0 +1,36 @@
+// The kernels' constants, exported so that Python reads them instead of keeping a copy.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+
+#include "common.h"
+#include "kernels/common/limits.h"
+#include "runtime/context.h"
+#include "targets.h"
+
+namespace nb = nanobind;
+
+namespace jax_ep {
+
+void add_fact_functions(nb::module_& m) {
+  m.def(
+      "wait_phase_names",
+      []() {
+        nb::dict names;
+        for (int32_t phase = 0; phase <= static_cast<int32_t>(WaitPhase::kLastPhase); ++phase) {
+          names[nb::int_(phase)] = wait_phase_name(phase);
+        }
+        return names;
+      },
+      "WaitPhase value -> its name, as timeout records report it (read_errors).");
+  m.def(
+      "max_ranks", []() { return kMaxRanks; },
+      "Most ranks in one EP group: the kernels' per-peer arrays are sized by it (kMaxRanks).");
+  // The reference backend needs this one too, so Python keeps its own constant
+  // (jax_ep.fp8.CHANNELS_PER_SCALE); tests/test_build.py checks that the two agree.
+  m.def(
+      "channels_per_scale", []() { return kChannelsPerScale; },
+      "Channels per float32 scale of fp8 inputs (kChannelsPerScale).");
+}
+
+}  // namespace jax_ep
