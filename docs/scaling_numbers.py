@@ -1,7 +1,7 @@
 """Prints the tables of docs/scaling.md: memory and traffic of jax_ep at 2..256 ranks.
 
 Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
-csrc/kernels/normal_workspace.h and csrc/kernels/low_latency_layout.cuh transcribed to Python,
+csrc/kernels/normal/normal_workspace.h and csrc/kernels/low_latency/low_latency_layout.cuh transcribed to Python,
 with the compile-time rank limit kMaxRanks (8 in csrc/runtime/context.h) replaced by R for
 R > 8 (a hypothetical build with kMaxRanks = R). Where `jax_ep._C` imports, the transcription is
 checked against `jax_ep._C.workspace_bytes` for R <= 8 (exact equality). DeepEP's sizes are its

@@ -14,7 +14,7 @@
 
 #include "common.h"
 #include "kernels/common/limits.h"
-#include "kernels/normal.h"
+#include "kernels/normal/normal.h"
 #include "targets.h"
 
 namespace nb = nanobind;

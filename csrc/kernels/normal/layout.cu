@@ -3,7 +3,7 @@
 
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
-#include "kernels/normal.h"
+#include "kernels/normal/normal.h"
 
 namespace jax_ep {
 namespace {

@@ -20,8 +20,8 @@
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
-#include "kernels/low_latency_launch.h"
-#include "kernels/low_latency_layout.cuh"
+#include "kernels/low_latency/low_latency_launch.h"
+#include "kernels/low_latency/low_latency_layout.cuh"
 #include "runtime/context.h"
 
 namespace jax_ep {

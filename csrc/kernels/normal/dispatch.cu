@@ -19,8 +19,8 @@
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
-#include "kernels/normal.h"
-#include "kernels/normal_workspace.h"
+#include "kernels/normal/normal.h"
+#include "kernels/normal/normal_workspace.h"
 
 namespace jax_ep {
 namespace {

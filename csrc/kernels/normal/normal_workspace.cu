@@ -1,8 +1,8 @@
 // Size of the normal-mode region and preloading of the normal-mode kernels.
 #include <cuda_runtime.h>
 
-#include "kernels/normal.h"
-#include "kernels/normal_workspace.h"
+#include "kernels/normal/normal.h"
+#include "kernels/normal/normal_workspace.h"
 #include "runtime/context.h"
 
 namespace jax_ep {

@@ -28,7 +28,7 @@
 #include <cstdint>
 
 #include "kernels/common/limits.h"
-#include "kernels/normal_workspace.h"  // align_up
+#include "kernels/normal/normal_workspace.h"  // align_up
 #include "runtime/context.h"
 
 #if defined(__CUDACC__)
