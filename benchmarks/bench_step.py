@@ -65,6 +65,10 @@ def parse_args(argv):
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--bare", action="store_true",
+                   help="each layer is dispatch -> combine alone (the normal step without the "
+                        "stand-in expert, no residual add: the op pair's own in-program cost; "
+                        "decode steps keep their expert, which fp8 rows need)")
     p.add_argument("--carry", choices=("donated", "input"), default="donated",
                    help="the carried expert buffer: donated to each call (a serving loop's "
                         "state) or an input XLA may not write (it copies it)")
@@ -158,11 +162,13 @@ def peer_decode(peer, use_fp8):
     return step
 
 
-def jax_ep_normal(jax_ep, buf):
+def jax_ep_normal(jax_ep, buf, bare=False):
     scale = local_expert_scales(buf.num_local_experts)
 
     def step(x, idx, w, carry):
         d = jax_ep.dispatch(buf, x, idx, w)
+        if bare:
+            return jax_ep.combine(buf, d.recv_x, d.handle)[0], carry
         local = d.recv_topk_idx
         factor = jnp.sum(jnp.where(local >= 0, d.recv_topk_weights * scale[local], 0.0), axis=1)
         y = (d.recv_x.astype(jnp.float32) * factor[:, None]).astype(x.dtype)
@@ -171,11 +177,13 @@ def jax_ep_normal(jax_ep, buf):
     return step
 
 
-def peer_normal(peer):
+def peer_normal(peer, bare=False):
     scale = local_expert_scales(peer.experts_per_rank)
 
     def step(x, idx, w, carry):
         got_x, local_idx, local_w = peer.dispatch([x], idx, w)
+        if bare:
+            return peer.combine(got_x, peer.plan(idx)), carry
         factor = jnp.sum(jnp.where(local_idx >= 0, local_w * scale[local_idx], 0.0), axis=1)
         y = (got_x.astype(jnp.float32) * factor[:, None]).astype(x.dtype)
         return peer.combine(y, peer.plan(idx)), carry
@@ -183,18 +191,20 @@ def peer_normal(peer):
     return step
 
 
-def chained(step, num_steps, backward):
+def chained(step, num_steps, backward, residual=True):
     """Per-rank program of ``num_steps`` layers: layer i's output, added to its input as a
     model's residual connection does (one small XLA kernel, as a layer has XLA work between its
     MoE blocks), is layer i+1's input; only the last output (forward) or the gradients w.r.t.
     the input and every layer's weights (backward) leave the program, with ``carry``: an expert
     output buffer some steps reuse (else a placeholder), donated by the caller and returned, as
-    a serving loop keeps its state buffers from step to step."""
+    a serving loop keeps its state buffers from step to step. Without ``residual`` layer i's
+    output is layer i+1's input as it is."""
 
     def forward(x, idx, w, carry):  # idx, w: [T, N_LONG, K], layer i takes [:, i]
         for i in range(num_steps):
             out, carry = step(x, idx[:, i], w[:, i], carry)
-            x = (x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 0.5).astype(x.dtype)
+            x = ((x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 0.5).astype(x.dtype)
+                 if residual else out.astype(x.dtype))
         return x, carry
 
     if not backward:
@@ -314,8 +324,8 @@ def measure(programs, args, repeats, trace):
             (enq[N_LONG] - enq[N_SHORT]) / span, wall)
 
 
-def build_programs(mesh, step, backward, make_carry, donate):
-    return {n: CarriedProgram(bc.shard_mapped(mesh, chained(step, n, backward), 4,
+def build_programs(mesh, step, backward, make_carry, donate, residual):
+    return {n: CarriedProgram(bc.shard_mapped(mesh, chained(step, n, backward, residual), 4,
                                               donate=(3,) if donate else ()), make_carry())
             for n in (N_SHORT, N_LONG)}
 
@@ -345,10 +355,10 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
                             max_tokens_per_rank=tokens, num_topk=args.topk,
                             low_latency=decode, backend=backend)
         step = (jax_ep_decode(jax_ep, buf, dtype == "fp8") if decode
-                else jax_ep_normal(jax_ep, buf))
+                else jax_ep_normal(jax_ep, buf, args.bare))
     else:
         peer = bc.PEER_CLASSES[impl](R, args.experts, args.topk)
-        step = peer_decode(peer, dtype == "fp8") if decode else peer_normal(peer)
+        step = peer_decode(peer, dtype == "fp8") if decode else peer_normal(peer, args.bare)
 
     # The fp8 decode expert's output buffer [E_loc, R*T, H] per rank, else a placeholder.
     carry_shape = ((args.experts, R * tokens, args.hidden) if decode and dtype == "fp8"
@@ -356,7 +366,8 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     make_carry = jax.jit(lambda: jnp.zeros(carry_shape, jnp.bfloat16),
                          out_shardings=bc.sharded(mesh))
     # Called as a user calls a jitted step (its C++ fast path), compiled by the warm-up calls.
-    programs = build_programs(mesh, step, backward, make_carry, args.carry == "donated")
+    programs = build_programs(mesh, step, backward, make_carry, args.carry == "donated",
+                              residual=not args.bare)
     call_args = step_inputs(mesh, tokens, args, seed=7)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
     time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
@@ -374,7 +385,8 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
             print(f"  {us:9.1f} us  x{count:6.1f}  {name}")
     record = {"op": op, "impl": impl, "dtype": dtype if decode else "bf16", "ranks": R,
               "tokens": tokens, "hidden": args.hidden, "experts": args.experts,
-              "topk": args.topk, "carry": args.carry, "time_us": time_us, "kernel_us": kernel_us,
+              "topk": args.topk, "carry": args.carry, "bare": args.bare,
+              "time_us": time_us, "kernel_us": kernel_us,
               "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
               "enqueue_us": enqueue_us, "wall_short_us": wall[N_SHORT],
               "wall_long_us": wall[N_LONG]}

@@ -51,3 +51,14 @@ def test_bench_step_quick(tmp_path):
         for key in ("dtype", "ranks", "tokens", "hidden", "time_us", "kernel_us", "enqueue_us"):
             assert key in r, (key, r)
         assert r["ranks"] == 8 and r["kernel_us"] is None  # no device trace on CPU
+
+
+def test_bench_step_bare_runs_the_op_pair(tmp_path):
+    """``--bare``: the normal step as dispatch -> combine alone, recorded as such."""
+    run_script("bench_step.py", tmp_path, "--ops", "normal_step", "--impls", "jax_ep",
+               "--repeats", "2", "--bare", "--tag", "bare")
+    (path,) = glob.glob(os.path.join(str(tmp_path), "8xcpu-*-step-bare.json"))
+    with open(path) as f:
+        (record,) = json.load(f)["records"]
+    assert "error" not in record, record
+    assert record["bare"] is True and positive(record["time_us"]), record
