@@ -1,11 +1,12 @@
 """Prints the tables of docs/scaling.md: memory and traffic of jax_ep at 2..256 ranks.
 
 Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
-csrc/kernels/normal/normal_workspace.h and csrc/kernels/low_latency/low_latency_layout.cuh transcribed to Python,
-with the compile-time rank limit kMaxRanks (8 in csrc/runtime/context.h) replaced by R for
-R > 8 (a hypothetical build with kMaxRanks = R). Where `jax_ep._C` imports, the transcription is
-checked against `jax_ep._C.workspace_bytes` for R <= 8 (exact equality). DeepEP's sizes are its
-V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended configs.
+csrc/kernels/normal/normal_workspace.h and csrc/kernels/low_latency/low_latency_layout.cuh
+transcribed to Python, with the compile-time rank limit kMaxRanks (8 in csrc/runtime/context.h)
+replaced by R for R > 8 (a hypothetical build with kMaxRanks = R). Where `jax_ep._C` imports,
+the transcription is checked against `jax_ep._C.workspace_bytes` for R <= 8 (exact equality).
+DeepEP's sizes are its V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended
+configs.
 
 Usage: python docs/scaling_numbers.py   (run from outside the repo root if you want the _C check
 to use the installed, compiled package).
@@ -115,6 +116,8 @@ def workspace_bytes(num_ranks, t_max, capacity, dtype_bytes, low_latency):
 def check_against_extension():
     try:
         import jax_ep._C as ext  # noqa: PLC0415 - optional
+
+        from jax_ep.backends.cuda import buffer_config  # noqa: PLC0415
     except ImportError:
         return "jax_ep._C not importable: formulas transcribed from the C++ headers, unchecked"
     checked = 0
@@ -123,7 +126,9 @@ def check_against_extension():
             for dtype_bytes in (2, 4):
                 for cap in (r * t_max, max(1, r * t_max // 3)):
                     ours = workspace_bytes(r, t_max, cap, dtype_bytes, ll)
-                    theirs = ext.workspace_bytes(r, E, H, t_max, K, cap, dtype_bytes, ll)
+                    theirs = ext.workspace_bytes(buffer_config(
+                        ext, num_ranks=r, num_experts=E, hidden=H, max_tokens_per_rank=t_max,
+                        num_topk=K, capacity=cap, dtype_bytes=dtype_bytes, low_latency=ll))
                     assert ours == theirs, (r, t_max, ll, dtype_bytes, cap, ours, theirs)
                     checked += 1
     return f"transcription == jax_ep._C.workspace_bytes for {checked} configurations with R <= 8"

@@ -153,7 +153,7 @@ class Buffer:
         if self.backend != "cuda":
             return 0
         module, _ = cuda.load_extension()
-        return module.workspace_bytes(*self._runtime_config()[:-1]) if module else 0
+        return module.workspace_bytes(self._runtime_config(module)) if module else 0
 
     def __repr__(self):
         return (f"Buffer(id={self.buffer_id}, backend={self.backend!r}, ranks={self.num_ranks}, "
@@ -189,7 +189,7 @@ class Buffer:
         if self.num_ranks > cuda.max_ranks():
             raise ValueError(f"backend='cuda' supports at most {cuda.max_ranks()} ranks along "
                              f"{self.axis_name!r}, got {self.num_ranks}")
-        gate.check_cuda_backend(devices, module.workspace_bytes(*self._runtime_config()[:-1]),
+        gate.check_cuda_backend(devices, module.workspace_bytes(self._runtime_config(module)),
                                ep_groups=self._ep_group_devices())
         if ipc.spans_processes(devices):
             problem = self._other_hosts()
@@ -244,10 +244,15 @@ class Buffer:
                  int(d.local_hardware_id if d.local_hardware_id is not None else d.id)
                  for d in group] for group in self._ep_group_devices()]
 
-    def _runtime_config(self):
-        return (self.num_ranks, self.num_experts, self.hidden, self.max_tokens_per_rank,
-                self.num_topk, self.capacity, self.dtype.itemsize, self.low_latency,
-                self.timeout_s)
+    def _runtime_config(self, module):
+        """This Buffer as the C++ ``BufferConfig``, grids from the settings (0: the device's)."""
+        grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
+                 for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks")}
+        return cuda.buffer_config(
+            module, num_ranks=self.num_ranks, num_experts=self.num_experts, hidden=self.hidden,
+            max_tokens_per_rank=self.max_tokens_per_rank, num_topk=self.num_topk,
+            capacity=self.capacity, dtype_bytes=self.dtype.itemsize,
+            low_latency=self.low_latency, timeout_s=self.timeout_s, **grids)
 
     def _allocate(self):
         if self.backend == "cuda":
@@ -260,10 +265,8 @@ class Buffer:
             if self.transport == "nvshmem":
                 nvshmem.join(self, module, self.workspace_bytes)
                 pes = nvshmem.pes(self)
-            grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
-                     for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks")}
-            module.create_buffer(self.buffer_id, self._ep_groups(), *self._runtime_config(),
-                                 pes=pes, **grids)
+            module.create_buffer(self.buffer_id, self._ep_groups(),
+                                 self._runtime_config(module), pes=pes)
             self._allocated = True
             if multiprocess and not pes:
                 try:

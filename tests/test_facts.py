@@ -9,7 +9,10 @@ import ast
 import re
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from jax_ep import Buffer, env, fp8
 from jax_ep.backends import cuda
@@ -61,3 +64,22 @@ def test_the_probe_reports_the_kernels_rank_limit():
 
 def test_fp8_scale_block_agrees_with_the_kernels():
     assert fp8.CHANNELS_PER_SCALE == _C.channels_per_scale()
+
+
+def test_buffer_config_is_one_struct_filled_by_name():
+    """Python hands C++ one BufferConfig, its fields set by name: a misspelled field fails, and
+    a CUDA Buffer's workspace size is the struct's, each field reaching C++ (the low-latency
+    region, the capacity)."""
+    with pytest.raises(AttributeError, match="num_rank"):
+        cuda.buffer_config(_C, num_rank=2)
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("ep",))
+    fields = dict(num_experts=8, hidden=1024, max_tokens_per_rank=64, num_topk=2)
+    sizes = {}
+    for low_latency, capacity in ((False, None), (True, None), (False, 8)):
+        buf = Buffer(mesh, "ep", **fields, low_latency=low_latency, capacity=capacity,
+                     backend="cuda", lowering_only=True)
+        config = cuda.buffer_config(_C, num_ranks=2, **fields, capacity=capacity or 128,
+                                    dtype_bytes=2, low_latency=low_latency, timeout_s=10.0)
+        assert buf.workspace_bytes == _C.workspace_bytes(config) > 0
+        sizes[low_latency, capacity] = buf.workspace_bytes
+    assert len(set(sizes.values())) == 3, sizes

@@ -25,22 +25,6 @@ namespace nb = nanobind;
 namespace jax_ep {
 namespace {
 
-BufferConfig make_config(int num_ranks, int num_experts, int hidden, int max_tokens_per_rank,
-                         int num_topk, int capacity, int dtype_bytes, bool low_latency,
-                         double timeout_s) {
-  BufferConfig config;
-  config.num_ranks = num_ranks;
-  config.num_experts = num_experts;
-  config.hidden = hidden;
-  config.max_tokens_per_rank = max_tokens_per_rank;
-  config.num_topk = num_topk;
-  config.capacity = capacity;
-  config.dtype_bytes = dtype_bytes;
-  config.low_latency = low_latency;
-  config.timeout_s = timeout_s;
-  return config;
-}
-
 void create_buffer_or_raise(int64_t buffer_id, const std::vector<std::vector<int>>& groups,
                             const BufferConfig& config,
                             const std::vector<std::vector<int>>& pes = {}) {
@@ -96,39 +80,45 @@ DeviceErrors read_device_errors(const RankContext& ctx) {
 }  // namespace
 
 void add_runtime_functions(nb::module_& m) {
-  // create_buffer(buffer_id, groups, num_ranks, num_experts, ...): Buffer._runtime_config()
-  // then the grids of jax_ep/settings.py; num_ranks is checked against the group size.
+  // The one configuration struct of a Buffer, filled field by field by name from Python
+  // (Buffer.runtime_config): a name that is not a field is an AttributeError there.
+  nb::class_<BufferConfig>(m, "BufferConfig",
+                           "A Buffer's configuration as create_buffer and workspace_bytes take "
+                           "it (csrc/runtime/context.h). Grids: 0 = the default for the device.")
+      .def(nb::init<>())
+      .def_rw("num_ranks", &BufferConfig::num_ranks)
+      .def_rw("num_experts", &BufferConfig::num_experts)
+      .def_rw("hidden", &BufferConfig::hidden)
+      .def_rw("max_tokens_per_rank", &BufferConfig::max_tokens_per_rank)
+      .def_rw("num_topk", &BufferConfig::num_topk)
+      .def_rw("capacity", &BufferConfig::capacity)
+      .def_rw("dtype_bytes", &BufferConfig::dtype_bytes)
+      .def_rw("low_latency", &BufferConfig::low_latency)
+      .def_rw("timeout_s", &BufferConfig::timeout_s)
+      .def_rw("normal_blocks", &BufferConfig::normal_blocks)
+      .def_rw("normal_push_blocks", &BufferConfig::normal_push_blocks)
+      .def_rw("low_latency_blocks", &BufferConfig::low_latency_blocks);
+
   m.def(
       "create_buffer",
-      [](int64_t buffer_id, const std::vector<std::vector<int>>& groups, int num_ranks,
-         int num_experts, int hidden, int max_tokens_per_rank, int num_topk, int capacity,
-         int dtype_bytes, bool low_latency, double timeout_s,
-         const std::vector<std::vector<int>>& pes, int normal_blocks, int normal_push_blocks,
-         int low_latency_blocks) {
+      [](int64_t buffer_id, const std::vector<std::vector<int>>& groups,
+         const BufferConfig& config, const std::vector<std::vector<int>>& pes) {
         for (const auto& group : groups) {
-          if (static_cast<int>(group.size()) != num_ranks) {
-            throw std::runtime_error("jax_ep: num_ranks=" + std::to_string(num_ranks) +
+          if (static_cast<int>(group.size()) != config.num_ranks) {
+            throw std::runtime_error("jax_ep: num_ranks=" + std::to_string(config.num_ranks) +
                                      " but a group has " + std::to_string(group.size()) +
                                      " devices");
           }
         }
-        BufferConfig config = make_config(num_ranks, num_experts, hidden, max_tokens_per_rank,
-                                          num_topk, capacity, dtype_bytes, low_latency, timeout_s);
-        config.normal_blocks = normal_blocks;
-        config.normal_push_blocks = normal_push_blocks;
-        config.low_latency_blocks = low_latency_blocks;
         create_buffer_or_raise(buffer_id, groups, config, pes);
       },
-      nb::arg("buffer_id"), nb::arg("groups"), nb::arg("num_ranks"), nb::arg("num_experts"),
-      nb::arg("hidden"), nb::arg("max_tokens_per_rank"), nb::arg("num_topk"), nb::arg("capacity"),
-      nb::arg("dtype_bytes"), nb::arg("low_latency"), nb::arg("timeout_s"),
-      nb::arg("pes") = std::vector<std::vector<int>>(), nb::arg("normal_blocks") = 0,
-      nb::arg("normal_push_blocks") = 0, nb::arg("low_latency_blocks") = 0,
+      nb::arg("buffer_id"), nb::arg("groups"), nb::arg("config"),
+      nb::arg("pes") = std::vector<std::vector<int>>(),
       "Allocates the communication memory of Buffer `buffer_id` on every device of `groups` "
       "(each inner list = the device ordinals of one EP group, in rank order), builds the peer "
       "tables and preloads the kernels. Raises RuntimeError naming the failing device/call. "
       "`pes` (shaped like `groups`): the NVSHMEM transport, the PE of every rank "
-      "(nvshmem_initialize first). Grids: 0 = the default for the device.");
+      "(nvshmem_initialize first).");
 
   m.def("nvshmem_built", &nvshmem_built,
         "Whether this build has NVSHMEM's types (the wheel's headers were found).");
@@ -306,16 +296,8 @@ void add_runtime_functions(nb::module_& m) {
 
   m.def(
       "workspace_bytes",
-      [](int num_ranks, int num_experts, int hidden, int max_tokens_per_rank, int num_topk,
-         int capacity, int dtype_bytes, bool low_latency) {
-        const BufferConfig config =
-            make_config(num_ranks, num_experts, hidden, max_tokens_per_rank, num_topk, capacity,
-                        dtype_bytes, low_latency, /*timeout_s=*/10.0);
-        return static_cast<int64_t>(workspace_bytes(config));
-      },
-      nb::arg("num_ranks"), nb::arg("num_experts"), nb::arg("hidden"),
-      nb::arg("max_tokens_per_rank"), nb::arg("num_topk"), nb::arg("capacity"),
-      nb::arg("dtype_bytes"), nb::arg("low_latency"),
+      [](const BufferConfig& config) { return static_cast<int64_t>(workspace_bytes(config)); },
+      nb::arg("config"),
       "Bytes of device memory create_buffer allocates per device for this configuration "
       "(the workspace; plus a few hundred bytes of counters and tables).");
 

@@ -95,6 +95,15 @@ def gspmd_partitioner():
 
 
 @functools.cache
+def buffer_config(module, **fields):
+    """``module.BufferConfig`` (the C++ struct) with ``fields`` set by name: a name that is not
+    one of its fields raises AttributeError."""
+    config = module.BufferConfig()
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
+
+
 def register_targets() -> None:
     """Registers every FFI target of ``jax_ep._C`` with XLA for platform CUDA (once)."""
     module, reason = load_extension()

@@ -80,6 +80,7 @@ from typing import Any
 
 import jax
 
+from jax_ep.backends import cuda
 from jax_ep.backends.gate import decide_backend
 from jax_ep.fp8 import CHANNELS_PER_SCALE
 from jax_ep.system.compat import (
@@ -148,10 +149,11 @@ def workspace_estimate(
         try:
             module = importlib.import_module("jax_ep._C")
             capacity = spec.capacity or spec.num_ranks * spec.max_tokens_per_rank
-            size = module.workspace_bytes(
-                spec.num_ranks, spec.num_experts, spec.hidden, spec.max_tokens_per_rank,
-                spec.num_topk, capacity, spec.dtype_bytes, spec.low_latency,
-            )
+            size = module.workspace_bytes(cuda.buffer_config(
+                module, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
+                hidden=spec.hidden, max_tokens_per_rank=spec.max_tokens_per_rank,
+                num_topk=spec.num_topk, capacity=capacity, dtype_bytes=spec.dtype_bytes,
+                low_latency=spec.low_latency))
             return WorkspaceEstimate(spec, int(size), True, "jax_ep._C.workspace_bytes")
         except Exception:  # an older build: fall back to the formula
             pass
