@@ -22,6 +22,8 @@ from jax_ep.transports import ipc, nvshmem
 
 BACKENDS = ("auto", "cuda", "xla")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
+# Both backends need these two, so they live here; tests/test_facts.py checks them against the
+# kernels' (_C.max_topk(), _C.error_counter_names()).
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
 # Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jax_ep import Buffer, env, fp8
+from jax_ep import Buffer, buffer, env, fp8
 from jax_ep.backends import cuda
 
 _C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
@@ -83,3 +83,10 @@ def test_buffer_config_is_one_struct_filled_by_name():
         assert buf.workspace_bytes == _C.workspace_bytes(config) > 0
         sizes[low_latency, capacity] = buf.workspace_bytes
     assert len(set(sizes.values())) == 3, sizes
+
+
+def test_topk_limit_and_error_counters_agree_with_the_kernels():
+    """Both backends need the top-k limit and the error counters' names (the keys of
+    ``errors()``), so Python keeps them; the kernels' must be the same."""
+    assert buffer.MAX_TOPK == _C.max_topk()
+    assert list(buffer.ERROR_COUNTERS) == _C.error_counter_names()

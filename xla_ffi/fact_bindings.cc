@@ -26,6 +26,20 @@ void add_fact_functions(nb::module_& m) {
   m.def(
       "max_ranks", []() { return kMaxRanks; },
       "Most ranks in one EP group: the kernels' per-peer arrays are sized by it (kMaxRanks).");
+  // The reference backend needs these too, so Python keeps its own constants
+  // (jax_ep.buffer.MAX_TOPK, jax_ep.buffer.ERROR_COUNTERS: the public errors() keys);
+  // tests/test_facts.py checks that they agree.
+  m.def(
+      "max_topk", []() { return kMaxTopk; },
+      "Most top-k slots per token: the kernels keep a token's ids one per lane (kMaxTopk).");
+  m.def(
+      "error_counter_names",
+      []() {
+        nb::list names;
+        for (const ErrorCounterField& counter : kErrorCounterFields) names.append(counter.name);
+        return names;
+      },
+      "The error counters read_errors reports, in the order of ErrorCounters.");
   // The reference backend needs this one too, so Python keeps its own constant
   // (jax_ep.fp8.CHANNELS_PER_SCALE); tests/test_build.py checks that the two agree.
   m.def(

@@ -101,8 +101,8 @@ void add_runtime_functions(nb::module_& m) {
 
   m.def(
       "create_buffer",
-      [](int64_t buffer_id, const std::vector<std::vector<int>>& groups,
-         const BufferConfig& config, const std::vector<std::vector<int>>& pes) {
+      [](int64_t buffer_id, const std::vector<std::vector<int>>& groups, const BufferConfig& config,
+         const std::vector<std::vector<int>>& pes) {
         for (const auto& group : groups) {
           if (static_cast<int>(group.size()) != config.num_ranks) {
             throw std::runtime_error("jax_ep: num_ranks=" + std::to_string(config.num_ranks) +
@@ -256,14 +256,11 @@ void add_runtime_functions(nb::module_& m) {
           nb::dict entry;
           entry["device"] = ctx.device;
           entry["rank"] = ctx.rank;
-          entry["invalid_expert_ids"] =
-              errors[i].read_ok ? static_cast<int64_t>(errors[i].counters.invalid_expert_ids)
-                                : unknown;
-          entry["overflow_rows"] =
-              errors[i].read_ok ? static_cast<int64_t>(errors[i].counters.overflow_rows) : unknown;
-          entry["dropped_low_latency_rows"] =
-              errors[i].read_ok ? static_cast<int64_t>(errors[i].counters.dropped_low_latency_rows)
-                                : unknown;
+          for (const ErrorCounterField& counter : kErrorCounterFields) {
+            entry[counter.name] = errors[i].read_ok
+                                      ? static_cast<int64_t>(errors[i].counters.*counter.field)
+                                      : unknown;
+          }
           entry["timed_out"] = timed_out;
           entry["timeout_peer"] = timed_out ? static_cast<int>(record->peer) : -1;
           entry["timeout_phase"] = timed_out ? static_cast<int>(record->phase) : 0;

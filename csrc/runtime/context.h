@@ -67,6 +67,18 @@ struct ErrorCounters {
   unsigned long long dropped_low_latency_rows;
 };
 
+// The error counters by the names Buffer.errors() reports them (read_errors' keys,
+// _C.error_counter_names()), with the field of ErrorCounters each one reads.
+struct ErrorCounterField {
+  const char* name;
+  unsigned long long ErrorCounters::* field;
+};
+inline constexpr ErrorCounterField kErrorCounterFields[] = {
+    {"invalid_expert_ids", &ErrorCounters::invalid_expert_ids},
+    {"overflow_rows", &ErrorCounters::overflow_rows},
+    {"dropped_low_latency_rows", &ErrorCounters::dropped_low_latency_rows},
+};
+
 // Everything a launcher needs for one rank. Plain data: kernels receive copies of its fields.
 struct RankContext {
   BufferConfig config;
