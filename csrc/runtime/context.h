@@ -35,7 +35,7 @@ struct BufferConfig {
   int num_local_experts() const { return num_experts / num_ranks; }
 };
 
-// Which wait timed out. Values are stable: Python maps them to names (jax_ep/_cuda.py).
+// Which wait timed out. Values are stable; their names: wait_phase_name (xla_ffi/common.h).
 enum class WaitPhase : int32_t {
   kNone = 0,
   kDispatchCounts = 1,   // normal dispatch: waiting for a peer's per-rank counts
