@@ -66,9 +66,9 @@ def parse_args(argv):
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--bare", action="store_true",
-                   help="each layer is dispatch -> combine alone (the normal step without the "
-                        "stand-in expert, no residual add: the op pair's own in-program cost; "
-                        "decode steps keep their expert, which fp8 rows need)")
+                   help="each layer is dispatch -> combine alone, no stand-in expert and no "
+                        "residual add: the op pair's own in-program cost (the fp8 decode step's "
+                        "combine reads the carried bf16 buffer as it is)")
     p.add_argument("--carry", choices=("donated", "input"), default="donated",
                    help="the carried expert buffer: donated to each call (a serving loop's "
                         "state) or an input XLA may not write (it copies it)")
@@ -111,19 +111,21 @@ def valid_slots(recv_count, rows_per_expert, max_rows):
     return jnp.where(valid, expert, recv_count.shape[0]), jnp.where(valid, row, 0)
 
 
-def jax_ep_decode(jax_ep, buf, use_fp8):
+def jax_ep_decode(jax_ep, buf, use_fp8, bare=False):
     """Decode step with jax_ep's low-latency ops. The stand-in expert touches only the valid rows
     of the ``[E_loc, R*T_max, H]`` layout, as a masked grouped GEMM does: bf16 rows are its
     output in place (``y = recv_x``: no traffic of its own); fp8 rows are dequantized, scaled
     and written into a bf16 output buffer carried from layer to layer (rows past recv_count are
-    unspecified, and combine reads only valid rows)."""
+    unspecified, and combine reads only valid rows). ``bare``: no expert for fp8 rows either:
+    combine reads the carried buffer as it is (the op pair's own cost)."""
     E_loc, T_max = buf.num_local_experts, buf.max_tokens_per_rank
     scale = local_expert_scales(E_loc)
 
     def step(x, idx, w, carry):
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=use_fp8)
-        if not use_fp8:
-            return jax_ep.low_latency_combine(buf, d.recv_x, idx, w, d.handle), carry
+        if not use_fp8 or bare:
+            y = carry if use_fp8 else d.recv_x
+            return jax_ep.low_latency_combine(buf, y, idx, w, d.handle), carry
         rows_bound = buf.num_ranks * T_max * buf.num_topk  # every selection of every source
         rows_per_expert = buf.num_ranks * T_max
         expert, row = valid_slots(d.recv_count, rows_per_expert, rows_bound)
@@ -143,9 +145,10 @@ def jax_ep_decode(jax_ep, buf, use_fp8):
     return step
 
 
-def peer_decode(peer, use_fp8):
+def peer_decode(peer, use_fp8, bare=False):
     """The peer's decode step: dispatch, the expert on every received row (weighted at the
-    expert, as jax_ep's low-latency combine weights at the owner), combine."""
+    expert, as jax_ep's low-latency combine weights at the owner), combine; ``bare``: the
+    received rows (dequantized) go back as they are."""
     E_loc = peer.experts_per_rank
     scales = local_expert_scales(E_loc)
 
@@ -154,6 +157,8 @@ def peer_decode(peer, use_fp8):
         got = peer.dispatch(payload, idx, w)
         rows = (got[0].astype(jnp.float32) * jnp.repeat(got[1], bc.FP8_BLOCK, axis=1)
                 if use_fp8 else got[0])
+        if bare:
+            return peer.combine(rows.astype(jnp.bfloat16), peer.plan(idx)), carry
         local_idx, local_w = got[-2], got[-1]
         factor = jnp.sum(jnp.where(local_idx >= 0, local_w * scales[local_idx], 0.0), axis=1)
         y = (rows.astype(jnp.float32) * factor[:, None]).astype(jnp.bfloat16)
@@ -250,10 +255,11 @@ def host_clocks(fn, args, repeats):
     return [statistics.median(r[j] for r in rows) * 1e6 for j in range(2)]
 
 
-def device_busy_us(fn, args, calls=3, by_kernel=None):
+def device_busy_us(fn, args, calls=3, by_kernel=None, gaps=None):
     """``(all, ours)``: the sum of the durations of every GPU kernel and copy of one call, and
     of jax_ep's own kernels alone (mean of ``calls`` traced calls); the maximum over this
-    process's devices. ``by_kernel`` (a dict), when given, gets the time per kernel name."""
+    process's devices. ``by_kernel`` (a dict), when given, gets the time per kernel name;
+    ``gaps`` the device's idle time inside a call per pair of consecutive kernels."""
     from jax.profiler import ProfileData  # noqa: PLC0415
 
     trace_dir = tempfile.mkdtemp(prefix="jax_ep_step_trace_")
@@ -273,6 +279,13 @@ def device_busy_us(fn, args, calls=3, by_kernel=None):
             for e in events:
                 name = e.name[:100]
                 by_kernel[name] = by_kernel.get(name, 0.0) + e.duration_ns / 1e3 / calls
+        if gaps is not None:
+            ordered = sorted(events, key=lambda e: e.start_ns)
+            for a, b in zip(ordered, ordered[1:], strict=False):
+                idle = (b.start_ns - (a.start_ns + a.duration_ns)) / 1e3
+                if 0 < idle < 1000:  # inside a call, not between calls
+                    key = f"{a.name[:45]} -> {b.name[:45]}"
+                    gaps[key] = gaps.get(key, 0.0) + idle / calls
     return (max(busy), max(ours)) if busy else (None, None)
 
 
@@ -354,11 +367,12 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
         buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
                             max_tokens_per_rank=tokens, num_topk=args.topk,
                             low_latency=decode, backend=backend)
-        step = (jax_ep_decode(jax_ep, buf, dtype == "fp8") if decode
+        step = (jax_ep_decode(jax_ep, buf, dtype == "fp8", args.bare) if decode
                 else jax_ep_normal(jax_ep, buf, args.bare))
     else:
         peer = bc.PEER_CLASSES[impl](R, args.experts, args.topk)
-        step = peer_decode(peer, dtype == "fp8") if decode else peer_normal(peer, args.bare)
+        step = (peer_decode(peer, dtype == "fp8", args.bare) if decode
+                else peer_normal(peer, args.bare))
 
     # The fp8 decode expert's output buffer [E_loc, R*T, H] per rank, else a placeholder.
     carry_shape = ((args.experts, R * tokens, args.hidden) if decode and dtype == "fp8"
@@ -373,10 +387,13 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
         programs, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep" and bc.on_gpu():
-        kernels = {}
-        device_busy_us(programs[N_LONG], call_args, by_kernel=kernels)
+        kernels, gaps = {}, {}
+        device_busy_us(programs[N_LONG], call_args, by_kernel=kernels, gaps=gaps)
         print(f"kernels of one {op} ({dtype}) program of {N_LONG} steps, us per call:")
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"  {us:9.1f} us  {name}")
+        print(f"device idle between kernels, one program of {N_LONG} steps, us per call:")
+        for name, us in sorted(gaps.items(), key=lambda kv: -kv[1])[:10]:
             print(f"  {us:9.1f} us  {name}")
         record_host = host_events(programs[N_LONG], call_args)
         print(f"host events of one {op} ({dtype}) program of {N_LONG} steps, "

@@ -2,7 +2,8 @@
 # One device call on one GPU (issues 17, 18, 22): build, then the sections in $SECTIONS (default
 # all), each under `timeout`, logs and JSON under $OUT, a short summary last.
 #   suite   the README's GPU command (pytest -m gpu, the default build)
-#   step    profile_ops (kernel times) and bench_step (what a program pays per step)
+#   step    profile_ops (kernel times) and bench_step (what a program pays per step: with the
+#           stand-in expert, and --bare: the op pairs alone)
 #   shared  2 processes sharing the GPU (jax_ep.launch --processes-per-gpu 2): the chains of split
 #           halves, the split ops and the adversarial routings over CUDA IPC peers
 #   ptx     scripts/ptx_check.sh: a PTX-only compute_80 build (the A100 code path, JIT-compiled
@@ -26,7 +27,9 @@ has shared && step shared 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 
 if has step; then
   (cd /tmp && step profile 200 python3 "$R/benchmarks/profile_ops.py" --out "$OUT" --tokens 4096 \
      --ll-tokens 128 --ops dispatch_bf16,combine,ll_dispatch_fp8,ll_dispatch_bf16,ll_combine,ll_dispatch_split_fp8,ll_combine_split
-   step bench_step 400 python3 "$R/benchmarks/bench_step.py" --out "$OUT" --repeats 20 --host-trace
+   step bench_step 300 python3 "$R/benchmarks/bench_step.py" --out "$OUT" --repeats 20
+   step bench_step_bare 150 python3 "$R/benchmarks/bench_step.py" --out "$OUT" --repeats 20 \
+     --bare --ops decode_step,normal_step --tag bare
    printf '%s\n' "${sum[@]}" > "$OUT/step_summary.txt")
 fi
 if has ptx; then  # the whole GPU suite by default (PTX_TESTS narrows it)
@@ -35,5 +38,6 @@ if has ptx; then  # the whole GPU suite by default (PTX_TESTS narrows it)
 fi
 printf '%s\n' "${sum[@]}"; cat "$OUT/step_summary.txt" 2>/dev/null
 grep -h -E "^(FAILED|ERROR)|^SKIPPED" "$OUT"/*.log 2>/dev/null | cut -c1-200 | head -30
-grep -h "op span" "$OUT/profile.log" 2>/dev/null; grep -A14 "^op " "$OUT/bench_step.log" 2>/dev/null
+grep -h "op span" "$OUT/profile.log" 2>/dev/null
+grep -h -A14 "^op " "$OUT/bench_step.log" "$OUT/bench_step_bare.log" 2>/dev/null
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log)
