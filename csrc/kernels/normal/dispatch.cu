@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include "kernels/common/copy.cuh"
+#include "kernels/common/fast_divisor.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
@@ -57,6 +58,7 @@ struct DispatchPlanArgs {
   int rank;
   int num_experts;
   int num_local_experts;
+  FastDivisor experts_per_rank;  // expert id -> its rank
   int max_tokens;
   int capacity;
   // Outputs of the dispatch (null in cached mode).
@@ -80,20 +82,38 @@ __device__ __forceinline__ uint32_t token_rank_mask(const DispatchPlanArgs& args
                                                     int* num_invalid) {
   uint32_t mask = 0;
   if (args.topk_idx != nullptr) {
-    // All ids of a token are loaded before they are used: one memory latency per token.
+    // All ids of a token are loaded before they are used (one memory latency per token), as
+    // 16-byte vectors when rows of ids are whole aligned vectors; the loops stop at num_topk
+    // (uniform), so a token costs its own ids only.
     const int32_t* row = args.topk_idx + static_cast<int64_t>(t) * args.num_topk;
     int ids[kMaxTopk];
+    if (args.num_topk % 4 == 0 && reinterpret_cast<uintptr_t>(args.topk_idx) % 16 == 0) {
 #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) ids[k] = k < args.num_topk ? __ldg(row + k) : -1;
+      for (int k = 0; k < kMaxTopk; k += 4) {
+        if (k >= args.num_topk) break;
+        const int4 four = __ldg(reinterpret_cast<const int4*>(row + k));
+        ids[k] = four.x;
+        ids[k + 1] = four.y;
+        ids[k + 2] = four.z;
+        ids[k + 3] = four.w;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k) {
+        if (k >= args.num_topk) break;
+        ids[k] = __ldg(row + k);
+      }
+    }
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
+      if (k >= args.num_topk) break;
       const int expert = ids[k];
       if (expert == -1) continue;
       if (expert < -1 || expert >= args.num_experts) {
         ++*num_invalid;
         continue;
       }
-      mask |= 1u << (expert / args.num_local_experts);
+      mask |= 1u << args.experts_per_rank.divide(static_cast<uint32_t>(expert));
     }
   } else {
     const int32_t* row = args.send_pos + static_cast<int64_t>(t) * args.num_ranks;
@@ -249,14 +269,17 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
                    pack_tagged_count(tag, static_cast<uint32_t>(block_base[dst] + own_count[dst])));
   }
 
-  // 3. The rows of the count matrix this block needs.
+  // 3. The rows of the count matrix this block needs (the last block knows its own row: it
+  // does not wait for its own store to come back, which is all it would wait for at EP=1).
   const int num_rows = last_block ? num_ranks : rank;
   if (tid < num_rows * num_ranks) {
     const int src = tid / num_ranks;
     const int dst = tid % num_ranks;
-    matrix[src][dst] = static_cast<int>(
-        wait_tagged_count(args.count_matrix + parity_offset + src * kMaxRanks + dst, tag,
-                          args.wait.timeout_ns, args.wait.record, rank, src, phase));
+    matrix[src][dst] = src == rank
+                           ? block_base[dst] + own_count[dst]
+                           : static_cast<int>(wait_tagged_count(
+                                 args.count_matrix + parity_offset + src * kMaxRanks + dst, tag,
+                                 args.wait.timeout_ns, args.wait.record, rank, src, phase));
   }
   __syncthreads();
   if (tid < num_ranks) {
@@ -352,6 +375,7 @@ struct DispatchTransferArgs {
   int num_ranks;
   int rank;
   int num_local_experts;
+  FastDivisor experts_per_rank;  // expert id -> its rank
   int max_tokens;
   // Outputs.
   char* recv_x;  // [C, x_bytes_per_row]
@@ -407,7 +431,9 @@ __device__ __forceinline__ void write_row_aux(const DispatchTransferArgs& args, 
   if (lane < args.num_topk) {
     const int64_t at = static_cast<int64_t>(token) * args.num_topk + lane;
     const int expert = __ldg(args.topk_idx + at);
-    const int owner = expert >= 0 ? expert / args.num_local_experts : -1;
+    const int owner =
+        expert >= 0 ? static_cast<int>(args.experts_per_rank.divide(static_cast<uint32_t>(expert)))
+                    : -1;
     const bool here = expert >= 0 && owner == dst_rank;
     const int local = here ? expert - owner * args.num_local_experts : -1;
     ids[lane] = local;
@@ -646,6 +672,7 @@ DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layo
   args.rank = ctx.rank;
   args.num_experts = config.num_experts;
   args.num_local_experts = config.num_local_experts();
+  args.experts_per_rank = FastDivisor(static_cast<uint32_t>(config.num_local_experts()));
   args.max_tokens = config.max_tokens_per_rank;
   args.capacity = capacity;
   args.seq = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.seq);
@@ -683,6 +710,7 @@ DispatchTransferArgs make_transfer_args(const RankContext& ctx, const NormalLayo
   args.num_ranks = config.num_ranks;
   args.rank = ctx.rank;
   args.num_local_experts = config.num_local_experts();
+  args.experts_per_rank = FastDivisor(static_cast<uint32_t>(config.num_local_experts()));
   args.max_tokens = config.max_tokens_per_rank;
   args.plan = reinterpret_cast<const NormalPlan*>(ctx.workspace + layout.plan);
   args.send_tokens = reinterpret_cast<const int32_t*>(ctx.workspace + layout.send_tokens);

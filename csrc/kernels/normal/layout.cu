@@ -1,6 +1,7 @@
 // jax_ep_layout_v2: routing statistics of one rank's top-k ids (no communication).
 #include <cuda_runtime.h>
 
+#include "kernels/common/fast_divisor.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/normal/normal.h"
@@ -19,7 +20,7 @@ struct LayoutArgs {
   int num_topk;
   int num_ranks;
   int num_experts;
-  int num_local_experts;
+  FastDivisor experts_per_rank;    // expert id -> its rank
   int num_shared_experts;          // min(E, kLayoutSharedExperts)
   int32_t* num_tokens_per_rank;    // [R], zeroed by the launcher
   int32_t* num_tokens_per_expert;  // [E], zeroed by the launcher
@@ -52,7 +53,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const LayoutArgs
         ++num_invalid;
         continue;
       }
-      rank_mask |= 1u << (expert / args.num_local_experts);
+      rank_mask |= 1u << args.experts_per_rank.divide(static_cast<uint32_t>(expert));
       if (expert < args.num_shared_experts) {
         atomicAdd(&expert_histogram[expert], 1);
       } else {
@@ -96,7 +97,7 @@ cudaError_t launch_layout(const RankContext& ctx, const LayoutParams& params, cu
   args.num_topk = config.num_topk;
   args.num_ranks = config.num_ranks;
   args.num_experts = config.num_experts;
-  args.num_local_experts = config.num_local_experts();
+  args.experts_per_rank = FastDivisor(static_cast<uint32_t>(config.num_local_experts()));
   args.num_shared_experts =
       config.num_experts < kLayoutSharedExperts ? config.num_experts : kLayoutSharedExperts;
   args.num_tokens_per_rank = params.num_tokens_per_rank;
