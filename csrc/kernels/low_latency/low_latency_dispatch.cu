@@ -87,6 +87,7 @@
 #include <cstdint>
 
 #include "kernels/common/copy.cuh"
+#include "kernels/common/fast_divisor.h"
 #include "kernels/common/fp8_cast.cuh"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
@@ -106,6 +107,21 @@ constexpr int kBf16PerVector = kBytesPerVector / 2;
 
 constexpr uint32_t kFullMask = 0xffffffffu;
 
+struct RowChunks {
+  int pieces;        // 16-channel pieces of a row
+  int num_chunks;    // units per row
+  int chunk_pieces;  // pieces per unit (the last one may have fewer)
+};
+
+__host__ __device__ inline RowChunks row_chunks(int hidden) {
+  RowChunks c;
+  c.pieces = hidden / kFp8ChannelsPerPiece;
+  c.num_chunks = ceil_div(c.pieces, kRecvPiecesPerUnit);
+  c.chunk_pieces =
+      ceil_div(ceil_div(c.pieces, c.num_chunks), kFp8PiecesPerScale) * kFp8PiecesPerScale;
+  return c;
+}
+
 struct DispatchArgs {
   LowLatencyRank rank;
   const __nv_bfloat16* x;   // [T, H]
@@ -119,7 +135,12 @@ struct DispatchArgs {
   int num_experts;          // E
   int tokens_per_block;     // ceil(T / grid)
   bool round_scale;
-  int32_t* ticket;  // [1] (send half alone)
+  // Facts of the launch computed once on the host (the receive loop would divide per unit).
+  RowChunks chunks;                // row_chunks(H)
+  FastDivisor by_chunks;           // num_chunks
+  FastDivisor by_local_experts;    // E_loc
+  FastDivisor by_rows_per_expert;  // R * T_max
+  int32_t* ticket;                 // [1] (send half alone)
 };
 
 // Where the pair (local token, k) of a block goes when its expert is on a peer (all nullptr
@@ -326,21 +347,6 @@ __device__ __forceinline__ void copy_peer_row(const DispatchArgs& args, const ch
 
 // How a row splits into receive units: chunks of at most kRecvPiecesPerUnit pieces, whole scale
 // groups each.
-struct RowChunks {
-  int pieces;        // 16-channel pieces of a row
-  int num_chunks;    // units per row
-  int chunk_pieces;  // pieces per unit (the last one may have fewer)
-};
-
-__device__ __forceinline__ RowChunks row_chunks(int hidden) {
-  RowChunks c;
-  c.pieces = hidden / kFp8ChannelsPerPiece;
-  c.num_chunks = ceil_div(c.pieces, kRecvPiecesPerUnit);
-  c.chunk_pieces =
-      ceil_div(ceil_div(c.pieces, c.num_chunks), kFp8PiecesPerScale) * kFp8PiecesPerScale;
-  return c;
-}
-
 // One receive work unit: pieces [chunk * chunk_pieces, +chunk_pieces) of the row of (local
 // expert, source, slot), written to output row `out_row` of the expert's block (own rows: from
 // x, cast; peer rows: from the region once their flag has the tag), and at chunk 0 its
@@ -358,7 +364,7 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
   const int me = rk.rank;
   const int max_tokens = layout.max_tokens;
   const int rows_per_expert = layout.num_ranks * max_tokens;
-  const RowChunks chunks = row_chunks(layout.hidden);
+  const RowChunks& chunks = args.chunks;
   LowLatencyControl* control = low_latency_control(rk);
   const int2* meta_base = reinterpret_cast<const int2*>(rk.local + layout.dispatch_meta);
   const uint64_t* flag_base =
@@ -539,17 +545,17 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
       (static_cast<int>(blockIdx.x) - first_idle_block + static_cast<int>(gridDim.x)) %
       static_cast<int>(gridDim.x);
   const int first_unit = block_order * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
-  const int num_chunks = row_chunks(layout.hidden).num_chunks;
+  const int num_chunks = args.chunks.num_chunks;
   const int unit_end = plan.row_begin[num_pairs] * num_chunks;
   bool own_meta_ready = false;
 
   for (int unit = first_unit; unit < unit_end; unit += num_warps) {
-    const int row = unit / num_chunks;
+    const int row = static_cast<int>(args.by_chunks.divide(static_cast<uint32_t>(unit)));
     const int chunk = unit - row * num_chunks;
     const int pair = plan_pair_of_row(plan, num_pairs, row);
-    const int p = pair / num_local;
+    const int p = static_cast<int>(args.by_local_experts.divide(static_cast<uint32_t>(pair)));
     const int expert = pair - p * num_local;
-    const int src = (me + p) % num_ranks;
+    const int src = me + p < num_ranks ? me + p : me + p - num_ranks;  // (me + p) % R
     const int slot = row - plan.row_begin[pair];
     const int out_row = plan.first_row[expert * num_ranks + src] + slot;
     receive_unit<kUseFp8, kOwnMetaInLaunch>(args, expert, src, slot, out_row, chunk, tag, parity,
@@ -562,7 +568,8 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
   if (thread < num_local) args.recv_count[thread] = plan.expert_rows[thread];
   const int entries = num_local * rows_per_expert;  // E * T_max: far below 2^31
   for (int entry = thread; entry < entries; entry += num_threads) {
-    const int expert = entry / rows_per_expert;
+    const int expert =
+        static_cast<int>(args.by_rows_per_expert.divide(static_cast<uint32_t>(entry)));
     const int row = entry - expert * rows_per_expert;
     if (row >= plan.expert_rows[expert]) {
       args.recv_src[entry] = -1;
@@ -607,9 +614,9 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
   const int order_first_row = __shfl_sync(kFullMask, first_row, order_src);
   const int order_begin = warp_inclusive_sum(order_count, lane) - order_count;
 
-  const int num_chunks = row_chunks(layout.hidden).num_chunks;
+  const int num_chunks = args.chunks.num_chunks;
   for (int unit = sharer; unit < total * num_chunks; unit += num_sharers) {
-    const int order_row = unit / num_chunks;
+    const int order_row = static_cast<int>(args.by_chunks.divide(static_cast<uint32_t>(unit)));
     const int chunk = unit - order_row * num_chunks;
     const int pos =
         __popc(__ballot_sync(kFullMask, lane < num_ranks && order_begin <= order_row)) - 1;
@@ -856,6 +863,11 @@ cudaError_t launch_dispatch_halves(const RankContext& ctx, const LowLatencyDispa
   args.tokens_per_block = (params.num_tokens + num_blocks - 1) / num_blocks;
   args.round_scale = params.round_scale;
   args.ticket = params.ticket;
+  args.chunks = row_chunks(ctx.config.hidden);
+  args.by_chunks = FastDivisor(static_cast<uint32_t>(args.chunks.num_chunks));
+  args.by_local_experts = FastDivisor(static_cast<uint32_t>(ctx.config.num_local_experts()));
+  args.by_rows_per_expert =
+      FastDivisor(static_cast<uint32_t>(ctx.config.num_ranks * ctx.config.max_tokens_per_rank));
 
   const size_t smem_bytes =
       (runs_send_half(kHalves)
