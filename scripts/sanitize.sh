@@ -6,7 +6,8 @@
 # jax_ep installed; logs under $OUT/sanitize/, one summary line per run in
 # $OUT/sanitize/summary.txt.
 #   TOOLS     default "memcheck racecheck synccheck initcheck"
-#   MODES     default "ep1 shared"
+#   MODES     default "ep1 shared"; "shared-rank0": the same two processes, rank 0 alone under
+#             the tool (compute-sanitizer 2025.3 crashes when both processes run under it)
 #   SAN_S     seconds per run (default 240)
 #   SAN_TESTS test files (default: the adversarial routings through every op, with invalid ids,
 #             repeated experts and overflow, and the chains of split halves)
@@ -44,8 +45,15 @@ for mode in $MODES; do
     if [[ $mode == ep1 ]]; then
       cmd=("${san[@]}" pytest -m gpu -v -p no:cacheprovider -k "$SAN_K" $SAN_TESTS)
     else
-      cmd=(python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout "$((${SAN_S:-240} - 10))"
-        -- "${san[@]}" pytest -m gpu -v -p no:cacheprovider "${SHARED_DESELECT[@]}" -k "$SAN_K" $SAN_TESTS)
+      tests=(pytest -m gpu -v -p no:cacheprovider "${SHARED_DESELECT[@]}" -k "$SAN_K" $SAN_TESTS)
+      launch=(python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout "$((${SAN_S:-240} - 10))" --)
+      if [[ $mode == shared ]]; then
+        cmd=("${launch[@]}" "${san[@]}" "${tests[@]}")
+      else  # shared-rank0
+        # shellcheck disable=SC2016
+        cmd=("${launch[@]}" bash -c 'if [[ $JAX_EP_PROCESS_ID == 0 ]]; then exec "$@"; fi
+          while [[ $1 != pytest ]]; do shift; done; exec "$@"' _ "${san[@]}" "${tests[@]}")
+      fi
     fi
     log="$LOGS/$mode-$tool.log"; s=$(date +%s)
     timeout "${SAN_S:-240}" "${cmd[@]}" > "$log" 2>&1; rc=$?
