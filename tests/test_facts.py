@@ -90,3 +90,22 @@ def test_topk_limit_and_error_counters_agree_with_the_kernels():
     ``errors()``), so Python keeps them; the kernels' must be the same."""
     assert buffer.MAX_TOPK == _C.max_topk()
     assert list(buffer.ERROR_COUNTERS) == _C.error_counter_names()
+
+
+def test_fast_divisor_divides_exactly():
+    """The kernels map expert ids to ranks (and work units to rows) with FastDivisor's
+    multiply-high; it must equal integer division for every 32-bit numerator and divisor."""
+    rng = np.random.default_rng(0)
+    edges = [0, 1, 2, 3, 255, 256, 257, 2**16 - 1, 2**16, 2**31 - 1, 2**31, 2**32 - 2,
+             2**32 - 1]
+    divisors = [*range(1, 300), 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 1,
+                *rng.integers(1, 2**32, 200).tolist()]
+    for d in divisors:
+        numerators = [*edges, *range(0, 3 * d + 3 if d < 1000 else 1000),
+                      *rng.integers(0, 2**32, 200).tolist()]
+        got = _C.fast_divide(d, numerators)
+        want = [n // d for n in numerators]
+        assert got == want, (d, [(n, g, w) for n, g, w in zip(numerators, got, want,
+                                                               strict=True) if g != w][:5])
+    with pytest.raises(ValueError, match="divisor"):
+        _C.fast_divide(0, [1])
