@@ -5,6 +5,7 @@ launcher itself (``JAX_EP_NUM_PROCESSES`` set) these tests skip: they start laun
 """
 
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -250,3 +251,29 @@ def test_fake_hosts_group_consecutive_processes():
     for bad in (0, 3, 5):
         with pytest.raises(ValueError, match="--fake-hosts must divide"):
             launch.child_environments(4, "h:1", platform="cpu", fake_hosts=bad)
+
+
+def test_multihost_suite_on_fake_hosts():
+    """tests/test_multihost.py (the real-cluster tests, ``-m multihost``) on 2 processes
+    under ``--fake-hosts 2``: they run, and say that their hosts were fake."""
+    proc, _ = run_launcher("-n", "2", "--devices-per-process", "4", "--fake-hosts", "2",
+                           "--timeout", "200", "--", sys.executable, "-m", "pytest", "-q", "-s",
+                           "-p", "no:cacheprovider", "-m", "multihost", "tests/test_multihost.py",
+                           timeout=240, extra_env={"JAX_EP_JOIN_TIMEOUT_S": "60"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for rank in range(2):
+        lines = lines_of(proc.stdout, rank)
+        assert any(line.startswith("multihost: fake hosts") for line in lines), out[-6000:]
+        summary = [line for line in lines if " passed" in line]
+        assert summary and summary[-1].startswith("2 passed"), out[-6000:]
+
+
+def test_multihost_suite_on_one_host_skips_saying_so():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           "-m", "multihost", "tests/test_multihost.py"],
+                          cwd=launching.ROOT, capture_output=True, text=True, timeout=120,
+                          env=launching.child_env("cpu", None))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "2 skipped" in out, out[-3000:]
+    assert "not run here" in out, out[-3000:]
