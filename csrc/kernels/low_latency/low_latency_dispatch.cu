@@ -107,6 +107,8 @@ constexpr int kBf16PerVector = kBytesPerVector / 2;
 
 constexpr uint32_t kFullMask = 0xffffffffu;
 
+// How a row splits into receive units: chunks of at most kRecvPiecesPerUnit pieces, whole scale
+// groups each.
 struct RowChunks {
   int pieces;        // 16-channel pieces of a row
   int num_chunks;    // units per row
@@ -345,8 +347,6 @@ __device__ __forceinline__ void copy_peer_row(const DispatchArgs& args, const ch
   }
 }
 
-// How a row splits into receive units: chunks of at most kRecvPiecesPerUnit pieces, whole scale
-// groups each.
 // One receive work unit: pieces [chunk * chunk_pieces, +chunk_pieces) of the row of (local
 // expert, source, slot), written to output row `out_row` of the expert's block (own rows: from
 // x, cast; peer rows: from the region once their flag has the tag), and at chunk 0 its
