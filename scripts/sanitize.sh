@@ -45,14 +45,14 @@ for mode in $MODES; do
     if [[ $mode == ep1 ]]; then
       cmd=("${san[@]}" pytest -m gpu -v -p no:cacheprovider -k "$SAN_K" $SAN_TESTS)
     else
-      tests=(pytest -m gpu -v -p no:cacheprovider "${SHARED_DESELECT[@]}" -k "$SAN_K" $SAN_TESTS)
+      pytest_cmd=(pytest -m gpu -v -p no:cacheprovider "${SHARED_DESELECT[@]}" -k "$SAN_K" $SAN_TESTS)
       launch=(python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout "$((${SAN_S:-240} - 10))" --)
       if [[ $mode == shared ]]; then
-        cmd=("${launch[@]}" "${san[@]}" "${tests[@]}")
+        cmd=("${launch[@]}" "${san[@]}" "${pytest_cmd[@]}")
       else  # shared-rank0
         # shellcheck disable=SC2016
         cmd=("${launch[@]}" bash -c 'if [[ $JAX_EP_PROCESS_ID == 0 ]]; then exec "$@"; fi
-          while [[ $1 != pytest ]]; do shift; done; exec "$@"' _ "${san[@]}" "${tests[@]}")
+          while [[ $1 != pytest ]]; do shift; done; exec "$@"' _ "${san[@]}" "${pytest_cmd[@]}")
       fi
     fi
     log="$LOGS/$mode-$tool.log"; s=$(date +%s)
