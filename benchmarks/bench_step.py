@@ -22,7 +22,10 @@ cost of a call cancels):
   both programs and cancels out.)
 - ``kernel_us``: the device's busy time (the sum of every kernel's and copy's duration, from a
   CUPTI trace through ``jax.profiler``): what the GPU works; ``ep_kernel_us``: of that, jax_ep's
-  own kernels;
+  own kernels; ``device_span_us``: from a call's first kernel start to its last kernel end in
+  the same trace, so ``device_span_us - kernel_us`` is the device's idle time inside the
+  program and ``time_us - device_span_us`` what the host adds around it (traced calls: the
+  profiler may change both);
 - ``enqueue_us``: the host time until the call returns (XLA enqueues the work): when it is
   larger than ``kernel_us`` the GPU waits for the host.
 Writes ``<out>/<machine>-<date>-step[-tag].json`` (one record per op, impl, dtype) and prints a
@@ -256,10 +259,12 @@ def host_clocks(fn, args, repeats):
 
 
 def device_busy_us(fn, args, calls=3, by_kernel=None, gaps=None):
-    """``(all, ours)``: the sum of the durations of every GPU kernel and copy of one call, and
-    of jax_ep's own kernels alone (mean of ``calls`` traced calls); the maximum over this
-    process's devices. ``by_kernel`` (a dict), when given, gets the time per kernel name;
-    ``gaps`` the device's idle time inside a call per pair of consecutive kernels."""
+    """``(all, ours, span)``: the sum of the durations of every GPU kernel and copy of one call,
+    of jax_ep's own kernels alone (means of ``calls`` traced calls), and the device span of a
+    call (its first kernel's start to its last kernel's end: idle time inside the program
+    included; median); the maximum over this process's devices. ``by_kernel`` (a dict), when
+    given, gets the time per kernel name; ``gaps`` the device's idle time inside a call per pair
+    of consecutive kernels."""
     from jax.profiler import ProfileData  # noqa: PLC0415
 
     trace_dir = tempfile.mkdtemp(prefix="jax_ep_step_trace_")
@@ -267,26 +272,36 @@ def device_busy_us(fn, args, calls=3, by_kernel=None, gaps=None):
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
     path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
-    busy, ours = [], []
+    busy, ours, spans = [], [], []
     for plane in ProfileData.from_file(path).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        events = [e for line in plane.lines if "stream" in line.name.lower()
-                  for e in line.events]
+        events = sorted((e for line in plane.lines if "stream" in line.name.lower()
+                         for e in line.events), key=lambda e: e.start_ns)
+        if not events:
+            continue
         busy.append(sum(e.duration_ns for e in events) / 1e3 / calls)
         ours.append(sum(e.duration_ns for e in events if "jax_ep" in e.name) / 1e3 / calls)
         if by_kernel is not None:
             for e in events:
                 name = e.name[:100]
                 by_kernel[name] = by_kernel.get(name, 0.0) + e.duration_ns / 1e3 / calls
+        # The calls are separated by the host's round trip, longer than any idle time inside a
+        # call: the calls - 1 longest idle times are the boundaries.
+        idle = [(b.start_ns - (a.start_ns + a.duration_ns), i + 1)
+                for i, (a, b) in enumerate(zip(events, events[1:], strict=False))]
+        cuts = sorted(i for _, i in sorted(idle, reverse=True)[:calls - 1])
+        per_call = [events[a:b] for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True)]
+        spans.append(statistics.median(
+            (max(e.start_ns + e.duration_ns for e in c) - c[0].start_ns) / 1e3 for c in per_call))
         if gaps is not None:
-            ordered = sorted(events, key=lambda e: e.start_ns)
-            for a, b in zip(ordered, ordered[1:], strict=False):
-                idle = (b.start_ns - (a.start_ns + a.duration_ns)) / 1e3
-                if 0 < idle < 1000:  # inside a call, not between calls
-                    key = f"{a.name[:45]} -> {b.name[:45]}"
-                    gaps[key] = gaps.get(key, 0.0) + idle / calls
-    return (max(busy), max(ours)) if busy else (None, None)
+            for call in per_call:
+                for a, b in zip(call, call[1:], strict=False):
+                    gap = (b.start_ns - (a.start_ns + a.duration_ns)) / 1e3
+                    if gap > 0:
+                        key = f"{a.name[:45]} -> {b.name[:45]}"
+                        gaps[key] = gaps.get(key, 0.0) + gap / calls
+    return (max(busy), max(ours), max(spans)) if busy else (None, None, None)
 
 
 def host_events(fn, args, calls=10, top=30):
@@ -318,23 +333,22 @@ def host_events(fn, args, calls=10, top=30):
 
 
 def measure(programs, args, repeats, trace):
-    """Per step: (time_us, kernel_us, ep_kernel_us, enqueue_us, walls) from the N_SHORT and
-    N_LONG programs."""
+    """Per step: (time_us, kernel_us, ep_kernel_us, device_span_us, enqueue_us, walls) from the
+    N_SHORT and N_LONG programs."""
     clocks = {}
     for _ in range(2):  # interleave: drift hits both programs
         for n, fn in programs.items():
             clocks.setdefault(n, []).append(host_clocks(fn, args, repeats // 2 or 1))
     enq = {n: statistics.median(c[0] for c in v) for n, v in clocks.items()}
     wall = {n: statistics.median(c[1] for c in v) for n, v in clocks.items()}
-    span = N_LONG - N_SHORT
-    kernel = ours = None
+    layers = N_LONG - N_SHORT
+    per_layer = [None, None, None]  # kernel_us, ep_kernel_us, device_span_us
     if trace:
         busy = {n: device_busy_us(fn, args) for n, fn in programs.items()}
         if busy[N_LONG][0] is not None:
-            kernel = (busy[N_LONG][0] - busy[N_SHORT][0]) / span
-            ours = (busy[N_LONG][1] - busy[N_SHORT][1]) / span
-    return ((wall[N_LONG] - wall[N_SHORT]) / span, kernel, ours,
-            (enq[N_LONG] - enq[N_SHORT]) / span, wall)
+            per_layer = [(busy[N_LONG][j] - busy[N_SHORT][j]) / layers for j in range(3)]
+    return ((wall[N_LONG] - wall[N_SHORT]) / layers, *per_layer,
+            (enq[N_LONG] - enq[N_SHORT]) / layers, wall)
 
 
 def build_programs(mesh, step, backward, make_carry, donate, residual):
@@ -385,7 +399,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
                               residual=not args.bare)
     call_args = step_inputs(mesh, tokens, args, seed=7)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
-    time_us, kernel_us, ep_kernel_us, enqueue_us, wall = measure(
+    time_us, kernel_us, ep_kernel_us, span_us, enqueue_us, wall = measure(
         programs, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep" and bc.on_gpu():
         kernels, gaps = {}, {}
@@ -406,6 +420,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
               "topk": args.topk, "carry": args.carry, "bare": args.bare,
               "time_us": time_us, "kernel_us": kernel_us,
               "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
+              "device_span_us": span_us,
               "enqueue_us": enqueue_us, "wall_short_us": wall[N_SHORT],
               "wall_long_us": wall[N_LONG]}
     if counts_before is not None:
