@@ -2,9 +2,11 @@
 
 Python stands in for the kernels: it pushes commands into the same rings the device side of
 EmulatedTransport fills, numpy arrays stand in for every rank's registered regions, and the
-proxy runs step by step over host memcpy. Rank 0 issues; its region 0 is the send region. Ranks
-1 and 2 are peers with a data region 0 and a signal region 1.
+proxy runs over host memcpy, step by step or on its own thread. Rank 0 issues; its region 0 is
+the send region. Ranks 1 and 2 are peers with a data region 0 and a signal region 1.
 """
+
+import time
 
 import numpy as np
 import pytest
@@ -350,3 +352,67 @@ def test_ring_under_concurrent_producers():
     expected = ((i * 131 + 7) >> 4).astype(np.uint8)
     assert errors == 0
     assert np.array_equal(np.frombuffer(dst, np.uint8), expected)
+
+
+# ------------------------------------------------------------ the proxy on its own thread
+
+
+def test_proxy_thread_delivers_while_commands_arrive():
+    """The proxy on its own thread (ProxyThread, as it runs next to the kernels): puts pushed
+    into a ring smaller than them all, torn and delayed, land while the thread runs; a warp's
+    quiet is acknowledged without anyone stepping the proxy."""
+    world = World(seed=3, capacity=4, num_warps=2, chunk_bytes=16, max_delay_steps=3)
+    world.queue.start_thread()
+    assert world.queue.thread_running()
+    pushed_puts(world, 60, rows=32, warp=0)
+    pushed_puts(world, 60, rows=32, warp=1, peer=2)
+    quiet = world.queue.quiet(1)
+    deadline = time.monotonic() + 10
+    while not world.queue.quiet_done(1, quiet):  # what the device's quiet() spins on
+        assert time.monotonic() < deadline, "the thread never acknowledged the quiet"
+        time.sleep(1e-4)
+    assert np.array_equal(world.data[2][: 60 * 32], world.send[: 60 * 32])  # warp 1's puts
+    assert world.queue.wait_drained(10)
+    assert np.array_equal(world.data[1][: 60 * 32], world.send[: 60 * 32])
+    assert world.queue.take_errors() == []
+    world.queue.stop_thread()
+    assert not world.queue.thread_running() and world.guards_untouched()
+
+
+def test_proxy_thread_reports_each_error_once_and_keeps_going():
+    world = World(seed=4)
+    world.queue.start_thread()
+    world.queue.put(0, 1, DATA, 0, SEND, 0, 64)
+    bad = [world.queue.put(0, 1, DATA, 4096, SEND, 0, 64),
+           world.queue.put(0, 2, DATA, 8, SEND, 0, 32)]
+    world.queue.put(0, 2, DATA, 0, SEND, 64, 64)
+    assert world.queue.wait_drained(10)
+    errors = world.queue.take_errors()
+    assert [(e[0], e[2]) for e in errors] == [("destination_out_of_region", bad[0]),
+                                              ("misaligned", bad[1])], errors
+    assert world.queue.take_errors() == []  # taken once
+    assert np.array_equal(world.data[1][:64], world.send[:64])
+    assert np.array_equal(world.data[2][:64], world.send[64:128])
+    world.queue.stop_thread()
+    assert world.guards_untouched()
+
+
+def test_stopping_the_proxy_thread_delivers_what_was_pushed():
+    world = World(seed=6, capacity=8, max_delay_steps=5)
+    world.queue.start_thread()
+    pushed_puts(world, 50, rows=64)
+    world.queue.stop_thread()  # no wait: stop itself drains
+    assert np.array_equal(world.data[1][: 50 * 64], world.send[: 50 * 64])
+    assert world.queue.errors() == []  # the proxy is Python's again
+
+
+def test_the_proxy_belongs_to_its_thread_while_it_runs():
+    world = World(seed=0)
+    world.queue.start_thread()
+    for call in (world.queue.poll, world.queue.step, world.queue.run, world.queue.idle,
+                 world.queue.deliveries, world.queue.errors):
+        with pytest.raises(RuntimeError, match="stop_thread"):
+            call()
+    world.queue.stop_thread()
+    assert world.queue.idle()
+    assert not world.queue.wait_drained(0.1)  # no thread: nothing can drain

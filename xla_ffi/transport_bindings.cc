@@ -1,7 +1,9 @@
 // jax_ep._C.EmulatedQueueForTests: the host proxy of the emulated transport over host memory, for
 // the CPU tests of its queue logic (tests/test_transport_emulator.py). Python stands in for the
 // kernels: it pushes commands into the same rings, with the same layout, as the device side of
-// EmulatedTransport does, and numpy arrays stand in for every rank's registered regions.
+// EmulatedTransport does, and numpy arrays stand in for every rank's registered regions. The
+// proxy runs either step by step from Python or on its own thread (ProxyThread), as it will
+// next to the kernels.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -9,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -21,6 +24,7 @@
 #include "transport/command_ring.h"
 #include "transport/host_memcpy_executor.h"
 #include "transport/host_proxy.h"
+#include "transport/proxy_thread.h"
 
 namespace nb = nanobind;
 
@@ -71,6 +75,7 @@ class EmulatedQueueForTests {
     options.max_delay_steps = max_delay_steps;
     options.snapshot_sources = snapshot_sources;
     proxy_ = std::make_unique<HostProxy>(rank, options, &executor_);
+    thread_ = std::make_unique<transport::ProxyThread>(proxy_.get());
     for (int q = 0; q < num_queues; ++q) {
       rings_.push_back(std::make_unique<HostRing>(capacity, num_warps));
       proxy_->add_queue(rings_.back()->view);
@@ -125,18 +130,34 @@ class EmulatedQueueForTests {
     return ack >= position + 1;
   }
 
-  uint64_t poll() { return proxy_->poll(); }
-  bool step() { return proxy_->step(); }
-  uint64_t run(uint64_t max_steps) { return proxy_->run_until_idle(max_steps); }
-  bool idle() const { return proxy_->idle(); }
+  uint64_t poll() { return stepping()->poll(); }
+  bool step() { return stepping()->step(); }
+  uint64_t run(uint64_t max_steps) { return stepping()->run_until_idle(max_steps); }
+  bool idle() { return stepping()->idle(); }
+
+  // The proxy on its own thread (ProxyThread): pushes keep going, poll/step/run are refused.
+  void start_thread() { thread_->start(); }
+  void stop_thread() {
+    nb::gil_scoped_release release;
+    thread_->stop();
+  }
+  bool thread_running() const { return thread_->running(); }
+  bool wait_drained(double timeout_s) {
+    nb::gil_scoped_release release;
+    return thread_->wait_drained(std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9)));
+  }
+  // (kind, queue, position, message) of the errors the thread found since the last call.
+  std::vector<std::tuple<std::string, int, uint64_t, std::string>> take_errors() {
+    return error_rows(thread_->take_errors());
+  }
 
   // (kind, queue, position, warp, peer, offset, bytes, value); kind: data / signal / quiet_ack.
   std::vector<std::tuple<std::string, int, uint64_t, uint32_t, int, uint64_t, uint64_t, uint64_t>>
-  deliveries() const {
+  deliveries() {
     static const char* kinds[] = {"data", "signal", "quiet_ack"};
     std::vector<std::tuple<std::string, int, uint64_t, uint32_t, int, uint64_t, uint64_t, uint64_t>>
         out;
-    for (const transport::Delivery& d : proxy_->deliveries()) {
+    for (const transport::Delivery& d : stepping()->deliveries()) {
       out.emplace_back(kinds[d.kind], d.queue, d.position, d.warp, d.peer, d.offset, d.bytes,
                        d.value);
     }
@@ -144,15 +165,28 @@ class EmulatedQueueForTests {
   }
 
   // (kind, queue, position, message).
-  std::vector<std::tuple<std::string, int, uint64_t, std::string>> errors() const {
+  std::vector<std::tuple<std::string, int, uint64_t, std::string>> errors() {
+    return error_rows(stepping()->errors());
+  }
+
+ private:
+  static std::vector<std::tuple<std::string, int, uint64_t, std::string>> error_rows(
+      const std::vector<transport::ProxyError>& errors) {
     std::vector<std::tuple<std::string, int, uint64_t, std::string>> out;
-    for (const transport::ProxyError& e : proxy_->errors()) {
+    for (const transport::ProxyError& e : errors) {
       out.emplace_back(transport::proxy_error_name(e.kind), e.queue, e.position, e.message);
     }
     return out;
   }
 
- private:
+  // The proxy, for calls from Python: only while no thread owns it.
+  HostProxy* stepping() {
+    if (thread_->running()) {
+      throw std::logic_error("the proxy thread owns the proxy: stop_thread() first");
+    }
+    return proxy_.get();
+  }
+
   static void fill_put(TransportCommand& c, int peer, uint32_t dst_region, uint64_t dst_offset,
                        uint32_t src_region, uint64_t src_offset, uint64_t bytes) {
     c.peer = peer;
@@ -179,8 +213,12 @@ class EmulatedQueueForTests {
     if (fence_pending_[warp]) c.flags |= transport::kFenceBefore;
     fence_pending_[warp] = false;
     HostRing& ring = ring_of(warp);
-    // A full ring: the device would wait for the proxy; here nobody else runs it.
-    while (ring.reserve - ring.consumed >= ring.view.capacity) proxy_->poll();
+    if (!thread_->running()) {
+      // A full ring: the device would wait for the proxy; here nobody else runs it.
+      while (ring.reserve - ring.consumed >= ring.view.capacity) proxy_->poll();
+      return transport::host_push_command(ring.view, c);
+    }
+    nb::gil_scoped_release release;  // waits while the thread frees slots
     return transport::host_push_command(ring.view, c);
   }
 
@@ -191,6 +229,8 @@ class EmulatedQueueForTests {
   std::vector<std::unique_ptr<HostRing>> rings_;
   std::unique_ptr<HostProxy> proxy_;
   std::vector<nb::object> owners_;
+  // Last: destroyed first, so the thread stops before what it writes into goes away.
+  std::unique_ptr<transport::ProxyThread> thread_;
 };
 
 // Producers on their own threads push `commands_per_producer` puts each through one small ring
@@ -282,7 +322,16 @@ void add_transport_test_functions(nb::module_& m) {
       .def("run", &EmulatedQueueForTests::run, nb::arg("max_steps") = uint64_t{1} << 24)
       .def("idle", &EmulatedQueueForTests::idle)
       .def("deliveries", &EmulatedQueueForTests::deliveries)
-      .def("errors", &EmulatedQueueForTests::errors);
+      .def("errors", &EmulatedQueueForTests::errors)
+      .def("start_thread", &EmulatedQueueForTests::start_thread,
+           "Runs the proxy on its own thread (as next to the kernels) until stop_thread().")
+      .def("stop_thread", &EmulatedQueueForTests::stop_thread,
+           "Delivers what was pushed before the call, then stops the thread.")
+      .def("thread_running", &EmulatedQueueForTests::thread_running)
+      .def("wait_drained", &EmulatedQueueForTests::wait_drained, nb::arg("timeout_s"),
+           "True once everything pushed before the call was delivered; False after timeout_s.")
+      .def("take_errors", &EmulatedQueueForTests::take_errors,
+           "The errors the thread found since the last call, each once.");
   m.def("transport_ring_stress", &ring_stress, nb::arg("producers"),
         nb::arg("commands_per_producer"), nb::arg("capacity"), nb::arg("seed") = 0,
         "Producer threads against the proxy on one small ring (tests only).");
