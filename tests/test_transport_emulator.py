@@ -398,11 +398,14 @@ def test_proxy_thread_reports_each_error_once_and_keeps_going():
 
 
 def test_stopping_the_proxy_thread_delivers_what_was_pushed():
-    world = World(seed=6, capacity=8, max_delay_steps=5)
+    """stop_thread() right after the pushes, while most of them are still pending (torn into
+    16-byte chunks and delayed: far more steps than the pushes take), delivers them all."""
+    world = World(data_bytes=2048 * 64, seed=6, capacity=2048, chunk_bytes=16,
+                  max_delay_steps=20)
     world.queue.start_thread()
-    pushed_puts(world, 50, rows=64)
+    pushed_puts(world, 2048, rows=64)
     world.queue.stop_thread()  # no wait: stop itself drains
-    assert np.array_equal(world.data[1][: 50 * 64], world.send[: 50 * 64])
+    assert np.array_equal(world.data[1], world.send)
     assert world.queue.errors() == []  # the proxy is Python's again
 
 
