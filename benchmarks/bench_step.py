@@ -13,9 +13,9 @@ The peers run the same step with ``jax.lax.all_to_all`` (capacity-padded) and
 ``jax.lax.ragged_all_to_all`` (benchmarks/bench_common.py).
 
 Each program chains ``N`` steps like the layers of a model (step i+1 takes step i's output as
-its tokens, each layer its own routing), and only the last output leaves the program. Three
-measures per step, each the difference of N=12 and N=2 programs divided by 10 (so the fixed
-cost of a call cancels):
+its tokens, each layer its own routing), and only the last output leaves the program. The
+measures per step are each the difference of N=12 and N=2 programs divided by 10 (so the fixed
+cost of a call cancels; N=3 and 1 with ``--quick``):
 - ``time_us``: wall time, from the call to its results being ready (what the program pays);
   each call is waited for before the next. (Calls made back to back do not work with the
   difference: the host's fixed cost per call, larger than a short program's GPU work, bounds
@@ -51,8 +51,11 @@ import jax.numpy as jnp
 
 IMPLS = ("jax_ep", "all_to_all", "ragged_all_to_all")
 OPS = ("decode_step", "normal_step", "normal_train_step")
-N_SHORT, N_LONG = 2, 12
-QUICK = {"tokens": 64, "ll_tokens": 8, "hidden": 256, "experts": 16, "repeats": 3}
+LAYERS = (2, 12)  # the short and the long program's layers
+# --quick: CPU tests; 1 and 3 layers exercise the same code as 2 and 12 at a third of the
+# compile time.
+QUICK = {"tokens": 64, "ll_tokens": 8, "hidden": 256, "experts": 16, "repeats": 3,
+         "layers": (1, 3)}
 
 
 def parse_args(argv):
@@ -83,6 +86,7 @@ def parse_args(argv):
     p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
     p.add_argument("--tag")
     args = p.parse_args(argv)
+    args.layers = LAYERS
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -208,7 +212,7 @@ def chained(step, num_steps, backward, residual=True):
     a serving loop keeps its state buffers from step to step. Without ``residual`` layer i's
     output is layer i+1's input as it is."""
 
-    def forward(x, idx, w, carry):  # idx, w: N_LONG arrays [T, K], layer i takes the i-th
+    def forward(x, idx, w, carry):  # idx, w: one [T, K] array per layer, layer i the i-th
         for i in range(num_steps):
             out, carry = step(x, idx[i], w[i], carry)
             x = ((x.astype(jnp.float32) * 0.5 + out.astype(jnp.float32) * 0.5).astype(x.dtype)
@@ -334,38 +338,39 @@ def host_events(fn, args, calls=10, top=30):
 
 def measure(programs, args, repeats, trace):
     """Per step: (time_us, kernel_us, ep_kernel_us, device_span_us, enqueue_us, walls) from the
-    N_SHORT and N_LONG programs."""
+    short and the long program (``programs`` by their layer counts)."""
+    short, long = sorted(programs)
     clocks = {}
     for _ in range(2):  # interleave: drift hits both programs
         for n, fn in programs.items():
             clocks.setdefault(n, []).append(host_clocks(fn, args, repeats // 2 or 1))
     enq = {n: statistics.median(c[0] for c in v) for n, v in clocks.items()}
     wall = {n: statistics.median(c[1] for c in v) for n, v in clocks.items()}
-    layers = N_LONG - N_SHORT
+    layers = long - short
     per_layer = [None, None, None]  # kernel_us, ep_kernel_us, device_span_us
     if trace:
         busy = {n: device_busy_us(fn, args) for n, fn in programs.items()}
-        if busy[N_LONG][0] is not None:
-            per_layer = [(busy[N_LONG][j] - busy[N_SHORT][j]) / layers for j in range(3)]
-    return ((wall[N_LONG] - wall[N_SHORT]) / layers, *per_layer,
-            (enq[N_LONG] - enq[N_SHORT]) / layers, wall)
+        if busy[long][0] is not None:
+            per_layer = [(busy[long][j] - busy[short][j]) / layers for j in range(3)]
+    return ((wall[long] - wall[short]) / layers, *per_layer,
+            (enq[long] - enq[short]) / layers, wall)
 
 
-def build_programs(mesh, step, backward, make_carry, donate, residual):
+def build_programs(mesh, step, backward, make_carry, donate, residual, layers):
     return {n: CarriedProgram(bc.shard_mapped(mesh, chained(step, n, backward, residual), 4,
                                               donate=(3,) if donate else ()), make_carry())
-            for n in (N_SHORT, N_LONG)}
+            for n in layers}
 
 
 def step_inputs(mesh, tokens, args, seed):
-    """Tokens ``[R*T, H]`` and N_LONG routings, one ``([R*T, K], [R*T, K])`` pair per layer,
-    each its own argument (sharded along the tokens like everything else): a layer's routing
+    """Tokens ``[R*T, H]`` and, per layer of the long program, a routing ``([R*T, K], [R*T,
+    K])``, each its own argument (sharded along the tokens like everything else): a routing
     is then a buffer of its own, as a model's router makes it, where slicing one stacked array
     cost two copy kernels per layer (~2 us each at T=4096 on an H200) that no model runs."""
     R = mesh.shape[bc.AXIS]
     x = bc.random_rows(mesh, seed, (R * tokens, args.hidden))
     routings = [bc.random_routing(mesh, seed + 1 + i, tokens, args.experts, args.topk)
-                for i in range(N_LONG)]
+                for i in range(args.layers[1])]
     idx = tuple(r[0] for r in routings)
     w = tuple(r[1] for r in routings)
     return x, idx, w
@@ -396,22 +401,23 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
                          out_shardings=bc.sharded(mesh))
     # Called as a user calls a jitted step (its C++ fast path), compiled by the warm-up calls.
     programs = build_programs(mesh, step, backward, make_carry, args.carry == "donated",
-                              residual=not args.bare)
+                              residual=not args.bare, layers=args.layers)
+    short, long = args.layers
     call_args = step_inputs(mesh, tokens, args, seed=7)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
     time_us, kernel_us, ep_kernel_us, span_us, enqueue_us, wall = measure(
         programs, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep" and bc.on_gpu():
         kernels, gaps = {}, {}
-        device_busy_us(programs[N_LONG], call_args, by_kernel=kernels, gaps=gaps)
-        print(f"kernels of one {op} ({dtype}) program of {N_LONG} steps, us per call:")
+        device_busy_us(programs[long], call_args, by_kernel=kernels, gaps=gaps)
+        print(f"kernels of one {op} ({dtype}) program of {long} steps, us per call:")
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
             print(f"  {us:9.1f} us  {name}")
-        print(f"device idle between kernels, one program of {N_LONG} steps, us per call:")
+        print(f"device idle between kernels, one program of {long} steps, us per call:")
         for name, us in sorted(gaps.items(), key=lambda kv: -kv[1])[:10]:
             print(f"  {us:9.1f} us  {name}")
-        record_host = host_events(programs[N_LONG], call_args)
-        print(f"host events of one {op} ({dtype}) program of {N_LONG} steps, "
+        record_host = host_events(programs[long], call_args)
+        print(f"host events of one {op} ({dtype}) program of {long} steps, "
               "us and count per call:")
         for name, us, count in record_host:
             print(f"  {us:9.1f} us  x{count:6.1f}  {name}")
@@ -421,8 +427,8 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
               "time_us": time_us, "kernel_us": kernel_us,
               "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
               "device_span_us": span_us,
-              "enqueue_us": enqueue_us, "wall_short_us": wall[N_SHORT],
-              "wall_long_us": wall[N_LONG]}
+              "enqueue_us": enqueue_us, "wall_short_us": wall[short],
+              "wall_long_us": wall[long], "layers": list(args.layers)}
     if counts_before is not None:
         calls, captured = (a - b for a, b in zip(_handler_counts(jax_ep), counts_before,
                                                  strict=True))
