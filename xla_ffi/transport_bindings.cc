@@ -10,7 +10,6 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -234,9 +233,9 @@ class EmulatedQueueForTests {
 };
 
 // Producers on their own threads push `commands_per_producer` puts each through one small ring
-// while this thread runs the proxy: the ring's claim / publish / consume protocol under real
-// concurrency, with wrap-around. Each put copies a distinct 16-byte source row to a distinct
-// destination row. Returns the destination (as bytes) and the proxy's error count.
+// while the proxy runs on its ProxyThread: the ring's claim / publish / consume protocol under
+// real concurrency, with wrap-around. Each put copies a distinct 16-byte source row to a
+// distinct destination row. Returns the destination (as bytes) and the proxy's error count.
 std::tuple<nb::bytes, uint64_t> ring_stress(int producers, uint64_t commands_per_producer,
                                             uint64_t capacity, uint64_t seed) {
   const uint64_t rows = producers * commands_per_producer;
@@ -251,10 +250,10 @@ std::tuple<nb::bytes, uint64_t> ring_stress(int producers, uint64_t commands_per
   proxy.register_region(0, 0, src.data(), src.size());
   proxy.register_region(1, 0, dst.data(), dst.size());
   proxy.add_queue(ring.view);
-  uint64_t errors = 0;
   {
     nb::gil_scoped_release release;
-    std::atomic<int> running{producers};
+    transport::ProxyThread thread(&proxy);
+    thread.start();
     std::vector<std::thread> threads;
     for (int p = 0; p < producers; ++p) {
       threads.emplace_back([&, p] {
@@ -269,18 +268,12 @@ std::tuple<nb::bytes, uint64_t> ring_stress(int producers, uint64_t commands_per
           c.bytes = 16;
           transport::host_push_command(ring.view, c);
         }
-        running.fetch_sub(1, std::memory_order_release);
       });
     }
-    while (running.load(std::memory_order_acquire) > 0 || !proxy.idle()) {
-      proxy.poll();
-      if (!proxy.step()) std::this_thread::yield();
-    }
     for (std::thread& t : threads) t.join();
-    proxy.run_until_idle(~uint64_t{0});
-    errors = proxy.errors().size();
+    thread.stop();  // delivers everything pushed
   }
-  return {nb::bytes(reinterpret_cast<const char*>(dst.data()), dst.size()), errors};
+  return {nb::bytes(reinterpret_cast<const char*>(dst.data()), dst.size()), proxy.errors().size()};
 }
 
 }  // namespace
