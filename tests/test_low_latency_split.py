@@ -9,12 +9,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import ep_mesh, require_gpus
-from harness import fetch, run_sharded, shard_spec, sharded_loss
+from harness import fetch, run_sharded, shard_spec, sharded_loss, sharded_program
 from jax.sharding import Mesh
 from test_low_latency import (
-    FP8_MODES,
     HIDDEN,
-    ROUTINGS,
+    ROUTING_FP8_CASES,
     T_MAX,
     E,
     K,
@@ -58,8 +57,8 @@ def split_combine(buf, y, idx, w, handle):
         buf, jax_ep.low_latency_combine_send(buf, y, idx, w, handle))
 
 
-@pytest.mark.parametrize("use_fp8,round_scale", FP8_MODES)
-@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize(("backend", "routing", "use_fp8", "round_scale"), ROUTING_FP8_CASES,
+                         indirect=["backend"])
 def test_split_equals_fused(backend, rng, routing, use_fp8, round_scale):
     mesh = ep_mesh(backend)
     R = mesh.shape["ep"]
@@ -182,11 +181,12 @@ def test_repeated_calls_with_changing_inputs(backend, rng):
             return outs
         return step
 
+    fused = sharded_program(mesh, program(["fused"] * steps))
     for kinds in (["split"] * steps, ["split", "fused", "split"]):
+        mixed = sharded_program(mesh, program(kinds))
         for _ in range(2):  # the second run starts at the parity the first one left
             x, idx, w = inputs()
-            got = run_sharded(mesh, program(kinds), x, idx, w)
-            want = run_sharded(mesh, program(["fused"] * steps), x, idx, w)
+            got, want = mixed(x, idx, w), fused(x, idx, w)
             for g, wnt in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                 np.testing.assert_array_equal(bits(g), bits(wnt))
             for i, (count, _, _) in enumerate(got):
