@@ -419,3 +419,17 @@ def test_the_proxy_belongs_to_its_thread_while_it_runs():
     world.queue.stop_thread()
     assert world.queue.idle()
     assert not world.queue.wait_drained(0.1)  # no thread: nothing can drain
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_ranks": 9}, "num_ranks"),
+    ({"row_bytes": 24}, "row_bytes"),
+    ({"rounds": 0}, "rounds"),
+    ({"transport": "nvlink"}, "transport"),
+    ({"mutant": "drop_quiet"}, "mutant"),
+    ({"ordering": "random"}, "ordering"),
+])
+def test_transport_probe_refuses_bad_arguments_before_touching_a_gpu(kwargs, message):
+    # The GPU test of both transports is tests/test_transport_gpu.py.
+    with pytest.raises(ValueError, match=message):
+        _C.transport_probe(**kwargs)

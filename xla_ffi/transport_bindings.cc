@@ -3,7 +3,8 @@
 // kernels: it pushes commands into the same rings, with the same layout, as the device side of
 // EmulatedTransport does, and numpy arrays stand in for every rank's registered regions. The
 // proxy runs either step by step from Python or on its own thread (ProxyThread), as it will
-// next to the kernels.
+// next to the kernels. jax_ep._C.transport_probe: the same proxy behind real kernels on a GPU
+// (csrc/transport/probe.h; tests/test_transport_gpu.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -17,12 +18,14 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "targets.h"
 #include "transport/command_ring.h"
 #include "transport/host_memcpy_executor.h"
 #include "transport/host_proxy.h"
+#include "transport/probe.h"
 #include "transport/proxy_thread.h"
 
 namespace nb = nanobind;
@@ -276,6 +279,62 @@ std::tuple<nb::bytes, uint64_t> ring_stress(int producers, uint64_t commands_per
   return {nb::bytes(reinterpret_cast<const char*>(dst.data()), dst.size()), proxy.errors().size()};
 }
 
+transport::ProbeMutant parse_mutant(const std::string& name) {
+  static const std::pair<const char*, transport::ProbeMutant> kMutants[] = {
+      {"none", transport::ProbeMutant::kNone},
+      {"no_fence", transport::ProbeMutant::kNoFence},
+      {"signal_before_data", transport::ProbeMutant::kSignalBeforeData},
+      {"reuse_before_quiet", transport::ProbeMutant::kReuseBeforeQuiet},
+      {"unregistered_source", transport::ProbeMutant::kUnregisteredSource}};
+  for (const auto& [mutant_name, mutant] : kMutants) {
+    if (name == mutant_name) return mutant;
+  }
+  throw std::invalid_argument(
+      "mutant must be none, no_fence, signal_before_data, "
+      "reuse_before_quiet or unregistered_source, not '" +
+      name + "'");
+}
+
+// The transport probe (probe.h) on the current GPU; a dict of what the receivers saw.
+nb::dict transport_probe(const std::string& transport_name, const std::string& mutant,
+                         int num_ranks, int warps_per_rank, int rows, int row_bytes, int rounds,
+                         const std::string& ordering, uint64_t seed, uint64_t chunk_bytes,
+                         uint32_t max_delay_steps, bool snapshot_sources,
+                         double receive_timeout_s) {
+  transport::ProbeConfig config;
+  if (transport_name == "mapped") {
+    config.transport = transport::ProbeTransport::kMapped;
+  } else if (transport_name == "emulated") {
+    config.transport = transport::ProbeTransport::kEmulated;
+  } else {
+    throw std::invalid_argument("transport must be 'mapped' or 'emulated'");
+  }
+  config.mutant = parse_mutant(mutant);
+  config.num_ranks = num_ranks;
+  config.warps_per_rank = warps_per_rank;
+  config.rows = rows;
+  config.row_bytes = row_bytes;
+  config.rounds = rounds;
+  config.proxy.ordering = parse_ordering(ordering);
+  config.proxy.seed = seed;
+  config.proxy.chunk_bytes = chunk_bytes;
+  config.proxy.max_delay_steps = max_delay_steps;
+  config.proxy.snapshot_sources = snapshot_sources;
+  config.receive_timeout_s = receive_timeout_s;
+  transport::ProbeResult result;
+  {
+    nb::gil_scoped_release release;
+    result = transport::run_transport_probe(config);
+  }
+  nb::dict out;
+  out["bad_rows"] = result.bad_rows;
+  out["timeouts"] = result.timeouts;
+  out["proxy_errors"] = result.proxy_errors;
+  out["cuda_error"] = result.cuda_error;
+  out["seconds"] = result.seconds;
+  return out;
+}
+
 }  // namespace
 
 void add_transport_test_functions(nb::module_& m) {
@@ -328,6 +387,15 @@ void add_transport_test_functions(nb::module_& m) {
   m.def("transport_ring_stress", &ring_stress, nb::arg("producers"),
         nb::arg("commands_per_producer"), nb::arg("capacity"), nb::arg("seed") = 0,
         "Producer threads against the proxy on one small ring (tests only).");
+  m.def("transport_probe", &transport_probe, nb::arg("transport") = "emulated",
+        nb::arg("mutant") = "none", nb::arg("num_ranks") = 2, nb::arg("warps_per_rank") = 4,
+        nb::arg("rows") = 16, nb::arg("row_bytes") = 512, nb::arg("rounds") = 3,
+        nb::arg("ordering") = "unordered", nb::arg("seed") = 0, nb::arg("chunk_bytes") = 0,
+        nb::arg("max_delay_steps") = 0, nb::arg("snapshot_sources") = false,
+        nb::arg("receive_timeout_s") = 2.0,
+        "An all-to-all exchange between emulated ranks on the current GPU over the 'mapped' or "
+        "the 'emulated' transport, optionally with one protocol rule broken (`mutant`); returns "
+        "bad_rows, timeouts, proxy_errors, cuda_error, seconds (tests only).");
 }
 
 }  // namespace jax_ep
