@@ -433,3 +433,17 @@ def test_transport_probe_refuses_bad_arguments_before_touching_a_gpu(kwargs, mes
     # The GPU test of both transports is tests/test_transport_gpu.py.
     with pytest.raises(ValueError, match=message):
         _C.transport_probe(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_ranks": 9}, "num_ranks"),
+    ({"num_experts": 30}, "num_experts"),
+    ({"hidden": 100}, "hidden"),
+    ({"warps_per_rank": 0}, "warps_per_rank"),
+    ({"transport": "nvlink"}, "transport"),
+    ({"ordering": "random"}, "ordering"),
+])
+def test_low_latency_transport_refuses_bad_arguments_before_touching_a_gpu(kwargs, message):
+    args = dict(num_ranks=8, num_experts=32, num_topk=4, max_tokens=8, hidden=256)
+    with pytest.raises(ValueError, match=message):
+        _C.LowLatencyTransportForTests(**{**args, **kwargs})

@@ -10,6 +10,7 @@ ends the CUDA context, and must not take the rest of the GPU suite with it.
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -105,3 +106,67 @@ def test_an_unregistered_source_is_refused_and_named(results):
         assert r["proxy_errors"], (seed, r)
         assert all(e.startswith("source_out_of_region") for e in r["proxy_errors"]), (seed, r)
         assert r["bad_rows"] > 0, (seed, r)  # nothing was delivered, the signals were
+
+
+# The low-latency ops over each transport (tests/transport_exchange.py, one child process).
+EXCHANGE_CASES = {
+    "mapped": dict(transport="mapped"),
+    **{f"emulated/{ordering}/{seed}": dict(transport="emulated", ordering=ordering, seed=seed,
+                                           **HARSH)
+       for ordering in ("unordered", "in_order") for seed in range(3)},
+    # Few slots and warps: combine quiets and reuses its staging slots many times per call.
+    "emulated/tight": dict(transport="emulated", warps_per_rank=1, seed=7, **HARSH),
+}
+
+
+# Each breaks one rule in the kernels: some call of the case must then fail its check, or the
+# proxy must report the error. A single warp with two combine slots reuses slots constantly.
+EXCHANGE_MUTANTS = {
+    f"{mutant}/{seed}": dict(transport="emulated", mutant=mutant, seed=seed, warps_per_rank=1,
+                             combine_slots=2, timeout_s=5.0, **HARSH)
+    for mutant in ("no_fence", "signal_before_data", "reuse_before_quiet",
+                   "unregistered_source")
+    for seed in range(2)}
+
+
+def run_exchanges(cases):
+    require_gpus(1)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport_exchange.py")
+    proc = subprocess.run([sys.executable, script, json.dumps(cases)],
+                          capture_output=True, text=True, timeout=900)
+    got = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            got[record.pop("case")] = record
+    assert proc.returncode == 0 and set(got) == set(cases), (
+        f"the exchange child failed after {sorted(got)}:\n{proc.stdout[-2000:]}\n"
+        f"{proc.stderr[-3000:]}")
+    return got
+
+
+@pytest.fixture(scope="module")
+def exchanges():
+    return run_exchanges(EXCHANGE_CASES)
+
+
+@pytest.fixture(scope="module")
+def mutant_exchanges():
+    return run_exchanges(EXCHANGE_MUTANTS)
+
+
+@pytest.mark.parametrize("case", sorted(EXCHANGE_CASES))
+def test_low_latency_ops_over_a_transport_match_the_oracle(exchanges, case):
+    result = exchanges[case]
+    assert result["ok"], result["error"]
+    assert result["proxy_errors"] == [], result["proxy_errors"]
+
+
+@pytest.mark.parametrize("mutant", ["no_fence", "signal_before_data", "reuse_before_quiet",
+                                    "unregistered_source"])
+def test_every_kernel_mutant_is_caught_by_the_emulator(mutant_exchanges, mutant):
+    for seed in range(2):
+        result = mutant_exchanges[f"{mutant}/{seed}"]
+        assert not result["ok"] or result["proxy_errors"], (mutant, seed, result)
+        if mutant == "unregistered_source":
+            assert any(e.startswith("source_out_of_region") for e in result["proxy_errors"])

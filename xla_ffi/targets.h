@@ -36,5 +36,8 @@ void add_fact_functions(nanobind::module_& m);
 // EmulatedQueueForTests and the ring stress test: the transport's host proxy on CPU
 // (transport_bindings.cc).
 void add_transport_test_functions(nanobind::module_& m);
+// LowLatencyTransportForTests: the low-latency ops over a device transport, every rank on one
+// GPU (low_latency_transport_bindings.cc).
+void add_low_latency_transport_test_functions(nanobind::module_& m);
 
 }  // namespace jax_ep

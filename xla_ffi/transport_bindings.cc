@@ -18,7 +18,6 @@
 #include <string>
 #include <thread>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "targets.h"
@@ -279,22 +278,6 @@ std::tuple<nb::bytes, uint64_t> ring_stress(int producers, uint64_t commands_per
   return {nb::bytes(reinterpret_cast<const char*>(dst.data()), dst.size()), proxy.errors().size()};
 }
 
-transport::ProbeMutant parse_mutant(const std::string& name) {
-  static const std::pair<const char*, transport::ProbeMutant> kMutants[] = {
-      {"none", transport::ProbeMutant::kNone},
-      {"no_fence", transport::ProbeMutant::kNoFence},
-      {"signal_before_data", transport::ProbeMutant::kSignalBeforeData},
-      {"reuse_before_quiet", transport::ProbeMutant::kReuseBeforeQuiet},
-      {"unregistered_source", transport::ProbeMutant::kUnregisteredSource}};
-  for (const auto& [mutant_name, mutant] : kMutants) {
-    if (name == mutant_name) return mutant;
-  }
-  throw std::invalid_argument(
-      "mutant must be none, no_fence, signal_before_data, "
-      "reuse_before_quiet or unregistered_source, not '" +
-      name + "'");
-}
-
 // The transport probe (probe.h) on the current GPU; a dict of what the receivers saw.
 nb::dict transport_probe(const std::string& transport_name, const std::string& mutant,
                          int num_ranks, int warps_per_rank, int rows, int row_bytes, int rounds,
@@ -309,7 +292,7 @@ nb::dict transport_probe(const std::string& transport_name, const std::string& m
   } else {
     throw std::invalid_argument("transport must be 'mapped' or 'emulated'");
   }
-  config.mutant = parse_mutant(mutant);
+  config.mutant = transport::mutant_named(mutant);
   config.num_ranks = num_ranks;
   config.warps_per_rank = warps_per_rank;
   config.rows = rows;

@@ -3,29 +3,27 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
-#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/common/copy.cuh"
 #include "kernels/common/sync.cuh"
-#include "transport/cuda_copy_executor.h"
+#include "transport/emulated_ranks.h"
 #include "transport/emulated_transport.cuh"
 #include "transport/mapped_transport.cuh"
-#include "transport/proxy_thread.h"
 
 namespace jax_ep {
 namespace transport {
 namespace {
 
-// The regions every emulated rank registers; kNowhere is never registered (a mutant's source).
+// The regions every emulated rank registers.
 constexpr uint32_t kSendRegion = 0;
 constexpr uint32_t kReceiveRegion = 1;
 constexpr uint32_t kSignalRegion = 2;
 constexpr uint32_t kNumRegions = 3;
-constexpr uint32_t kNowhere = 7;
 constexpr int kMaxProbeRanks = 8;
 constexpr int kMaxProbeWarps = 32;
 constexpr uint64_t kRingCapacity = 1024;
@@ -38,7 +36,7 @@ struct ProbeArgs {
   int rows;
   int row_bytes;
   uint32_t round;
-  ProbeMutant mutant;
+  Mutant mutant;
   uint64_t receive_timeout_ns;
   uint64_t transport_timeout_ns;
   int4* out;                     // [receiver][source][rows][row_bytes / 16]
@@ -125,8 +123,7 @@ __global__ void __launch_bounds__(kWarpSize) probe_kernel(ProbeArgs a) {
     uint64_t mine = 0;  // rows this warp puts to `peer`; the warps' shares add up to a.rows
     for (int row = warp; row < a.rows; row += a.warps_per_rank) ++mine;
     if (mine == 0) continue;
-    if (a.mutant == ProbeMutant::kSignalBeforeData)
-      t.signal(peer, signal, mine, SignalOp::kAdd, lane);
+    if (a.mutant == Mutant::kSignalBeforeData) t.signal(peer, signal, mine, SignalOp::kAdd, lane);
     for (int row = warp; row < a.rows; row += a.warps_per_rank) {
       const SymmetricAddress staged = staged_at(peer, row);
       int4* slot = reinterpret_cast<int4*>(t.local(staged));
@@ -134,18 +131,19 @@ __global__ void __launch_bounds__(kWarpSize) probe_kernel(ProbeArgs a) {
         slot[v] = probe_vector(rank, peer, row, a.round, v, false);
       }
       const SymmetricAddress source{
-          a.mutant == ProbeMutant::kUnregisteredSource ? kNowhere : kSendRegion, staged.offset};
+          a.mutant == Mutant::kUnregisteredSource ? kUnregisteredRegion : kSendRegion,
+          staged.offset};
       const SymmetricAddress destination{kReceiveRegion,
                                          (static_cast<uint64_t>(rank) * a.rows + row) * row_bytes};
       t.put(peer, destination, source, row_bytes, lane);
     }
-    if (a.mutant != ProbeMutant::kSignalBeforeData) {
+    if (a.mutant != Mutant::kSignalBeforeData) {
       // The signal must not overtake this warp's puts to `peer`: fence (rule 2).
-      if (a.mutant != ProbeMutant::kNoFence) t.fence(lane);
+      if (a.mutant != Mutant::kNoFence) t.fence(lane);
       t.signal(peer, signal, mine, SignalOp::kAdd, lane);
     }
   }
-  if (a.mutant == ProbeMutant::kReuseBeforeQuiet) {  // rule 3: slots are reused after quiet only
+  if (a.mutant == Mutant::kReuseBeforeQuiet) {  // rule 3: slots are reused after quiet only
     for (int peer = 0; peer < a.num_ranks; ++peer) {
       for (int row = warp; row < a.rows; row += a.warps_per_rank) {
         int4* slot = reinterpret_cast<int4*>(t.local(staged_at(peer, row)));
@@ -175,60 +173,6 @@ __global__ void __launch_bounds__(kWarpSize) probe_kernel(ProbeArgs a) {
   }
 }
 
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(status) + " (" +
-                             cudaGetErrorString(status) + ")");
-  }
-}
-
-// Every allocation of one probe, freed when it goes out of scope (after the proxies stopped).
-class Allocations {
- public:
-  ~Allocations() {
-    cudaDeviceSynchronize();
-    for (void* p : device_) cudaFree(p);
-    for (void* p : pinned_) cudaFreeHost(p);
-  }
-  void* device_zeroed(size_t bytes) {
-    void* p = nullptr;
-    check_cuda(cudaMalloc(&p, bytes), "cudaMalloc");
-    device_.push_back(p);
-    check_cuda(cudaMemset(p, 0, bytes), "cudaMemset");
-    return p;
-  }
-  // Pinned host memory mapped into the device: the same pointer on both sides (UVA).
-  void* pinned_zeroed(size_t bytes) {
-    void* p = nullptr;
-    check_cuda(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
-               "cudaHostAlloc");
-    pinned_.push_back(p);
-    std::memset(p, 0, bytes);
-    void* device = nullptr;
-    check_cuda(cudaHostGetDevicePointer(&device, p, 0), "cudaHostGetDevicePointer");
-    if (device != p) throw std::runtime_error("pinned memory without unified addressing");
-    return p;
-  }
-
- private:
-  std::vector<void*> device_;
-  std::vector<void*> pinned_;
-};
-
-// One emulated rank's proxy: its copy stream, executor, proxy and thread (destroyed in reverse:
-// the thread stops before the proxy and the executor go away).
-struct RankProxy {
-  struct Stream {
-    cudaStream_t stream = nullptr;
-    ~Stream() {
-      if (stream != nullptr) cudaStreamDestroy(stream);
-    }
-  } copy_stream;
-  std::unique_ptr<CudaCopyExecutor> executor;
-  std::unique_ptr<HostProxy> proxy;
-  std::unique_ptr<ProxyThread> thread;
-};
-
 void validate(const ProbeConfig& c) {
   auto require = [](bool ok, const char* message) {
     if (!ok) throw std::invalid_argument(message);
@@ -252,14 +196,16 @@ ProbeResult run_transport_probe(const ProbeConfig& config) {
   const uint64_t region_bytes[kNumRegions] = {exchange_bytes, exchange_bytes,
                                               static_cast<uint64_t>(ranks) * sizeof(uint64_t)};
   ProbeResult result;
-  Allocations memory;
+  DeviceArena memory;
 
   ProbeArgs args = {};
   std::vector<char*> bases(static_cast<size_t>(ranks) * kNumRegions);
+  std::vector<std::vector<std::pair<void*, uint64_t>>> regions(ranks);
   for (int r = 0; r < ranks; ++r) {
     for (uint32_t region = 0; region < kNumRegions; ++region) {
-      bases[r * kNumRegions + region] =
-          static_cast<char*>(memory.device_zeroed(region_bytes[region]));
+      char* base = static_cast<char*>(memory.device_zeroed(region_bytes[region]));
+      bases[r * kNumRegions + region] = base;
+      regions[r].emplace_back(base, region_bytes[region]);
     }
   }
   char** device_bases = static_cast<char**>(memory.device_zeroed(bases.size() * sizeof(char*)));
@@ -282,41 +228,16 @@ ProbeResult run_transport_probe(const ProbeConfig& config) {
   std::vector<std::unique_ptr<RankProxy>> proxies;
   if (emulated) {
     for (int r = 0; r < ranks; ++r) {
-      RingView ring;
-      ring.slots = static_cast<TransportCommand*>(
-          memory.pinned_zeroed(kRingCapacity * sizeof(TransportCommand)));
-      ring.capacity = kRingCapacity;
-      ring.reserve = static_cast<uint64_t*>(memory.device_zeroed(sizeof(uint64_t)));
-      ring.consumed = static_cast<uint64_t*>(memory.pinned_zeroed(sizeof(uint64_t)));
-      ring.acks =
-          static_cast<uint64_t*>(memory.pinned_zeroed(config.warps_per_rank * sizeof(uint64_t)));
-      ring.num_warps = static_cast<uint32_t>(config.warps_per_rank);
-      args.rings[r] = ring;
-
-      auto rank_proxy = std::make_unique<RankProxy>();
-      check_cuda(cudaStreamCreateWithFlags(&rank_proxy->copy_stream.stream, cudaStreamNonBlocking),
-                 "cudaStreamCreateWithFlags");
-      rank_proxy->executor = std::make_unique<CudaCopyExecutor>(rank_proxy->copy_stream.stream);
+      args.rings[r] =
+          make_ring(memory, kRingCapacity, static_cast<uint32_t>(config.warps_per_rank));
       ProxyOptions options = config.proxy;
       options.seed = config.proxy.seed + static_cast<uint64_t>(r);
       options.log_deliveries = false;
-      rank_proxy->proxy = std::make_unique<HostProxy>(r, options, rank_proxy->executor.get());
-      for (int peer = 0; peer < ranks; ++peer) {
-        for (uint32_t region = 0; region < kNumRegions; ++region) {
-          rank_proxy->proxy->register_region(peer, region, bases[peer * kNumRegions + region],
-                                             region_bytes[region]);
-        }
-      }
-      rank_proxy->proxy->add_queue(ring);
-      rank_proxy->thread = std::make_unique<ProxyThread>(rank_proxy->proxy.get());
-      rank_proxy->thread->start();
-      proxies.push_back(std::move(rank_proxy));
+      proxies.push_back(std::make_unique<RankProxy>(r, options, args.rings[r], regions));
     }
   }
 
-  RankProxy::Stream kernel_stream;
-  check_cuda(cudaStreamCreateWithFlags(&kernel_stream.stream, cudaStreamNonBlocking),
-             "cudaStreamCreateWithFlags");
+  OwnedStream kernel_stream;
   const size_t vectors_per_row = row_bytes / kBytesPerVector;
   std::vector<int4> seen(out_bytes / sizeof(int4));
   const auto start = std::chrono::steady_clock::now();
@@ -360,11 +281,10 @@ ProbeResult run_transport_probe(const ProbeConfig& config) {
   check_cuda(cudaMemcpy(&result.timeouts, args.timeouts, sizeof(uint64_t), cudaMemcpyDeviceToHost),
              "cudaMemcpy (timeouts)");
   for (std::unique_ptr<RankProxy>& p : proxies) {
-    p->thread->stop();
-    for (const ProxyError& e : p->thread->take_errors()) result.proxy_errors.push_back(e.message);
-    if (!p->executor->error().empty() && result.cuda_error.empty()) {
-      result.cuda_error = p->executor->error();
-    }
+    RankProxy::Report report = p->stop();
+    if (result.cuda_error.empty()) result.cuda_error = report.cuda_error;
+    result.proxy_errors.insert(result.proxy_errors.end(), report.errors.begin(),
+                               report.errors.end());
   }
   return result;
 }

@@ -16,23 +16,16 @@
 #include <vector>
 
 #include "transport/host_proxy.h"
+#include "transport/mutant.h"
 
 namespace jax_ep {
 namespace transport {
 
 enum class ProbeTransport { kMapped = 0, kEmulated = 1 };
 
-enum class ProbeMutant : int32_t {
-  kNone = 0,
-  kNoFence = 1,             // the signal may overtake the puts it is meant to cover
-  kSignalBeforeData = 2,    // the signal is sent before the puts
-  kReuseBeforeQuiet = 3,    // the staged rows are overwritten before the warp's quiet
-  kUnregisteredSource = 4,  // puts name a source region nobody registered
-};
-
 struct ProbeConfig {
   ProbeTransport transport = ProbeTransport::kEmulated;
-  ProbeMutant mutant = ProbeMutant::kNone;
+  Mutant mutant = Mutant::kNone;
   int num_ranks = 2;       // emulated ranks, all on the current device
   int warps_per_rank = 4;  // one warp per block
   int rows = 16;           // rows each rank sends to each rank

@@ -1,0 +1,76 @@
+// Several ranks on one GPU for the GPU tests of the transports: their memory, and for the emulated
+// transport each rank's ring, proxy, copy executor and proxy thread (the transport probe, probe.h,
+// and the low-latency ops over a transport share them).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/command_ring.h"
+#include "transport/cuda_copy_executor.h"
+#include "transport/host_proxy.h"
+#include "transport/proxy_thread.h"
+
+namespace jax_ep {
+namespace transport {
+
+// Throws std::runtime_error naming `what` on a CUDA failure.
+void check_cuda(cudaError_t status, const char* what);
+
+// Every allocation of one test object, freed (after a device synchronisation) when it goes.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  ~DeviceArena();
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  void* device_zeroed(size_t bytes);
+  // Pinned host memory mapped into the device, zeroed: the same pointer on both sides (UVA).
+  void* pinned_zeroed(size_t bytes);
+
+ private:
+  std::vector<void*> device_;
+  std::vector<void*> pinned_;
+};
+
+// A stream that is destroyed with its owner.
+struct OwnedStream {
+  OwnedStream();  // non-blocking: it never waits for the legacy default stream
+  ~OwnedStream();
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  cudaStream_t stream = nullptr;
+};
+
+// A ring of `capacity` slots (a power of two) for `num_warps` warps, in `arena`.
+RingView make_ring(DeviceArena& arena, uint64_t capacity, uint32_t num_warps);
+
+// One emulated rank's proxy on its own thread, executing through copy-engine copies on a stream
+// of its own. Members are destroyed in reverse order: the thread stops first.
+class RankProxy {
+ public:
+  // `regions[rank][region]` = (base, bytes) of every rank's registered regions.
+  RankProxy(int rank, const ProxyOptions& options, const RingView& ring,
+            const std::vector<std::vector<std::pair<void*, uint64_t>>>& regions);
+
+  struct Report {
+    std::string cuda_error;           // the executor's first CUDA failure, empty if none
+    std::vector<std::string> errors;  // the proxy's, as "kind: message (where)"
+  };
+  // Delivers what was published, stops the thread and reports what went wrong.
+  Report stop();
+
+ private:
+  OwnedStream copy_stream_;
+  std::unique_ptr<CudaCopyExecutor> executor_;
+  std::unique_ptr<HostProxy> proxy_;
+  std::unique_ptr<ProxyThread> thread_;
+};
+
+}  // namespace transport
+}  // namespace jax_ep
