@@ -51,20 +51,25 @@ for name, kwargs in json.loads(sys.argv[1]).items():
 """
 
 
-@pytest.fixture(scope="module")
-def results():
+def run_child(command, cases, timeout):
+    """Runs `command + [json of cases]` and returns {case: its JSON record}; fails naming the
+    cases that did report when the child dies (a transport timeout traps the child)."""
     require_gpus(1)
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases())],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*command, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=timeout)
     got = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
             got[record.pop("case")] = record
-    assert proc.returncode == 0 and set(got) == set(cases()), (
-        f"the probe child failed after {sorted(got)}:\n{proc.stdout[-2000:]}\n"
-        f"{proc.stderr[-3000:]}")
+    assert proc.returncode == 0 and set(got) == set(cases), (
+        f"the child failed after {sorted(got)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return got
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_child([sys.executable, "-c", CHILD], cases(), timeout=600)
 
 
 def assert_clean(result, name):
@@ -129,30 +134,17 @@ EXCHANGE_MUTANTS = {
     for seed in range(2)}
 
 
-def run_exchanges(cases):
-    require_gpus(1)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport_exchange.py")
-    proc = subprocess.run([sys.executable, script, json.dumps(cases)],
-                          capture_output=True, text=True, timeout=900)
-    got = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            got[record.pop("case")] = record
-    assert proc.returncode == 0 and set(got) == set(cases), (
-        f"the exchange child failed after {sorted(got)}:\n{proc.stdout[-2000:]}\n"
-        f"{proc.stderr[-3000:]}")
-    return got
+EXCHANGE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport_exchange.py")
 
 
 @pytest.fixture(scope="module")
 def exchanges():
-    return run_exchanges(EXCHANGE_CASES)
+    return run_child([sys.executable, EXCHANGE_SCRIPT], EXCHANGE_CASES, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def mutant_exchanges():
-    return run_exchanges(EXCHANGE_MUTANTS)
+    return run_child([sys.executable, EXCHANGE_SCRIPT], EXCHANGE_MUTANTS, timeout=900)
 
 
 @pytest.mark.parametrize("case", sorted(EXCHANGE_CASES))

@@ -30,12 +30,6 @@ using transport::RankProxy;
 
 constexpr uint64_t kRingCapacity = 4096;
 
-transport::Ordering ordering_named(const std::string& name) {
-  if (name == "unordered") return transport::Ordering::kUnordered;
-  if (name == "in_order") return transport::Ordering::kInOrderPerQueue;
-  throw std::invalid_argument("ordering must be 'unordered' or 'in_order'");
-}
-
 class LowLatencyTransportForTests {
  public:
   LowLatencyTransportForTests(int num_ranks, int num_experts, int num_topk, int max_tokens,
@@ -55,7 +49,7 @@ class LowLatencyTransportForTests {
     if (num_topk < 1 || max_tokens < 1 || warps_per_rank < 1 || warps_per_rank > 32) {
       throw std::invalid_argument("num_topk, max_tokens >= 1; warps_per_rank 1 to 32");
     }
-    const transport::Ordering order = ordering_named(ordering);
+    const transport::Ordering order = transport::ordering_named(ordering);
     launch_.mutant = transport::mutant_named(mutant);
     if (combine_slots < 1) throw std::invalid_argument("combine_slots: at least 1");
     if (transport_name == "mapped") {

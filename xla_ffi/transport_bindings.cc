@@ -53,12 +53,6 @@ struct HostRing {
   RingView view;
 };
 
-transport::Ordering parse_ordering(const std::string& name) {
-  if (name == "unordered") return transport::Ordering::kUnordered;
-  if (name == "in_order") return transport::Ordering::kInOrderPerQueue;
-  throw std::invalid_argument("ordering must be 'unordered' (EFA-like) or 'in_order' (IB-like)");
-}
-
 class EmulatedQueueForTests {
  public:
   EmulatedQueueForTests(int rank, int num_queues, uint64_t capacity, uint32_t num_warps,
@@ -70,7 +64,7 @@ class EmulatedQueueForTests {
     }
     if (chunk_bytes % 16 != 0) throw std::invalid_argument("chunk_bytes: a multiple of 16");
     transport::ProxyOptions options;
-    options.ordering = parse_ordering(ordering);
+    options.ordering = transport::ordering_named(ordering);
     options.seed = seed;
     options.chunk_bytes = chunk_bytes;
     options.max_delay_steps = max_delay_steps;
@@ -298,7 +292,7 @@ nb::dict transport_probe(const std::string& transport_name, const std::string& m
   config.rows = rows;
   config.row_bytes = row_bytes;
   config.rounds = rounds;
-  config.proxy.ordering = parse_ordering(ordering);
+  config.proxy.ordering = transport::ordering_named(ordering);
   config.proxy.seed = seed;
   config.proxy.chunk_bytes = chunk_bytes;
   config.proxy.max_delay_steps = max_delay_steps;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 #include <utility>
 
 namespace jax_ep {
@@ -45,6 +46,12 @@ const char* proxy_error_name(ProxyErrorKind kind) {
       return "source_reused";
   }
   return "unknown";
+}
+
+Ordering ordering_named(const std::string& name) {
+  if (name == "unordered") return Ordering::kUnordered;
+  if (name == "in_order") return Ordering::kInOrderPerQueue;
+  throw std::invalid_argument("ordering must be 'unordered' (EFA-like) or 'in_order' (IB-like)");
 }
 
 HostProxy::HostProxy(int rank, const ProxyOptions& options, TransportExecutor* executor)

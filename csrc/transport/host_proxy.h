@@ -59,6 +59,9 @@ enum class ProxyErrorKind {
 
 const char* proxy_error_name(ProxyErrorKind kind);
 
+// "unordered" or "in_order" (the tests' names); throws std::invalid_argument otherwise.
+Ordering ordering_named(const std::string& name);
+
 struct ProxyError {
   ProxyErrorKind kind;
   int queue;
