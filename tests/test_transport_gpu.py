@@ -1,11 +1,18 @@
-"""Both device transports on a GPU (csrc/transport/probe.h, docs/transport.md): an all-to-all
-exchange between emulated ranks on one GPU, written once against the transport interface, runs
-over the mapped transport (the warp's own stores) and over the emulated one (rings in pinned
-memory, the host proxy on its thread, copy-engine copies). Every row a receiver sees must be
-the row that was sent, under many seeds of the proxy's reordering, tearing and delays; and each
-mutant that breaks one rule of the protocol must be caught.
+"""Both device transports on a GPU (docs/transport.md), in two layers:
 
-The cases run in one child process: a transport that hangs traps after its bounded wait, which
+- the transport probe (csrc/transport/probe.h): an all-to-all exchange between emulated ranks
+  on one GPU, written once against the transport interface, over the mapped transport (the
+  warp's own stores) and the emulated one (rings in pinned memory, the host proxy on its thread,
+  copy-engine copies);
+- the low-latency dispatch and combine over a transport
+  (csrc/kernels/low_latency/low_latency_transport.h) against the NumPy oracle
+  (tests/transport_exchange.py).
+
+Every row a receiver sees must be the row that was sent, under many seeds of the proxy's
+reordering, tearing and delays; and each mutant that breaks one rule of the protocol
+(transport/mutant.h) must be caught.
+
+The cases run in child processes: a transport that hangs traps after its bounded wait, which
 ends the CUDA context, and must not take the rest of the GPU suite with it.
 """
 
@@ -129,9 +136,7 @@ EXCHANGE_CASES = {
 EXCHANGE_MUTANTS = {
     f"{mutant}/{seed}": dict(transport="emulated", mutant=mutant, seed=seed, warps_per_rank=1,
                              combine_slots=2, timeout_s=5.0, **HARSH)
-    for mutant in ("no_fence", "signal_before_data", "reuse_before_quiet",
-                   "unregistered_source")
-    for seed in range(2)}
+    for mutant in MUTANTS for seed in range(2)}
 
 
 EXCHANGE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport_exchange.py")
@@ -154,8 +159,7 @@ def test_low_latency_ops_over_a_transport_match_the_oracle(exchanges, case):
     assert result["proxy_errors"] == [], result["proxy_errors"]
 
 
-@pytest.mark.parametrize("mutant", ["no_fence", "signal_before_data", "reuse_before_quiet",
-                                    "unregistered_source"])
+@pytest.mark.parametrize("mutant", MUTANTS)
 def test_every_kernel_mutant_is_caught_by_the_emulator(mutant_exchanges, mutant):
     for seed in range(2):
         result = mutant_exchanges[f"{mutant}/{seed}"]
