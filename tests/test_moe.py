@@ -226,9 +226,21 @@ def _assert_close(got, want, tol, name):
                                err_msg=name)
 
 
-@pytest.mark.parametrize("chunk_items", [None, 2], ids=["one_chunk", "chunks_of_2_items"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", sorted(GROUPED_CASES))
+# Every group layout with both chunkings (the scan over chunks is where layouts and chunks
+# meet); the dtype, which only changes the rounding, alternates.
+def _grouped_matmul_cases():
+    dtypes = [(jnp.float32, "f32"), (jnp.bfloat16, "bf16")]
+    chunkings = [(None, "one_chunk"), (2, "chunks_of_2_items")]
+    cases = []
+    for i, case in enumerate(sorted(GROUPED_CASES)):
+        for j, (chunk_items, chunk_id) in enumerate(chunkings):
+            dtype, dtype_id = dtypes[(i + j) % 2]
+            cases.append(pytest.param(case, dtype, chunk_items,
+                                      id=f"{case}-{dtype_id}-{chunk_id}"))
+    return cases
+
+
+@pytest.mark.parametrize(("case", "dtype", "chunk_items"), _grouped_matmul_cases())
 def test_grouped_matmul_matches_ragged_dot(case, dtype, chunk_items, monkeypatch):
     x, w, sizes, ct, tile = _grouped_operands(case, dtype)
     if chunk_items is not None:  # many chunks (a lax.scan), the unused ones skipped
