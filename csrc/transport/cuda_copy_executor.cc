@@ -5,6 +5,7 @@ namespace transport {
 
 CudaCopyExecutor::CudaCopyExecutor(cudaStream_t stream, uint32_t signal_slots)
     : stream_(stream), slots_(signal_slots == 0 ? 1 : signal_slots) {
+  ok(cudaGetDevice(&device_), "cudaGetDevice");
   ok(cudaHostAlloc(reinterpret_cast<void**>(&staging_), slots_ * sizeof(uint64_t),
                    cudaHostAllocDefault),
      "cudaHostAlloc");
@@ -26,13 +27,22 @@ bool CudaCopyExecutor::ok(cudaError_t status, const char* what) {
   return false;
 }
 
+bool CudaCopyExecutor::on_device() {
+  // A new thread starts on device 0; the proxy's thread is not the one that built us.
+  thread_local int current = -1;
+  if (current == device_) return true;
+  if (!ok(cudaSetDevice(device_), "cudaSetDevice")) return false;
+  current = device_;
+  return true;
+}
+
 void CudaCopyExecutor::copy(void* dst, const void* src, uint64_t bytes) {
-  if (!error_.empty()) return;
+  if (!error_.empty() || !on_device()) return;
   ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync (data)");
 }
 
 void CudaCopyExecutor::write_signal(uint64_t* dst, uint64_t value) {
-  if (!error_.empty() || staging_ == nullptr) return;
+  if (!error_.empty() || staging_ == nullptr || !on_device()) return;
   // A staging word may be rewritten only once the copy that reads it has run.
   if (next_slot_ == slots_) {
     complete();
@@ -45,14 +55,14 @@ void CudaCopyExecutor::write_signal(uint64_t* dst, uint64_t value) {
 }
 
 void CudaCopyExecutor::read(void* host_dst, const void* src, uint64_t bytes) {
-  if (!error_.empty()) return;
+  if (!error_.empty() || !on_device()) return;
   if (ok(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync")) {
     ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (read)");
   }
 }
 
 void CudaCopyExecutor::complete() {
-  if (!error_.empty()) return;
+  if (!error_.empty() || !on_device()) return;
   ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
 }
 

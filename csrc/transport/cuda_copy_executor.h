@@ -17,8 +17,10 @@ namespace transport {
 
 class CudaCopyExecutor final : public TransportExecutor {
  public:
-  // `stream`: a stream of the issuing rank's device, used for nothing else. `signal_slots`:
-  // pinned words holding signal values until their copies have run.
+  // `stream`: a stream of the issuing rank's device (the current device of the constructing
+  // thread), used for nothing else. `signal_slots`: pinned words holding signal values until
+  // their copies have run. The operations may run on another thread (the proxy's): each makes
+  // that device current there first.
   explicit CudaCopyExecutor(cudaStream_t stream, uint32_t signal_slots = 4096);
   ~CudaCopyExecutor() override;
   CudaCopyExecutor(const CudaCopyExecutor&) = delete;
@@ -34,8 +36,11 @@ class CudaCopyExecutor final : public TransportExecutor {
 
  private:
   bool ok(cudaError_t status, const char* what);
+  // Makes the executor's device current on the calling thread; false (error kept) if it fails.
+  bool on_device();
 
   cudaStream_t stream_;
+  int device_ = 0;
   uint64_t* staging_ = nullptr;  // pinned host memory
   uint32_t slots_;
   uint32_t next_slot_ = 0;
