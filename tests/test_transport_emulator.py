@@ -442,6 +442,9 @@ def test_transport_probe_refuses_bad_arguments_before_touching_a_gpu(kwargs, mes
     ({"warps_per_rank": 0}, "warps_per_rank"),
     ({"transport": "nvlink"}, "transport"),
     ({"ordering": "random"}, "ordering"),
+    ({"launches": "two"}, "launches"),
+    ({"mutant": "drop_quiet"}, "mutant"),
+    ({"combine_slots": 0}, "combine_slots"),
 ])
 def test_low_latency_transport_refuses_bad_arguments_before_touching_a_gpu(kwargs, message):
     args = dict(num_ranks=8, num_experts=32, num_topk=4, max_tokens=8, hidden=256)

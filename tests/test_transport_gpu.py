@@ -128,6 +128,10 @@ EXCHANGE_CASES = {
        for ordering in ("unordered", "in_order") for seed in range(3)},
     # Few slots and warps: combine quiets and reuses its staging slots many times per call.
     "emulated/tight": dict(transport="emulated", warps_per_rank=1, seed=7, **HARSH),
+    # A launch per rank on its own stream, as an op launches: ranks start and end apart, and
+    # each kernel takes its tag from its own sequence word.
+    "mapped/per_rank": dict(transport="mapped", launches="per_rank"),
+    "emulated/per_rank": dict(transport="emulated", launches="per_rank", seed=3, **HARSH),
 }
 
 

@@ -7,11 +7,14 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -36,7 +39,8 @@ class LowLatencyTransportForTests {
                               int hidden, int warps_per_rank, const std::string& transport_name,
                               const std::string& ordering, uint64_t seed, uint64_t chunk_bytes,
                               uint32_t max_delay_steps, bool snapshot_sources, double timeout_s,
-                              int combine_slots, const std::string& mutant) {
+                              int combine_slots, const std::string& mutant,
+                              const std::string& launches) {
     if (num_ranks < 1 || num_ranks > kTransportMaxRanksPerLaunch) {
       throw std::invalid_argument("num_ranks: 1 to 8");
     }
@@ -52,6 +56,12 @@ class LowLatencyTransportForTests {
     const transport::Ordering order = transport::ordering_named(ordering);
     launch_.mutant = transport::mutant_named(mutant);
     if (combine_slots < 1) throw std::invalid_argument("combine_slots: at least 1");
+    if (launches != "one" && launches != "per_rank") {
+      throw std::invalid_argument(
+          "launches must be 'one' (every rank in one launch) or "
+          "'per_rank' (a launch per rank, each on its own stream)");
+    }
+    per_rank_ = launches == "per_rank";
     if (transport_name == "mapped") {
       kind_ = LowLatencyTransportKind::kMapped;
     } else if (transport_name == "emulated") {
@@ -68,7 +78,9 @@ class LowLatencyTransportForTests {
     shape.warps_per_rank = warps_per_rank;
     shape.combine_slots = combine_slots;
     launch_.layout = make_low_latency_transport_layout(shape);
-    stream_ = std::make_unique<transport::OwnedStream>();
+    for (int r = 0; r < (per_rank_ ? num_ranks : 1); ++r) {
+      streams_.push_back(std::make_unique<transport::OwnedStream>());
+    }
     launch_.rank_base = 0;
     launch_.rank_count = num_ranks;
     launch_.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
@@ -94,6 +106,10 @@ class LowLatencyTransportForTests {
     const size_t received = static_cast<size_t>(shape.num_local()) * num_ranks * max_tokens;
     for (int r = 0; r < num_ranks; ++r) {
       launch_.barrier[r] = static_cast<uint32_t*>(arena_.device_zeroed(sizeof(uint32_t)));
+      for (OpWords* words : {&dispatch_words_, &combine_words_}) {
+        words->sequence[r] = static_cast<uint64_t*>(arena_.device_zeroed(sizeof(uint64_t)));
+        words->finished[r] = static_cast<uint32_t*>(arena_.device_zeroed(sizeof(uint32_t)));
+      }
       x_[r] = arena_.device_zeroed(tokens * hidden * 2);
       idx_[r] = static_cast<int32_t*>(arena_.device_zeroed(tokens * num_topk * 4));
       weights_[r] = static_cast<float*>(arena_.device_zeroed(tokens * num_topk * 4));
@@ -142,8 +158,7 @@ class LowLatencyTransportForTests {
       op.recv_k[r] = recv_k_[r];
       launch_.topk_idx[r] = idx_[r];
     }
-    launch_.tag = ++dispatch_calls_;
-    run(launch_low_latency_transport_dispatch(kind_, launch_, op, stream_->stream), "dispatch");
+    run(dispatch_words_, op, launch_low_latency_transport_dispatch, "dispatch");
     const size_t received = static_cast<size_t>(s.num_local()) * s.num_ranks * s.max_tokens;
     nb::dict out;
     out["recv_x"] = download(recv_x_, received * s.hidden * (use_fp8 ? 1 : 2));
@@ -174,8 +189,7 @@ class LowLatencyTransportForTests {
       op.out[r] = out_[r];
       launch_.topk_idx[r] = idx_[r];
     }
-    launch_.tag = ++combine_calls_;
-    run(launch_low_latency_transport_combine(kind_, launch_, op, stream_->stream), "combine");
+    run(combine_words_, op, launch_low_latency_transport_combine, "combine");
     return download(out_, static_cast<size_t>(num_tokens) * s.hidden * 2);
   }
 
@@ -225,19 +239,69 @@ class LowLatencyTransportForTests {
     return nb::bytes(host.data(), host.size());
   }
 
-  void run(cudaError_t launched, const char* what) {
-    check_cuda(launched, what);
+  // The op's sequence words, per rank.
+  struct OpWords {
+    uint64_t* sequence[kTransportMaxRanksPerLaunch] = {};
+    uint32_t* finished[kTransportMaxRanksPerLaunch] = {};
+  };
+
+  // The launch and op arguments of rank r alone (its arrays at index 0), for a launch per rank.
+  template <typename Op>
+  static Op rank_only(const Op& op, int r) {
+    Op one = op;
+    auto first = [r](auto& array) { array[0] = array[r]; };
+    if constexpr (std::is_same_v<Op, LowLatencyTransportDispatch>) {
+      first(one.x);
+      first(one.recv_x);
+      first(one.recv_scales);
+      first(one.recv_count);
+      first(one.recv_src);
+      first(one.recv_k);
+    } else if constexpr (std::is_same_v<Op, LowLatencyTransportCombine>) {
+      first(one.y);
+      first(one.recv_src);
+      first(one.recv_k);
+      first(one.recv_count);
+      first(one.topk_weights);
+      first(one.out);
+    } else {  // LowLatencyTransportLaunch
+      first(one.rings);
+      first(one.barrier);
+      first(one.sequence);
+      first(one.finished);
+      first(one.topk_idx);
+      one.rank_base = r;
+      one.rank_count = 1;
+    }
+    return one;
+  }
+
+  // Launches the op (every rank at once, or a launch per rank on its own stream) and waits.
+  template <typename Op, typename Launcher>
+  void run(const OpWords& words, const Op& op, Launcher launcher, const char* what) {
+    LowLatencyTransportLaunch launch = launch_;
+    std::copy(std::begin(words.sequence), std::end(words.sequence), std::begin(launch.sequence));
+    std::copy(std::begin(words.finished), std::end(words.finished), std::begin(launch.finished));
+    if (per_rank_) {
+      for (int r = 0; r < launch.rank_count; ++r) {
+        check_cuda(launcher(kind_, rank_only(launch, r), rank_only(op, r), streams_[r]->stream),
+                   what);
+      }
+    } else {
+      check_cuda(launcher(kind_, launch, op, streams_[0]->stream), what);
+    }
     nb::gil_scoped_release release;
-    check_cuda(cudaStreamSynchronize(stream_->stream), what);
+    for (const auto& stream : streams_) check_cuda(cudaStreamSynchronize(stream->stream), what);
   }
 
   // Declaration order is teardown order reversed: the proxies stop before the memory goes.
   DeviceArena arena_;
-  std::unique_ptr<transport::OwnedStream> stream_;  // created once the arguments are checked
+  std::vector<std::unique_ptr<transport::OwnedStream>> streams_;  // one, or one per rank
+  bool per_rank_ = false;
+  OpWords dispatch_words_;
+  OpWords combine_words_;
   LowLatencyTransportKind kind_ = LowLatencyTransportKind::kMapped;
   LowLatencyTransportLaunch launch_;
-  uint64_t dispatch_calls_ = 0;
-  uint64_t combine_calls_ = 0;
   void* x_[kTransportMaxRanksPerLaunch] = {};
   int32_t* idx_[kTransportMaxRanksPerLaunch] = {};
   float* weights_[kTransportMaxRanksPerLaunch] = {};
@@ -258,13 +322,15 @@ void add_low_latency_transport_test_functions(nb::module_& m) {
       m, "LowLatencyTransportForTests",
       "The low-latency dispatch and combine over the 'mapped' or 'emulated' transport, every "
       "rank of the group on the current GPU (tests only).")
-      .def(nb::init<int, int, int, int, int, int, const std::string&, const std::string&, uint64_t,
-                    uint64_t, uint32_t, bool, double, int, const std::string&>(),
-           nb::arg("num_ranks"), nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("max_tokens"),
-           nb::arg("hidden"), nb::arg("warps_per_rank") = 4, nb::arg("transport") = "emulated",
-           nb::arg("ordering") = "unordered", nb::arg("seed") = 0, nb::arg("chunk_bytes") = 0,
-           nb::arg("max_delay_steps") = 0, nb::arg("snapshot_sources") = false,
-           nb::arg("timeout_s") = 10.0, nb::arg("combine_slots") = 8, nb::arg("mutant") = "none")
+      .def(
+          nb::init<int, int, int, int, int, int, const std::string&, const std::string&, uint64_t,
+                   uint64_t, uint32_t, bool, double, int, const std::string&, const std::string&>(),
+          nb::arg("num_ranks"), nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("max_tokens"),
+          nb::arg("hidden"), nb::arg("warps_per_rank") = 4, nb::arg("transport") = "emulated",
+          nb::arg("ordering") = "unordered", nb::arg("seed") = 0, nb::arg("chunk_bytes") = 0,
+          nb::arg("max_delay_steps") = 0, nb::arg("snapshot_sources") = false,
+          nb::arg("timeout_s") = 10.0, nb::arg("combine_slots") = 8, nb::arg("mutant") = "none",
+          nb::arg("launches") = "one")
       .def("dispatch", &LowLatencyTransportForTests::dispatch, nb::arg("x"), nb::arg("topk_idx"),
            nb::arg("num_tokens"), nb::arg("use_fp8") = false, nb::arg("round_scale") = false)
       .def("combine", &LowLatencyTransportForTests::combine, nb::arg("y"), nb::arg("topk_idx"),

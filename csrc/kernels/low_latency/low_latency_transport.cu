@@ -132,6 +132,27 @@ __device__ __forceinline__ void rank_barrier(uint32_t* counter, uint32_t target,
   __syncwarp();
 }
 
+// This call's tag: the rank's completed calls of the op, plus one.
+__device__ __forceinline__ uint64_t call_tag(const LowLatencyTransportLaunch& l, const Warp& w) {
+  return *reinterpret_cast<volatile const uint64_t*>(l.sequence[w.index]) + 1;
+}
+
+// The last warp of the rank to get here advances the op's sequence word to `tag`. Every warp read
+// the word at its start, before this; the next launch of the op on this rank's stream reads it
+// after.
+__device__ __forceinline__ void finish_call(const LowLatencyTransportLaunch& l, const Warp& w,
+                                            uint64_t tag) {
+  __syncwarp();
+  if (w.lane == 0) {
+    __threadfence();
+    uint32_t* finished = l.finished[w.index];
+    if (atomicAdd(finished, 1u) == static_cast<uint32_t>(l.layout.shape.warps_per_rank - 1)) {
+      *reinterpret_cast<volatile uint32_t*>(finished) = 0;
+      *reinterpret_cast<volatile uint64_t*>(l.sequence[w.index]) = tag;
+    }
+  }
+}
+
 // One token's fp8 message: e4m3 channels, then one float scale per 128 channels. Eight aligned
 // lanes hold one scale group (16 channels each).
 __device__ __forceinline__ void stage_fp8(char* message, const int4* x_row, int hidden,
@@ -165,7 +186,8 @@ __global__ void __launch_bounds__(kWarpSize)
   const LowLatencyTransportShape& s = layout.shape;
   const int warps = s.warps_per_rank;
   const int local = s.num_local();
-  const int parity = static_cast<int>(l.tag & 1);
+  const uint64_t tag = call_tag(l, w);
+  const int parity = static_cast<int>(tag & 1);
   const int lane = w.lane;
   Transport t = MakeTransport<Transport>::make(l, w, WaitPhase::kLowLatencyDispatchRecv);
   const int32_t* topk_idx = l.topk_idx[w.index];
@@ -188,7 +210,7 @@ __global__ void __launch_bounds__(kWarpSize)
     }
   }
   // B. Every warp's staged rows are complete before any of them is put.
-  rank_barrier(l.barrier[w.index], static_cast<uint32_t>(warps * l.tag),
+  rank_barrier(l.barrier[w.index], static_cast<uint32_t>(warps * tag),
                wait_of(l, w.rank, WaitPhase::kLowLatencyDispatchRecv), lane);
 
   // C. Put: this warp's global experts, their (token, k) pairs in order.
@@ -219,7 +241,7 @@ __global__ void __launch_bounds__(kWarpSize)
     // The count says "these rows landed": it must not overtake them.
     if (l.mutant != transport::Mutant::kNoFence) t.fence(lane);
     t.signal(dst, in_workspace(layout.count_word(parity, local_expert, w.rank)),
-             pack_tagged_count(l.tag, static_cast<uint32_t>(sent)), SignalOp::kSet, lane);
+             pack_tagged_count(tag, static_cast<uint32_t>(sent)), SignalOp::kSet, lane);
   }
   // D. Every put of this warp has landed: the next call may restage.
   t.quiet(lane);
@@ -235,7 +257,7 @@ __global__ void __launch_bounds__(kWarpSize)
     for (int earlier = 0; earlier <= source; ++earlier) {
       const uint64_t word =
           wait_and_read(t, in_workspace(layout.count_word(parity, expert, earlier)),
-                        pack_tagged_count(l.tag, 0), earlier, lane);
+                        pack_tagged_count(tag, 0), earlier, lane);
       if (earlier < source) {
         offset += static_cast<uint32_t>(word);
       } else {
@@ -276,6 +298,7 @@ __global__ void __launch_bounds__(kWarpSize)
       }
     }
   }
+  finish_call(l, w, tag);
 }
 
 template <typename Transport>
@@ -287,7 +310,8 @@ __global__ void __launch_bounds__(kWarpSize)
   const LowLatencyTransportShape& s = layout.shape;
   const int warps = s.warps_per_rank;
   const int local = s.num_local();
-  const int parity = static_cast<int>(l.tag & 1);
+  const uint64_t tag = call_tag(l, w);
+  const int parity = static_cast<int>(tag & 1);
   const int lane = w.lane;
   Transport t = MakeTransport<Transport>::make(l, w, WaitPhase::kLowLatencyCombineRecv);
   const int rows_per_expert = s.num_ranks * s.max_tokens;
@@ -314,7 +338,7 @@ __global__ void __launch_bounds__(kWarpSize)
                     static_cast<int64_t>(expert) * rows_per_expert * vectors_per_row;
     const SymmetricAddress word = in_workspace(layout.combine_word(parity, w.rank, expert));
     if (l.mutant == transport::Mutant::kSignalBeforeData) {
-      t.signal(dst, word, l.tag, SignalOp::kSet, lane);
+      t.signal(dst, word, tag, SignalOp::kSet, lane);
     }
     for (int row = lo; row < lo + n; ++row) {
       if (used == s.combine_slots) {  // rule 3: a slot is reused only after a quiet
@@ -331,7 +355,7 @@ __global__ void __launch_bounds__(kWarpSize)
     }
     if (l.mutant != transport::Mutant::kSignalBeforeData) {
       if (l.mutant != transport::Mutant::kNoFence) t.fence(lane);
-      t.signal(dst, word, l.tag, SignalOp::kSet, lane);
+      t.signal(dst, word, tag, SignalOp::kSet, lane);
     }
   }
   t.quiet(lane);
@@ -339,7 +363,7 @@ __global__ void __launch_bounds__(kWarpSize)
   // B. Hear from every rank this call (parity safety), each warp its share of the words.
   for (int unit = w.warp; unit < s.num_ranks * local; unit += warps) {
     const int source = unit / local;
-    wait_and_read(t, in_workspace(layout.combine_word(parity, source, unit % local)), l.tag, source,
+    wait_and_read(t, in_workspace(layout.combine_word(parity, source, unit % local)), tag, source,
                   lane);
   }
 
@@ -353,7 +377,7 @@ __global__ void __launch_bounds__(kWarpSize)
       const int expert = topk_idx[token * s.num_topk + k];
       if (expert < 0 || expert >= s.num_experts) continue;
       wait_and_read(t, in_workspace(layout.combine_word(parity, expert / local, expert % local)),
-                    l.tag, expert / local, lane);
+                    tag, expert / local, lane);
     }
     for (int v = lane; v < vectors; v += kWarpSize) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -379,6 +403,7 @@ __global__ void __launch_bounds__(kWarpSize)
       out[static_cast<int64_t>(token) * vectors + v] = result;
     }
   }
+  finish_call(l, w, tag);
 }
 
 template <typename Op, typename Mapped, typename Emulated>

@@ -32,7 +32,7 @@
 //
 // A launch may run several ranks (rank_count consecutive ranks from rank_base, warps_per_rank
 // one-warp blocks each): the GPU tests run every rank of an emulated group in one launch on one
-// GPU; a rank's own launch has rank_count 1.
+// GPU, or each rank in a launch of its own (rank_count 1, as an op would) on its own stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -135,7 +135,11 @@ struct LowLatencyTransportLaunch {
   transport::RingView rings[kTransportMaxRanksPerLaunch];  // emulated transport: each rank's
   int rank_base = 0;
   int rank_count = 1;
-  uint64_t tag = 0;  // this call's number (>= 1) in its op's sequence
+  // Per rank, in device memory, the op's own words: calls completed (this call's tag is that
+  // plus one; the last warp to finish advances it, so the host keeps no state per call) and the
+  // warps that finished this call.
+  uint64_t* sequence[kTransportMaxRanksPerLaunch];
+  uint32_t* finished[kTransportMaxRanksPerLaunch];
   uint64_t timeout_ns = 0;
   TimeoutRecord* timeout_record = nullptr;               // host-mapped, or nullptr
   uint32_t* barrier[kTransportMaxRanksPerLaunch];        // dispatch: each rank's warp counter
