@@ -10,7 +10,10 @@
 #             the tool (compute-sanitizer 2025.3 crashes when both processes run under it)
 #   SAN_S     seconds per run (default 240)
 #   SAN_TESTS test files (default: the adversarial routings through every op, with invalid ids,
-#             repeated experts and overflow, and the chains of split halves)
+#             repeated experts and overflow, and the chains of split halves).
+#             tests/test_transport_gpu.py (MODES=ep1): the transport probe and the low-latency
+#             ops over a transport, in the child processes it starts (its waits scale with
+#             JAX_EP_TIMEOUT_S)
 #   SAN_K     pytest -k expression (default: not the 16-pair chains, under which the sanitized
 #             process itself segfaults while the 8-pair ones pass; not the Buffer-cycle test)
 set -uo pipefail

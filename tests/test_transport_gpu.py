@@ -27,12 +27,16 @@ from conftest import require_gpus
 pytestmark = pytest.mark.gpu
 
 SEEDS = range(5)
+# Every bound on a wait, scaled: under compute-sanitizer (scripts/sanitize.sh sets
+# JAX_EP_TIMEOUT_S=120) instrumented kernels run 10-100x slower.
+SLOW = float(os.environ.get("JAX_EP_TIMEOUT_S", "10")) / 10
 # The proxy at its harshest: torn rows, random delays, sources compared with their snapshots.
 HARSH = {"chunk_bytes": 128, "max_delay_steps": 16, "snapshot_sources": True}
 MUTANTS = ("no_fence", "signal_before_data", "reuse_before_quiet", "unregistered_source")
 
 
 def cases():
+    bounds = {"transport_timeout_s": 10 * SLOW, "receive_timeout_s": 2 * SLOW}
     out = {
         "mapped/2": dict(transport="mapped"),
         "mapped/8": dict(transport="mapped", num_ranks=8, warps_per_rank=3, rows=13),
@@ -45,8 +49,11 @@ def cases():
             out[f"emulated/{ordering}/{seed}"] = dict(ordering=ordering, seed=seed, **HARSH)
     for mutant in MUTANTS:
         for seed in SEEDS:
-            out[f"{mutant}/{seed}"] = dict(mutant=mutant, seed=seed, rounds=2,
-                                           receive_timeout_s=0.5, **HARSH)
+            out[f"{mutant}/{seed}"] = dict(mutant=mutant, seed=seed, rounds=2, **HARSH)
+    for name, kwargs in out.items():
+        kwargs.update(bounds)
+        if name.startswith(MUTANTS):  # a lost signal gives up sooner
+            kwargs["receive_timeout_s"] = 0.5 * SLOW
     return out
 
 
@@ -133,13 +140,15 @@ EXCHANGE_CASES = {
     "mapped/per_rank": dict(transport="mapped", launches="per_rank"),
     "emulated/per_rank": dict(transport="emulated", launches="per_rank", seed=3, **HARSH),
 }
+for _kwargs in EXCHANGE_CASES.values():
+    _kwargs["timeout_s"] = 10 * SLOW
 
 
 # Each breaks one rule in the kernels: some call of the case must then fail its check, or the
 # proxy must report the error. A single warp with two combine slots reuses slots constantly.
 EXCHANGE_MUTANTS = {
     f"{mutant}/{seed}": dict(transport="emulated", mutant=mutant, seed=seed, warps_per_rank=1,
-                             combine_slots=2, timeout_s=5.0, **HARSH)
+                             combine_slots=2, timeout_s=5 * SLOW, **HARSH)
     for mutant in MUTANTS for seed in range(2)}
 
 

@@ -276,8 +276,8 @@ std::tuple<nb::bytes, uint64_t> ring_stress(int producers, uint64_t commands_per
 nb::dict transport_probe(const std::string& transport_name, const std::string& mutant,
                          int num_ranks, int warps_per_rank, int rows, int row_bytes, int rounds,
                          const std::string& ordering, uint64_t seed, uint64_t chunk_bytes,
-                         uint32_t max_delay_steps, bool snapshot_sources,
-                         double receive_timeout_s) {
+                         uint32_t max_delay_steps, bool snapshot_sources, double receive_timeout_s,
+                         double transport_timeout_s) {
   transport::ProbeConfig config;
   if (transport_name == "mapped") {
     config.transport = transport::ProbeTransport::kMapped;
@@ -298,6 +298,7 @@ nb::dict transport_probe(const std::string& transport_name, const std::string& m
   config.proxy.max_delay_steps = max_delay_steps;
   config.proxy.snapshot_sources = snapshot_sources;
   config.receive_timeout_s = receive_timeout_s;
+  config.transport_timeout_s = transport_timeout_s;
   transport::ProbeResult result;
   {
     nb::gil_scoped_release release;
@@ -369,7 +370,7 @@ void add_transport_test_functions(nb::module_& m) {
         nb::arg("rows") = 16, nb::arg("row_bytes") = 512, nb::arg("rounds") = 3,
         nb::arg("ordering") = "unordered", nb::arg("seed") = 0, nb::arg("chunk_bytes") = 0,
         nb::arg("max_delay_steps") = 0, nb::arg("snapshot_sources") = false,
-        nb::arg("receive_timeout_s") = 2.0,
+        nb::arg("receive_timeout_s") = 2.0, nb::arg("transport_timeout_s") = 10.0,
         "An all-to-all exchange between emulated ranks on the current GPU over the 'mapped' or "
         "the 'emulated' transport, optionally with one protocol rule broken (`mutant`); returns "
         "bad_rows, timeouts, proxy_errors, cuda_error, seconds (tests only).");
