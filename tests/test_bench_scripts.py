@@ -100,4 +100,4 @@ def test_bench_step_bare_runs_the_op_pair(tmp_path):
         # sign); the programs' own wall times are not.
         assert record["bare"] is True and isinstance(record["time_us"], float), record
         assert positive(record["wall_short_us"]) and positive(record["wall_long_us"]), record
-        assert record["layers"] == [1, 3], record
+        assert record["layers"] == [1, 2], record
