@@ -450,3 +450,22 @@ def test_low_latency_transport_refuses_bad_arguments_before_touching_a_gpu(kwarg
     args = dict(num_ranks=8, num_experts=32, num_topk=4, max_tokens=8, hidden=256)
     with pytest.raises(ValueError, match=message):
         _C.LowLatencyTransportForTests(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 128, 1, 1), (8, 32, 4, 8, 256, 4, 8),
+                                   (8, 256, 8, 128, 7168, 16, 8), (2, 6, 3, 5, 384, 3, 2)])
+def test_low_latency_transport_regions_neither_overlap_nor_overrun(shape):
+    # Each region starts after the last element of the one before, 256-aligned, and the last
+    # one ends inside the region's size: an accessor or a carve size off by one element fails.
+    layout = _C.low_latency_transport_layout(*shape)
+    for starts, ends in ((layout["workspace"], layout["workspace_ends"]),
+                         (layout["staging"], layout["staging_ends"])):
+        assert starts[0] == 0 and all(s % 256 == 0 for s in starts), starts
+        for i, end in enumerate(ends):
+            assert starts[i] < end <= starts[i + 1], (i, starts, ends)
+            # Carved with no more than alignment slack past the last element.
+            assert starts[i + 1] - end < 256, (i, starts, ends)
+    hidden = shape[4]
+    assert layout["row_bytes"] == 2 * hidden
+    assert layout["fp8_message_bytes"] % 16 == 0
+    assert hidden + hidden // 32 <= layout["fp8_message_bytes"] <= layout["row_bytes"]

@@ -315,9 +315,52 @@ class LowLatencyTransportForTests {
   std::vector<std::unique_ptr<RankProxy>> proxies_;
 };
 
+// The layout's region starts and, for each indexed region, the end of its last element (the
+// accessors at their largest indices), for the CPU test that regions neither overlap nor run
+// past their region.
+nb::dict transport_layout(int num_ranks, int num_experts, int num_topk, int max_tokens, int hidden,
+                          int warps_per_rank, int combine_slots) {
+  if (num_ranks < 1 || num_experts % num_ranks != 0 || num_topk < 1 || max_tokens < 1 ||
+      hidden < kChannelsPerScale || warps_per_rank < 1 || combine_slots < 1) {
+    throw std::invalid_argument("a positive shape, num_experts a multiple of num_ranks");
+  }
+  LowLatencyTransportShape shape;
+  shape.num_ranks = num_ranks;
+  shape.num_experts = num_experts;
+  shape.num_topk = num_topk;
+  shape.max_tokens = max_tokens;
+  shape.hidden = hidden;
+  shape.warps_per_rank = warps_per_rank;
+  shape.combine_slots = combine_slots;
+  const LowLatencyTransportLayout l = make_low_latency_transport_layout(shape);
+  const int r = num_ranks - 1;
+  const int e = shape.num_local() - 1;
+  const int t = max_tokens - 1;
+  const int k = num_topk - 1;
+  const size_t row = shape.row_bytes();
+  nb::dict out;
+  out["workspace"] = std::vector<size_t>{l.counts, l.combine_words, l.meta,
+                                         l.rows,   l.combine_rows,  l.workspace_bytes};
+  out["workspace_ends"] = std::vector<size_t>{
+      l.count_word(1, e, r) + 8, l.combine_word(1, r, e) + 8, l.meta_at(1, e, r, t) + 16,
+      l.row_at(1, e, r, t) + row, l.combine_row_at(1, t, k) + row};
+  out["staging"] =
+      std::vector<size_t>{l.staged_rows, l.staged_meta, l.combine_slots, l.staging_bytes};
+  out["staging_ends"] =
+      std::vector<size_t>{l.staged_row_at(t) + row, l.staged_meta_at(t, k) + 16,
+                          l.combine_slot_at(warps_per_rank - 1, combine_slots - 1) + row};
+  out["fp8_message_bytes"] = shape.fp8_message_bytes();
+  out["row_bytes"] = row;
+  return out;
+}
+
 }  // namespace
 
 void add_low_latency_transport_test_functions(nb::module_& m) {
+  m.def("low_latency_transport_layout", &transport_layout, nb::arg("num_ranks"),
+        nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("max_tokens"), nb::arg("hidden"),
+        nb::arg("warps_per_rank"), nb::arg("combine_slots"),
+        "The regions of the low-latency ops over a transport (tests only).");
   nb::class_<LowLatencyTransportForTests>(
       m, "LowLatencyTransportForTests",
       "The low-latency dispatch and combine over the 'mapped' or 'emulated' transport, every "
