@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import ep_mesh, require_gpus
 from harness import sharded_program
+from test_low_latency import fp8_steps_apart
 
 import jax_ep
 from jax_ep import testing as oracle
@@ -73,10 +74,6 @@ def adversarial_routing(rng, kind, R, T):
 
 def bits(a):
     return np.ascontiguousarray(np.asarray(a)).view(np.uint8)
-
-
-def fp8_steps_apart(a, b):
-    return np.abs(a.view(np.uint8).astype(np.int16) - b.view(np.uint8).astype(np.int16))
 
 
 def make_program(buf, with_low_latency, traces):
