@@ -33,6 +33,33 @@ using transport::RankProxy;
 
 constexpr uint64_t kRingCapacity = 4096;
 
+// The shape of the test objects, each bound checked (std::invalid_argument naming it).
+LowLatencyTransportShape checked_shape(int num_ranks, int num_experts, int num_topk, int max_tokens,
+                                       int hidden, int warps_per_rank, int combine_slots) {
+  if (num_ranks < 1 || num_ranks > kTransportMaxRanksPerLaunch) {
+    throw std::invalid_argument("num_ranks: 1 to 8");
+  }
+  if (num_experts < num_ranks || num_experts % num_ranks != 0) {
+    throw std::invalid_argument("num_experts: a positive multiple of num_ranks");
+  }
+  if (hidden <= 0 || hidden % kChannelsPerScale != 0) {
+    throw std::invalid_argument("hidden: a positive multiple of 128");
+  }
+  if (num_topk < 1 || max_tokens < 1 || warps_per_rank < 1 || warps_per_rank > 32) {
+    throw std::invalid_argument("num_topk, max_tokens >= 1; warps_per_rank 1 to 32");
+  }
+  if (combine_slots < 1) throw std::invalid_argument("combine_slots: at least 1");
+  LowLatencyTransportShape shape;
+  shape.num_ranks = num_ranks;
+  shape.num_experts = num_experts;
+  shape.num_topk = num_topk;
+  shape.max_tokens = max_tokens;
+  shape.hidden = hidden;
+  shape.warps_per_rank = warps_per_rank;
+  shape.combine_slots = combine_slots;
+  return shape;
+}
+
 class LowLatencyTransportForTests {
  public:
   LowLatencyTransportForTests(int num_ranks, int num_experts, int num_topk, int max_tokens,
@@ -41,21 +68,10 @@ class LowLatencyTransportForTests {
                               uint32_t max_delay_steps, bool snapshot_sources, double timeout_s,
                               int combine_slots, const std::string& mutant,
                               const std::string& launches) {
-    if (num_ranks < 1 || num_ranks > kTransportMaxRanksPerLaunch) {
-      throw std::invalid_argument("num_ranks: 1 to 8");
-    }
-    if (num_experts < num_ranks || num_experts % num_ranks != 0) {
-      throw std::invalid_argument("num_experts: a positive multiple of num_ranks");
-    }
-    if (hidden <= 0 || hidden % kChannelsPerScale != 0) {
-      throw std::invalid_argument("hidden: a positive multiple of 128");
-    }
-    if (num_topk < 1 || max_tokens < 1 || warps_per_rank < 1 || warps_per_rank > 32) {
-      throw std::invalid_argument("num_topk, max_tokens >= 1; warps_per_rank 1 to 32");
-    }
+    const LowLatencyTransportShape shape = checked_shape(
+        num_ranks, num_experts, num_topk, max_tokens, hidden, warps_per_rank, combine_slots);
     const transport::Ordering order = transport::ordering_named(ordering);
     launch_.mutant = transport::mutant_named(mutant);
-    if (combine_slots < 1) throw std::invalid_argument("combine_slots: at least 1");
     if (launches != "one" && launches != "per_rank") {
       throw std::invalid_argument(
           "launches must be 'one' (every rank in one launch) or "
@@ -69,14 +85,6 @@ class LowLatencyTransportForTests {
     } else {
       throw std::invalid_argument("transport must be 'mapped' or 'emulated'");
     }
-    LowLatencyTransportShape shape;
-    shape.num_ranks = num_ranks;
-    shape.num_experts = num_experts;
-    shape.num_topk = num_topk;
-    shape.max_tokens = max_tokens;
-    shape.hidden = hidden;
-    shape.warps_per_rank = warps_per_rank;
-    shape.combine_slots = combine_slots;
     launch_.layout = make_low_latency_transport_layout(shape);
     for (int r = 0; r < (per_rank_ ? num_ranks : 1); ++r) {
       streams_.push_back(std::make_unique<transport::OwnedStream>());
@@ -320,18 +328,8 @@ class LowLatencyTransportForTests {
 // past their region.
 nb::dict transport_layout(int num_ranks, int num_experts, int num_topk, int max_tokens, int hidden,
                           int warps_per_rank, int combine_slots) {
-  if (num_ranks < 1 || num_experts % num_ranks != 0 || num_topk < 1 || max_tokens < 1 ||
-      hidden < kChannelsPerScale || warps_per_rank < 1 || combine_slots < 1) {
-    throw std::invalid_argument("a positive shape, num_experts a multiple of num_ranks");
-  }
-  LowLatencyTransportShape shape;
-  shape.num_ranks = num_ranks;
-  shape.num_experts = num_experts;
-  shape.num_topk = num_topk;
-  shape.max_tokens = max_tokens;
-  shape.hidden = hidden;
-  shape.warps_per_rank = warps_per_rank;
-  shape.combine_slots = combine_slots;
+  const LowLatencyTransportShape shape = checked_shape(num_ranks, num_experts, num_topk, max_tokens,
+                                                       hidden, warps_per_rank, combine_slots);
   const LowLatencyTransportLayout l = make_low_latency_transport_layout(shape);
   const int r = num_ranks - 1;
   const int e = shape.num_local() - 1;
