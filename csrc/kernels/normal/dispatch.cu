@@ -78,6 +78,7 @@ struct DispatchPlanArgs {
 };
 
 // Bit r: token t goes to rank r. Counts ids outside [-1, E) in *num_invalid (they are ignored).
+template <int kRankSlots>
 __device__ __forceinline__ uint32_t token_rank_mask(const DispatchPlanArgs& args, int t,
                                                     int* num_invalid) {
   uint32_t mask = 0;
@@ -117,11 +118,11 @@ __device__ __forceinline__ uint32_t token_rank_mask(const DispatchPlanArgs& args
     }
   } else {
     const int32_t* row = args.send_pos + static_cast<int64_t>(t) * args.num_ranks;
-    int pos[kMaxRanks];
+    int pos[kRankSlots];
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) pos[r] = r < args.num_ranks ? __ldg(row + r) : -1;
+    for (int r = 0; r < kRankSlots; ++r) pos[r] = r < args.num_ranks ? __ldg(row + r) : -1;
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) mask |= (pos[r] >= 0 ? 1u : 0u) << r;
+    for (int r = 0; r < kRankSlots; ++r) mask |= (pos[r] >= 0 ? 1u : 0u) << r;
   }
   return mask;
 }
@@ -155,6 +156,10 @@ __device__ __forceinline__ int warp_sum(int value) {
 // the transfer kernel pushes only after this kernel, whose last block saw every row: the
 // exchange is also the barrier that lets a single data region be reused every call. The
 // per-block count rows need no parity: the next plan kernel runs after this one on the stream.
+// kRankSlots: a power of two >= num_ranks; the per-rank loops run that many times (the kernel is
+// bound by its instruction latency, and unrolling them to kMaxRanks cost every rank count the
+// work of 8).
+template <int kRankSlots>
 __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const DispatchPlanArgs args) {
   __shared__ int own_count[kMaxRanks];   // this block's tokens per destination
   __shared__ int block_base[kMaxRanks];  // first position of this block's tokens in each stream
@@ -187,24 +192,24 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
   // 1. Masks (kept for phase 4) and this block's count per destination.
   int num_invalid = 0;
   uint32_t kept_masks = 0;
-  int count[kMaxRanks];
+  int count[kRankSlots];
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) count[r] = 0;
+  for (int r = 0; r < kRankSlots; ++r) count[r] = 0;
   for (int round = 0; round < num_rounds; ++round) {
     const int t = token_begin + round * kPlanThreads + tid;
-    const uint32_t mask = t < token_end ? token_rank_mask(args, t, &num_invalid) : 0;
+    const uint32_t mask = t < token_end ? token_rank_mask<kRankSlots>(args, t, &num_invalid) : 0;
     if (round < kPlanKeptRounds) {
       kept_masks |= mask << (8 * round);
     } else if (t < token_end) {
       args.token_masks[t] = static_cast<uint8_t>(mask);
     }
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kRankSlots; ++r) {
       if (r < num_ranks) count[r] += __syncthreads_count((mask >> r) & 1u);
     }
   }
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
+  for (int r = 0; r < kRankSlots; ++r) {
     if (tid == r && r < num_ranks) {
       own_count[r] = count[r];
       st_relaxed_gpu(args.plan_counts + block * kMaxRanks + r,
@@ -221,9 +226,9 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
 
   // 2. Sum of the count rows of blocks < b, every thread a strided share of the words.
   {
-    int sum[kMaxRanks];
+    int sum[kRankSlots];
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) sum[r] = 0;
+    for (int r = 0; r < kRankSlots; ++r) sum[r] = 0;
     // Word w: block w / R, destination w % R.
     const int num_words = block * num_ranks;
     auto word_at = [&](int w) {
@@ -247,11 +252,11 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
         }
         const int dst = w % num_ranks;
 #pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) sum[r] += r == dst ? static_cast<int>(value) : 0;
+        for (int r = 0; r < kRankSlots; ++r) sum[r] += r == dst ? static_cast<int>(value) : 0;
       }
     }
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kRankSlots; ++r) {
       if (r < num_ranks) {
         const int total = warp_sum(sum[r]);
         if (lane == 0 && total > 0) atomicAdd(&block_base[r], total);
@@ -311,10 +316,10 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
   __syncthreads();
 
   // 4. Positions in token order: earlier rounds, earlier warps, lower lanes.
-  int position[kMaxRanks];  // first position of the current round in each stream
-  int base[kMaxRanks];
+  int position[kRankSlots];  // first position of the current round in each stream
+  int base[kRankSlots];
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
+  for (int r = 0; r < kRankSlots; ++r) {
     position[r] = r < num_ranks ? block_base[r] : 0;
     base[r] = r < num_ranks ? dest_base[r] : 0;
   }
@@ -328,9 +333,9 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
     } else if (active) {
       mask = args.token_masks[t];  // this thread's own store of phase 1
     }
-    uint32_t ballot[kMaxRanks];
+    uint32_t ballot[kRankSlots];
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kRankSlots; ++r) {
       ballot[r] = r < num_ranks ? __ballot_sync(0xffffffffu, (mask >> r) & 1u) : 0;
       if (lane == 0 && r < num_ranks) warp_counts[warp][r] = __popc(ballot[r]);
     }
@@ -338,7 +343,7 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
     int32_t* out =
         routing && active ? args.send_pos_out + static_cast<int64_t>(t) * num_ranks : nullptr;
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kRankSlots; ++r) {
       if (r < num_ranks) {
         int before = 0;
         int total = 0;
@@ -698,7 +703,17 @@ cudaError_t launch_plan(const RankContext& ctx, DispatchPlanArgs args, cudaStrea
   const int num_blocks =
       std::max(1, std::min(ceil_div(args.num_tokens, kPlanTokensPerBlock), num_sms));
   args.tokens_per_block = ceil_div(args.num_tokens, num_blocks);
-  return launch_cooperative(dispatch_plan_kernel, num_blocks, kPlanThreads, 0, stream, args);
+  if (args.num_ranks <= 1) {
+    return launch_cooperative(dispatch_plan_kernel<1>, num_blocks, kPlanThreads, 0, stream, args);
+  }
+  if (args.num_ranks <= 2) {
+    return launch_cooperative(dispatch_plan_kernel<2>, num_blocks, kPlanThreads, 0, stream, args);
+  }
+  if (args.num_ranks <= 4) {
+    return launch_cooperative(dispatch_plan_kernel<4>, num_blocks, kPlanThreads, 0, stream, args);
+  }
+  static_assert(kMaxRanks == 8, "one instance per power of two up to kMaxRanks");
+  return launch_cooperative(dispatch_plan_kernel<8>, num_blocks, kPlanThreads, 0, stream, args);
 }
 
 DispatchTransferArgs make_transfer_args(const RankContext& ctx, const NormalLayout& layout,
@@ -809,7 +824,10 @@ int64_t cached_dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales
 
 cudaError_t preload_dispatch_kernels() {
   cudaFuncAttributes attributes;
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<1>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<2>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<4>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<8>));
   return cudaFuncGetAttributes(&attributes, dispatch_transfer_kernel);
 }
 
