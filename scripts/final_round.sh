@@ -6,6 +6,8 @@
 #           stand-in expert, and --bare: the op pairs alone)
 #   shared  2 processes sharing the GPU (jax_ep.launch --processes-per-gpu 2): the chains of split
 #           halves, the split ops and the adversarial routings over CUDA IPC peers
+#   transport  tests/test_transport_gpu.py alone (issue 20's emulated transport; SUITE_ARGS
+#           "--ignore=tests/test_transport_gpu.py" keeps it out of the suite)
 #   ptx     scripts/ptx_check.sh: a PTX-only compute_80 build (the A100 code path, JIT-compiled
 #           on this GPU), the image the driver loaded, the GPU suite (last: it replaces the build)
 set -uo pipefail
@@ -17,8 +19,13 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 sum=()
 step() { local n=$1 l=$2; shift 2; local s; s=$(date +%s); timeout "$l" "$@" > "$OUT/$n.log" 2>&1; local rc=$?
   sum+=("$n rc=$rc $(( $(date +%s) - s ))s $(grep -E 'passed|failed' "$OUT/$n.log" | tail -1)"); }
-step build 300 python3 -m pip install --no-build-isolation --no-deps --force-reinstall .
-has suite && step gpu_suite "${SUITE_S:-330}" pytest -m gpu -q -p no:cacheprovider -rs --durations=15
+# BUILD_ARCHS (e.g. 90): only this GPU's architecture, a faster build (not with the ptx section)
+step build 300 env ${BUILD_ARCHS:+JAX_EP_CUDA_ARCHS=$BUILD_ARCHS} \
+  python3 -m pip install --no-build-isolation --no-deps --force-reinstall .
+has suite && step gpu_suite "${SUITE_S:-330}" pytest -m gpu -q -p no:cacheprovider -rs \
+  --durations=15 ${SUITE_ARGS:-}
+has transport && step transport "${TRANSPORT_S:-200}" pytest -m gpu -q -p no:cacheprovider -rs \
+  --durations=10 tests/test_transport_gpu.py
 # The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
 has shared && step shared 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 290 -- \
   pytest -m gpu -q -p no:cacheprovider tests/test_split_chains.py tests/test_low_latency_split.py \
@@ -27,9 +34,12 @@ has shared && step shared 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 
 if has step; then
   (cd /tmp && step profile 200 python3 "$R/benchmarks/profile_ops.py" --out "$OUT" --tokens 4096 \
      --ll-tokens 128 --ops dispatch_bf16,combine,ll_dispatch_fp8,ll_dispatch_bf16,ll_combine,ll_dispatch_split_fp8,ll_combine_split
-   step bench_step 300 python3 "$R/benchmarks/bench_step.py" --out "$OUT" --repeats 20
+   # STEP_BARE_ONLY=1: the op pairs alone (the bars' measure), no stand-in expert run;
+   # STEP_ARGS: more bench_step arguments (e.g. --impls jax_ep)
+   [[ "${STEP_BARE_ONLY:-0}" == 1 ]] || step bench_step 300 python3 "$R/benchmarks/bench_step.py" \
+     --out "$OUT" --repeats 20 ${STEP_ARGS:-}
    step bench_step_bare 150 python3 "$R/benchmarks/bench_step.py" --out "$OUT" --repeats 20 \
-     --bare --ops decode_step,normal_step --tag bare
+     --bare --ops decode_step,normal_step --tag bare ${STEP_ARGS:-}
    printf '%s\n' "${sum[@]}" > "$OUT/step_summary.txt")
 fi
 if has ptx; then  # the whole GPU suite by default (PTX_TESTS narrows it)
