@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from conftest import require_gpus
@@ -65,25 +66,29 @@ for name, kwargs in json.loads(sys.argv[1]).items():
 """
 
 
-def run_child(command, cases, timeout):
-    """Runs `command + [json of cases]` and returns {case: its JSON record}; fails naming the
-    cases that did report when the child dies (a transport timeout traps the child)."""
+def run_child(args, cases, timeout):
+    """Runs Python with `args + [json of cases]` and returns {case: its JSON record}; fails
+    naming the cases that did report when the child dies (a transport timeout traps the child;
+    a crash prints its Python stack). The child runs outside the source tree, so that `-c`
+    imports the installed jax_ep (with _C), not the checkout's."""
     require_gpus(1)
-    proc = subprocess.run([*command, json.dumps(cases)], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", *args, json.dumps(cases)],
+                          capture_output=True, text=True, timeout=timeout,
+                          cwd=tempfile.gettempdir())
     got = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
             got[record.pop("case")] = record
     assert proc.returncode == 0 and set(got) == set(cases), (
-        f"the child failed after {sorted(got)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        f"the child (exit {proc.returncode}) failed after {sorted(got)}:\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return got
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_child([sys.executable, "-c", CHILD], cases(), timeout=600)
+    return run_child(["-c", CHILD], cases(), timeout=600)
 
 
 def assert_clean(result, name):
@@ -157,12 +162,12 @@ EXCHANGE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tran
 
 @pytest.fixture(scope="module")
 def exchanges():
-    return run_child([sys.executable, EXCHANGE_SCRIPT], EXCHANGE_CASES, timeout=900)
+    return run_child([EXCHANGE_SCRIPT], EXCHANGE_CASES, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def mutant_exchanges():
-    return run_child([sys.executable, EXCHANGE_SCRIPT], EXCHANGE_MUTANTS, timeout=900)
+    return run_child([EXCHANGE_SCRIPT], EXCHANGE_MUTANTS, timeout=900)
 
 
 @pytest.mark.parametrize("case", sorted(EXCHANGE_CASES))
