@@ -2,8 +2,9 @@
 
 Inside ``jax.shard_map`` every value is typed with the manual axes it varies over. Our ops'
 results vary over the EP axis; custom_vjp demands that a cotangent has its primal's type, and
-ffi_call that all operands agree. So the public ops first align every input to one set of
-axes (pcast to varying, whose transpose sums the gradient of an invariant input).
+our custom call types its results like its operands (which must agree). So the public ops first
+align every input to one set of axes (pcast to varying, whose transpose sums the gradient of an
+invariant input).
 """
 
 from __future__ import annotations

@@ -489,7 +489,7 @@ def low_latency_dispatch_recv(buf, pending) -> LowLatencyDispatched:
 # The send halves carry no derivative: their only result is the integer ticket, and gradients
 # reach x (y, topk_weights) through the receive, which takes them again. A custom_vjp with zero
 # cotangents keeps autodiff away from the custom call (integer operands such as a handle from a
-# custom_vjp carry instantiated float0 tangents, which ffi_call refuses).
+# custom_vjp carry instantiated float0 tangents, and the custom call has no JVP).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
 def _ll_dispatch_send(buf, x, topk_idx, after, use_fp8, round_scale):
     return buf._impl.low_latency_dispatch_send(x, topk_idx, after, use_fp8, round_scale)

@@ -24,6 +24,14 @@ def _spec(buf):
 
 
 def run(buf) -> None:
+    fn, args = program(buf)
+    for _ in range(2):  # the second run sees every region already touched once
+        jax.block_until_ready(fn(*args))
+
+
+def program(buf):
+    """``(fn, args)``: the jitted warm-up program of ``buf`` (every op of its mode at
+    ``max_tokens_per_rank`` tokens per rank) and its inputs."""
     mesh, T, K, H = buf.mesh, buf.max_tokens_per_rank, buf.num_topk, buf.hidden
     num_shards = mesh.devices.size
     spec = _spec(buf)
@@ -34,22 +42,23 @@ def run(buf) -> None:
     x = rng.standard_normal((num_shards * T, H)).astype(np.float32)
 
     def step(x, topk_idx, topk_weights):
-        ops.get_dispatch_layout(buf, topk_idx)
+        # Every call's result leaves the program: jit drops a call whose results are unused.
+        layout = ops.get_dispatch_layout(buf, topk_idx)
         d = ops.dispatch(buf, x.astype(buf.dtype), topk_idx, topk_weights)
         y, _ = ops.combine(buf, d.recv_x, d.handle)
-        results = [y]
+        results = [y, layout.num_tokens_per_rank]
         if buf.low_latency:
             xb = x.astype(jnp.bfloat16)
             for use_fp8 in (True, False):
                 ll = ops.low_latency_dispatch(buf, xb, topk_idx, use_fp8=use_fp8)
+                results.append(ll.recv_count)
             y_ll = jnp.zeros((buf.num_local_experts, buf.num_ranks * T, H), jnp.bfloat16)
             results.append(ops.low_latency_combine(buf, y_ll, topk_idx, topk_weights, ll.handle))
         return results
 
     sharding = NamedSharding(mesh, spec)
     args = [jax.device_put(a, sharding) for a in (x, topk_idx, topk_weights)]
-    out_specs = [spec] * (2 if buf.low_latency else 1)
+    out_specs = [spec] * (5 if buf.low_latency else 2)
     fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, spec),
                                out_specs=out_specs))
-    for _ in range(2):  # the second run sees every region already touched once
-        jax.block_until_ready(fn(*args))
+    return fn, args

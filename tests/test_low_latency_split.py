@@ -26,6 +26,7 @@ from test_low_latency import (
 import jax_ep
 from jax_ep import testing as oracle
 from jax_ep.backends import cuda as _cuda
+from jax_ep.backends.custom_call import custom_call_p
 
 
 def bits(a):
@@ -375,10 +376,10 @@ def sub_jaxprs(eqn):
 
 
 def custom_calls(eqns):
-    """Target names of every ffi call in ``eqns``, recursively, in program order."""
+    """Target names of every custom call of ours in ``eqns``, recursively, in program order."""
     found = []
     for eqn in eqns:
-        if eqn.primitive.name == "ffi_call":
+        if eqn.primitive is custom_call_p:
             found.append(eqn.params["target_name"])
         for inner in sub_jaxprs(eqn):
             found += custom_calls(inner.eqns)
@@ -459,14 +460,16 @@ def test_split_lowers_for_cuda():
 
 def test_gradient_through_split_lowers_for_cuda():
     """jax.grad through the four custom calls traces and lowers for cuda: the sends carry no
-    derivative (integer handle operands would otherwise reach ffi_call's JVP)."""
+    derivative (integer handle operands would otherwise reach our custom call, which has no JVP)."""
     mesh, buf = lowering_buffer()
     spec = shard_spec(mesh)
 
     def per_rank(x, w, idx):
         d = split_dispatch(buf, x[0], idx[0], use_fp8=False)
         out = split_combine(buf, d.recv_x, idx[0], w[0], d.handle)
-        return jnp.sum(out.astype(jnp.float32))[None]
+        # Squared: the gradient needs the forward's output (of a plain sum it does not, and jit
+        # then drops the forward combine, as it drops any call whose results are unused).
+        return jnp.sum(out.astype(jnp.float32) ** 2)[None]
 
     loss = jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(loss(*a)), argnums=(0, 1)))
@@ -512,7 +515,7 @@ def fenced_custom_calls(jaxpr):
             if not hasattr(v, "val"):  # literals (constants) have no consumers to track
                 consumers.setdefault(v, []).append(e)
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "ffi_call":
+        if eqn.primitive is custom_call_p:
             before = {producer[v].primitive.name if v in producer else "input" for v in eqn.invars}
             after = {c.primitive.name for v in eqn.outvars for c in consumers.get(v, [])}
             found.append((eqn.params["target_name"], before, after))

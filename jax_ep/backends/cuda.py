@@ -1,10 +1,10 @@
-"""The CUDA backend (``backend="cuda"``): ``jax.ffi.ffi_call`` wrappers around our kernels.
+"""The CUDA backend (``backend="cuda"``): FFI custom calls of our kernels.
 
 Each method builds the custom call of one op for the *per-rank* shapes inside ``jax.shard_map``.
 Result shapes are functions of the operand shapes only (capacity ``C`` is ``R*T`` or the
 Buffer's static capacity), so a symbolic token count exports. Operand/result order, attributes
-and semantics: docs/internals.md. Calls that write peer memory are marked ``has_side_effect`` so
-XLA neither removes nor merges them.
+and semantics: docs/internals.md. Every call is side-effecting for XLA (it neither removes nor
+merges them) and free of JAX effects (jit keeps its fast dispatch path): ``custom_call.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_ep import _vma, fp8
 from jax_ep._types import DispatchHandle, Layout
+from jax_ep.backends.custom_call import custom_call
 
 
 def load_extension():
@@ -136,7 +137,6 @@ class CudaBackend:
         # Results are typed like the operands (same varying axes) with their own shape/dtype.
         result_types = [template.update(shape=tuple(shape), dtype=jnp.dtype(dtype))
                         for shape, dtype in results]
-        call = jax.ffi.ffi_call(target_name(op), result_types, has_side_effect=True)
         # XLA:GPU's dynamic-slice fusion moves a custom call whose operand is a slice (or whose
         # result feeds a dynamic-update-slice) into a fusion around a clone of it; for a call
         # with several results it leaves the side-effecting original in place as well, so the
@@ -144,7 +144,8 @@ class CudaBackend:
         # that never comes). Optimization barriers hide the slices from that pass; they vanish
         # after scheduling (a sliced operand is then copied once, a plain one not at all).
         operands = jax.lax.optimization_barrier(operands)
-        results = call(*operands, buffer_id=np.int64(self.buf.buffer_id), **attrs)
+        results = custom_call(target_name(op), result_types, *operands,
+                              buffer_id=np.int64(self.buf.buffer_id), **attrs)
         return jax.lax.optimization_barrier(results)
 
     def layout(self, topk_idx):

@@ -1,0 +1,55 @@
+"""The custom call of every CUDA op: side-effecting for XLA, effect-free for JAX's dispatch.
+
+``jax.ffi.ffi_call(..., has_side_effect=True)`` does two things: the HLO custom call is marked
+side-effecting (XLA neither removes nor merges it: what our communicating calls need), and the
+jaxpr gets a JAX effect. The effect costs every call of a program that holds one of our ops:
+``jax.jit`` takes effectful programs off its C++ dispatch path and runs each call through
+Python, with runtime tokens (measured on one H200, decode step: ~0.3-0.7 ms of host time per
+call, against ~0.1 ms for the same program without our ops; NOTES.md). This primitive keeps the
+first and drops the second.
+
+What the missing JAX effect allows, and why it is safe: JAX may drop a call whose results are
+all unused (every rank runs the same program, so every rank drops the same call) and may
+recompute one under ``jax.checkpoint`` (every rank again); it never reorders calls, which only
+data dependences order anyway (``_ordering.py``). Differentiation and ``vmap`` are refused as
+``ffi_call`` refuses them: the ops' own ``custom_vjp`` rules differentiate them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+custom_call_p = Primitive("jax_ep_custom_call")
+custom_call_p.multiple_results = True
+
+
+@custom_call_p.def_impl
+def _impl(*operands, **params):  # outside any trace: compile the one call
+    return jax.jit(functools.partial(custom_call_p.bind, **params))(*operands)
+
+
+@custom_call_p.def_abstract_eval
+def _abstract_eval(*operands, target_name, result_avals, attributes):
+    del operands, target_name, attributes
+    return result_avals
+
+
+def _lowering(ctx, *operands, target_name, result_avals, attributes):
+    del result_avals  # ctx.avals_out
+    rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True)
+    return rule(ctx, *operands, **dict(attributes))
+
+
+mlir.register_lowering(custom_call_p, _lowering)
+
+
+def custom_call(target_name, result_avals, *operands, **attributes):
+    """Calls FFI target ``target_name`` on ``operands`` with ``attributes`` (scalars: they are
+    hashed), returning a tuple of arrays typed ``result_avals``."""
+    return tuple(custom_call_p.bind(*operands, target_name=target_name,
+                              result_avals=tuple(result_avals),
+                              attributes=tuple(sorted(attributes.items()))))
