@@ -61,6 +61,7 @@ def cases():
 CHILD = """
 import json, sys
 from jax_ep import _C
+_C.print_native_stack_on_crash()
 for name, kwargs in json.loads(sys.argv[1]).items():
     print(json.dumps({"case": name, **_C.transport_probe(**kwargs)}), flush=True)
 """

@@ -75,6 +75,7 @@ def run_case(kwargs, rng):
 
 
 def main():
+    _C.print_native_stack_on_crash()
     for name, kwargs in json.loads(sys.argv[1]).items():
         rng = np.random.default_rng(1234)
         record = {"case": name, "ok": True, "error": "", "proxy_errors": []}

@@ -5,13 +5,18 @@
 // proxy runs either step by step from Python or on its own thread (ProxyThread), as it will
 // next to the kernels. jax_ep._C.transport_probe: the same proxy behind real kernels on a GPU
 // (csrc/transport/probe.h; tests/test_transport_gpu.py).
+#include <dlfcn.h>
+#include <execinfo.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -315,7 +320,41 @@ nb::dict transport_probe(const std::string& transport_name, const std::string& m
 
 }  // namespace
 
+// A crash on a thread of ours (the proxies) shows no Python stack: print the native one, each
+// frame as module+offset (for addr2line on the same build), then hand the signal to the handler
+// installed before (Python's faulthandler prints the Python stacks and dies of it).
+struct sigaction g_previous_handlers[NSIG];
+
+void print_native_stack(int signal_number) {
+  void* frames[64];
+  const int count = backtrace(frames, 64);
+  dprintf(STDERR_FILENO, "native crash: signal %d; stack, innermost first:\n", signal_number);
+  for (int i = 0; i < count; ++i) {
+    Dl_info info = {};
+    if (dladdr(frames[i], &info) != 0 && info.dli_fname != nullptr) {
+      dprintf(STDERR_FILENO, "  #%d %s+0x%lx %s\n", i, info.dli_fname,
+              static_cast<unsigned long>(static_cast<char*>(frames[i]) -
+                                         static_cast<char*>(info.dli_fbase)),
+              info.dli_sname != nullptr ? info.dli_sname : "");
+    } else {
+      dprintf(STDERR_FILENO, "  #%d %p\n", i, frames[i]);
+    }
+  }
+  sigaction(signal_number, &g_previous_handlers[signal_number], nullptr);
+  raise(signal_number);
+}
+
+void print_native_stack_on_crash() {
+  struct sigaction action = {};
+  action.sa_handler = print_native_stack;
+  sigemptyset(&action.sa_mask);
+  for (int s : {SIGSEGV, SIGBUS, SIGILL, SIGFPE}) sigaction(s, &action, &g_previous_handlers[s]);
+}
+
 void add_transport_test_functions(nb::module_& m) {
+  m.def("print_native_stack_on_crash", &print_native_stack_on_crash,
+        "On SIGSEGV, SIGBUS, SIGILL or SIGFPE print the native stack to stderr, then run the "
+        "handler installed before (tests' child processes only).");
   nb::class_<EmulatedQueueForTests>(
       m, "EmulatedQueueForTests",
       "The emulated transport's host proxy over host memory (tests only): push commands as a "

@@ -23,7 +23,11 @@ void* DeviceArena::device_zeroed(size_t bytes) {
   void* p = nullptr;
   check_cuda(cudaMalloc(&p, bytes), "cudaMalloc");
   device_.push_back(p);
-  check_cuda(cudaMemset(p, 0, bytes), "cudaMemset");
+  // cudaMemset runs on the legacy default stream, asynchronously, and our kernels run on
+  // non-blocking streams, which never wait for it: a kernel launched right after could read the
+  // memory before it is zeroed (the probe did: a ring's reserve counter, uninitialised).
+  check_cuda(cudaMemsetAsync(p, 0, bytes, cudaStreamLegacy), "cudaMemset");
+  check_cuda(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize (zeroed)");
   return p;
 }
 
