@@ -14,6 +14,8 @@
 #             tests/test_transport_gpu.py (MODES=ep1): the transport probe and the low-latency
 #             ops over a transport, in the child processes it starts (its waits scale with
 #             JAX_EP_TIMEOUT_S)
+#   SAN_TAG   a name for this run's logs and summary lines (runs split into chunks: shared mode,
+#             where the tool dies ~70 s into a run)
 #   SAN_K     pytest -k expression (default: not the 16-pair chains, under which the sanitized
 #             process itself segfaults while the 8-pair ones pass; not the Buffer-cycle test)
 set -uo pipefail
@@ -58,11 +60,11 @@ for mode in $MODES; do
           while [[ $1 != pytest ]]; do shift; done; exec "$@"' _ "${san[@]}" "${pytest_cmd[@]}")
       fi
     fi
-    log="$LOGS/$mode-$tool.log"; s=$(date +%s)
+    log="$LOGS/$mode-$tool${SAN_TAG:+-$SAN_TAG}.log"; s=$(date +%s)
     timeout "${SAN_S:-240}" "${cmd[@]}" > "$log" 2>&1; rc=$?
     # One "ERROR SUMMARY" (racecheck: "RACECHECK SUMMARY") per process, and pytest's last line.
     errs=$(grep -hoE "(ERROR|RACECHECK) SUMMARY: [0-9]+ (error|hazard)s?[^=]*" "$log" | sort | uniq -c | tr -s ' ' | paste -sd ';')
     tests=$(grep -E "[0-9]+ (passed|failed)" "$log" | tail -2 | tr -s ' ' | paste -sd ';')
-    echo "$mode $tool rc=$rc $(( $(date +%s) - s ))s | ${errs:-no sanitizer summary} | ${tests:-no pytest summary}" | tee -a "$summary"
+    echo "$mode $tool${SAN_TAG:+ ($SAN_TAG)} rc=$rc $(( $(date +%s) - s ))s | ${errs:-no sanitizer summary} | ${tests:-no pytest summary}" | tee -a "$summary"
   done
 done
