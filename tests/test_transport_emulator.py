@@ -469,3 +469,16 @@ def test_low_latency_transport_regions_neither_overlap_nor_overrun(shape):
     assert layout["row_bytes"] == 2 * hidden
     assert layout["fp8_message_bytes"] % 16 == 0
     assert hidden + hidden // 32 <= layout["fp8_message_bytes"] <= layout["row_bytes"]
+
+
+def test_state_names_what_was_drained_and_the_oldest_pending_command():
+    """What a failed kernel's message shows of each proxy (RankProxy::Report::state)."""
+    world = World(seed=0, num_queues=2)
+    assert world.queue.state() == "queue 0: 0 drained; queue 1: 0 drained; 0 pending"
+    pushed_puts(world, 3, warp=1, peer=2)
+    world.queue.poll()
+    # warp 1's commands go to queue 1 (warp % num_queues)
+    assert world.queue.state() == ("queue 0: 0 drained; queue 1: 3 drained; 3 pending "
+                                   "(oldest: queue 1 position 0 op 1 warp 1 peer 2)")
+    world.queue.run()
+    assert world.queue.state() == "queue 0: 0 drained; queue 1: 3 drained; 0 pending"

@@ -299,7 +299,12 @@ class LowLatencyTransportForTests {
       check_cuda(launcher(kind_, launch, op, streams_[0]->stream), what);
     }
     nb::gil_scoped_release release;
-    for (const auto& stream : streams_) check_cuda(cudaStreamSynchronize(stream->stream), what);
+    try {
+      for (const auto& stream : streams_) check_cuda(cudaStreamSynchronize(stream->stream), what);
+    } catch (const std::runtime_error& e) {  // a kernel that trapped: what did the proxies see?
+      throw std::runtime_error(std::string(e.what()) +
+                               "; the proxies:" + transport::stop_and_describe(proxies_));
+    }
   }
 
   // Declaration order is teardown order reversed: the proxies stop before the memory goes.

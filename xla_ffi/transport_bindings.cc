@@ -134,6 +134,7 @@ class EmulatedQueueForTests {
   bool step() { return stepping()->step(); }
   uint64_t run(uint64_t max_steps) { return stepping()->run_until_idle(max_steps); }
   bool idle() { return stepping()->idle(); }
+  std::string state() { return stepping()->state(); }
 
   // The proxy on its own thread (ProxyThread): pushes keep going, poll/step/run are refused.
   void start_thread() { thread_->start(); }
@@ -390,6 +391,8 @@ void add_transport_test_functions(nb::module_& m) {
       .def("step", &EmulatedQueueForTests::step)
       .def("run", &EmulatedQueueForTests::run, nb::arg("max_steps") = uint64_t{1} << 24)
       .def("idle", &EmulatedQueueForTests::idle)
+      .def("state", &EmulatedQueueForTests::state,
+           "What the proxy holds: commands drained per queue, pending (the oldest named).")
       .def("deliveries", &EmulatedQueueForTests::deliveries)
       .def("errors", &EmulatedQueueForTests::errors)
       .def("start_thread", &EmulatedQueueForTests::start_thread,

@@ -83,7 +83,19 @@ RankProxy::Report RankProxy::stop() {
   Report report;
   report.cuda_error = executor_->error();
   for (const ProxyError& e : thread_->take_errors()) report.errors.push_back(e.message);
+  report.state = proxy_->state();
   return report;
+}
+
+std::string stop_and_describe(std::vector<std::unique_ptr<RankProxy>>& proxies) {
+  std::string text;
+  for (size_t r = 0; r < proxies.size(); ++r) {
+    const RankProxy::Report report = proxies[r]->stop();
+    text += "\n  rank " + std::to_string(r) + ": " + report.state;
+    if (!report.cuda_error.empty()) text += "; cuda: " + report.cuda_error;
+    for (const std::string& e : report.errors) text += "; " + e;
+  }
+  return text;
 }
 
 }  // namespace transport

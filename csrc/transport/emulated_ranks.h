@@ -61,6 +61,7 @@ class RankProxy {
   struct Report {
     std::string cuda_error;           // the executor's first CUDA failure, empty if none
     std::vector<std::string> errors;  // the proxy's, as "kind: message (where)"
+    std::string state;                // what it held when stopped (HostProxy::state)
   };
   // Delivers what was published, stops the thread and reports what went wrong.
   Report stop();
@@ -71,6 +72,10 @@ class RankProxy {
   std::unique_ptr<HostProxy> proxy_;
   std::unique_ptr<ProxyThread> thread_;
 };
+
+// Stops every proxy and describes each ("rank r: state; errors"): appended to the message of a
+// kernel that failed, so that a hang trapped by a bounded wait says what the proxies saw.
+std::string stop_and_describe(std::vector<std::unique_ptr<RankProxy>>& proxies);
 
 }  // namespace transport
 }  // namespace jax_ep

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace jax_ep {
@@ -27,6 +27,13 @@ bool carries_signal(uint32_t op) {
 }
 
 bool is_quiet(uint32_t op) { return op == static_cast<uint32_t>(CommandOp::kQuiet); }
+
+// Messages are built with std::to_string, not iostreams: the proxy formats them on its own
+// thread, and on the H200 machine's build (libstdc++ linked statically) the first ostringstream
+// number formatting on a proxy thread crashed (SIGSEGV in ostream::_M_insert<unsigned long>).
+std::string byte_range(uint64_t offset, uint64_t bytes) {
+  return "[" + std::to_string(offset) + ", +" + std::to_string(bytes) + ")";
+}
 
 }  // namespace
 
@@ -74,11 +81,11 @@ const HostProxy::Region* HostProxy::find_region(int rank, uint32_t region) const
 
 void HostProxy::record_error(ProxyErrorKind kind, int queue, uint64_t position,
                              const TransportCommand& command, const std::string& message) {
-  std::ostringstream text;
-  text << proxy_error_name(kind) << ": " << message << " (queue " << queue << ", position "
-       << position << ", warp " << command.warp << ", op " << command.op << ", peer "
-       << command.peer << ")";
-  errors_.push_back(ProxyError{kind, queue, position, command, text.str()});
+  std::string text = std::string(proxy_error_name(kind)) + ": " + message + " (queue " +
+                     std::to_string(queue) + ", position " + std::to_string(position) + ", warp " +
+                     std::to_string(command.warp) + ", op " + std::to_string(command.op) +
+                     ", peer " + std::to_string(command.peer) + ")";
+  errors_.push_back(ProxyError{kind, queue, position, command, std::move(text)});
 }
 
 // Resolves the command's addresses into `pending`; records an error and returns false when any
@@ -103,17 +110,17 @@ bool HostProxy::check(int queue, uint64_t position, const TransportCommand& c, P
     }
     const Region* src = find_region(rank_, c.src_region);
     if (src == nullptr || !in_range(c.src_offset, c.bytes, src->bytes)) {
-      std::ostringstream m;
-      m << "source [" << c.src_offset << ", +" << c.bytes << ") not inside region " << c.src_region
-        << " of rank " << rank_ << (src ? "" : " (not registered)");
-      return fail(ProxyErrorKind::kSourceOutOfRegion, m.str());
+      return fail(ProxyErrorKind::kSourceOutOfRegion,
+                  "source " + byte_range(c.src_offset, c.bytes) + " not inside region " +
+                      std::to_string(c.src_region) + " of rank " + std::to_string(rank_) +
+                      (src ? "" : " (not registered)"));
     }
     const Region* dst = find_region(c.peer, c.dst_region);
     if (dst == nullptr || !in_range(c.dst_offset, c.bytes, dst->bytes)) {
-      std::ostringstream m;
-      m << "destination [" << c.dst_offset << ", +" << c.bytes << ") not inside region "
-        << c.dst_region << " of rank " << c.peer << (dst ? "" : " (not registered)");
-      return fail(ProxyErrorKind::kDestinationOutOfRegion, m.str());
+      return fail(ProxyErrorKind::kDestinationOutOfRegion,
+                  "destination " + byte_range(c.dst_offset, c.bytes) + " not inside region " +
+                      std::to_string(c.dst_region) + " of rank " + std::to_string(c.peer) +
+                      (dst ? "" : " (not registered)"));
     }
     pending->src = src->base + c.src_offset;
     pending->dst = dst->base + c.dst_offset;
@@ -128,10 +135,10 @@ bool HostProxy::check(int queue, uint64_t position, const TransportCommand& c, P
     }
     const Region* sig = find_region(c.peer, c.signal_region);
     if (sig == nullptr || !in_range(c.signal_offset, sizeof(uint64_t), sig->bytes)) {
-      std::ostringstream m;
-      m << "signal word at " << c.signal_offset << " not inside region " << c.signal_region
-        << " of rank " << c.peer << (sig ? "" : " (not registered)");
-      return fail(ProxyErrorKind::kSignalOutOfRegion, m.str());
+      return fail(ProxyErrorKind::kSignalOutOfRegion,
+                  "signal word at " + std::to_string(c.signal_offset) + " not inside region " +
+                      std::to_string(c.signal_region) + " of rank " + std::to_string(c.peer) +
+                      (sig ? "" : " (not registered)"));
     }
     pending->signal = reinterpret_cast<uint64_t*>(sig->base + c.signal_offset);
   }
@@ -195,10 +202,9 @@ void HostProxy::deliver_chunk(Pending& p, size_t chunk_index) {
   const uint64_t chunk = options_.chunk_bytes ? options_.chunk_bytes : p.command.bytes;
   const uint64_t bytes = std::min(chunk, p.command.bytes - offset);
   if (!p.snapshot.empty() && !source_unchanged(p.src, offset, bytes, p.snapshot)) {
-    std::ostringstream m;
-    m << "source bytes [" << offset << ", +" << bytes << ") changed between the put and its "
-      << "delivery (reused before quiet)";
-    record_error(ProxyErrorKind::kSourceReused, p.queue, p.position, p.command, m.str());
+    record_error(ProxyErrorKind::kSourceReused, p.queue, p.position, p.command,
+                 "source bytes " + byte_range(offset, bytes) +
+                     " changed between the put and its delivery (reused before quiet)");
     p.snapshot.clear();  // reported once; the quiet does not check this command again
   }
   // Read late: whatever the source holds now is what lands.
@@ -314,6 +320,22 @@ bool HostProxy::step() {
   }
   if (p.chunks_left.empty() && !p.signal_left) finish(action.id);
   return true;
+}
+
+std::string HostProxy::state() const {
+  std::string text;
+  for (size_t q = 0; q < rings_.size(); ++q) {
+    text += (q ? "; " : "") + std::string("queue ") + std::to_string(q) + ": " +
+            std::to_string(tails_[q]) + " drained";
+  }
+  text += "; " + std::to_string(pending_.size()) + " pending";
+  if (!pending_.empty()) {
+    const Pending& p = pending_.begin()->second;
+    text += " (oldest: queue " + std::to_string(p.queue) + " position " +
+            std::to_string(p.position) + " op " + std::to_string(p.command.op) + " warp " +
+            std::to_string(p.command.warp) + " peer " + std::to_string(p.command.peer) + ")";
+  }
+  return text;
 }
 
 uint64_t HostProxy::run_until_idle(uint64_t max_steps) {

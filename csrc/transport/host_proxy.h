@@ -103,6 +103,9 @@ class HostProxy {
   // Stops after max_steps (a guard: a correct proxy always drains).
   uint64_t run_until_idle(uint64_t max_steps);
   bool idle() const { return pending_.empty(); }
+  // What it holds now, for failure reports: per queue the commands drained, and how many are
+  // pending (the oldest named).
+  std::string state() const;
 
   const std::vector<ProxyError>& errors() const { return errors_; }
   const std::vector<Delivery>& deliveries() const { return deliveries_; }

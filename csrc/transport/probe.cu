@@ -241,41 +241,47 @@ ProbeResult run_transport_probe(const ProbeConfig& config) {
   const size_t vectors_per_row = row_bytes / kBytesPerVector;
   std::vector<int4> seen(out_bytes / sizeof(int4));
   const auto start = std::chrono::steady_clock::now();
-  for (int round = 0; round < config.rounds; ++round) {
-    args.round = static_cast<uint32_t>(round);
-    const dim3 grid(static_cast<unsigned>(ranks * config.warps_per_rank));
-    if (emulated) {
-      probe_kernel<EmulatedTransport><<<grid, kWarpSize, 0, kernel_stream.stream>>>(args);
-    } else {
-      probe_kernel<MappedTransport><<<grid, kWarpSize, 0, kernel_stream.stream>>>(args);
-    }
-    check_cuda(cudaGetLastError(), "probe kernel launch");
-    check_cuda(cudaMemcpyAsync(seen.data(), args.out, out_bytes, cudaMemcpyDeviceToHost,
-                               kernel_stream.stream),
-               "cudaMemcpyAsync (rows seen)");
-    check_cuda(cudaStreamSynchronize(kernel_stream.stream), "probe kernel");
-    for (int receiver = 0; receiver < ranks; ++receiver) {
-      for (int source = 0; source < ranks; ++source) {
-        for (int row = 0; row < config.rows; ++row) {
-          const int4* got =
-              seen.data() + ((static_cast<size_t>(receiver) * ranks + source) * config.rows + row) *
-                                vectors_per_row;
-          bool same = true;
-          for (size_t v = 0; v < vectors_per_row && same; ++v) {
-            const uint32_t w = 4u * static_cast<uint32_t>(v);
-            const uint32_t r = static_cast<uint32_t>(round);
-            same = static_cast<uint32_t>(got[v].x) == probe_word(source, receiver, row, r, w) &&
-                   static_cast<uint32_t>(got[v].y) == probe_word(source, receiver, row, r, w + 1) &&
-                   static_cast<uint32_t>(got[v].z) == probe_word(source, receiver, row, r, w + 2) &&
-                   static_cast<uint32_t>(got[v].w) == probe_word(source, receiver, row, r, w + 3);
+  try {
+    for (int round = 0; round < config.rounds; ++round) {
+      args.round = static_cast<uint32_t>(round);
+      const dim3 grid(static_cast<unsigned>(ranks * config.warps_per_rank));
+      if (emulated) {
+        probe_kernel<EmulatedTransport><<<grid, kWarpSize, 0, kernel_stream.stream>>>(args);
+      } else {
+        probe_kernel<MappedTransport><<<grid, kWarpSize, 0, kernel_stream.stream>>>(args);
+      }
+      check_cuda(cudaGetLastError(), "probe kernel launch");
+      check_cuda(cudaMemcpyAsync(seen.data(), args.out, out_bytes, cudaMemcpyDeviceToHost,
+                                 kernel_stream.stream),
+                 "cudaMemcpyAsync (rows seen)");
+      check_cuda(cudaStreamSynchronize(kernel_stream.stream), "probe kernel");
+      for (int receiver = 0; receiver < ranks; ++receiver) {
+        for (int source = 0; source < ranks; ++source) {
+          for (int row = 0; row < config.rows; ++row) {
+            const int4* got =
+                seen.data() +
+                ((static_cast<size_t>(receiver) * ranks + source) * config.rows + row) *
+                    vectors_per_row;
+            bool same = true;
+            for (size_t v = 0; v < vectors_per_row && same; ++v) {
+              const uint32_t w = 4u * static_cast<uint32_t>(v);
+              const uint32_t r = static_cast<uint32_t>(round);
+              same =
+                  static_cast<uint32_t>(got[v].x) == probe_word(source, receiver, row, r, w) &&
+                  static_cast<uint32_t>(got[v].y) == probe_word(source, receiver, row, r, w + 1) &&
+                  static_cast<uint32_t>(got[v].z) == probe_word(source, receiver, row, r, w + 2) &&
+                  static_cast<uint32_t>(got[v].w) == probe_word(source, receiver, row, r, w + 3);
+            }
+            result.bad_rows += same ? 0 : 1;
           }
-          result.bad_rows += same ? 0 : 1;
         }
       }
+      // A receiver that gave up leaves the last round's rows: clear them so none passes as seen.
+      check_cuda(cudaMemsetAsync(args.out, 0, out_bytes, kernel_stream.stream),
+                 "cudaMemsetAsync (rows seen)");
     }
-    // A receiver that gave up leaves the last round's rows: clear them so none passes as seen.
-    check_cuda(cudaMemsetAsync(args.out, 0, out_bytes, kernel_stream.stream),
-               "cudaMemsetAsync (rows seen)");
+  } catch (const std::runtime_error& e) {  // a kernel that trapped: what did the proxies see?
+    throw std::runtime_error(std::string(e.what()) + "; the proxies:" + stop_and_describe(proxies));
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   check_cuda(cudaMemcpy(&result.timeouts, args.timeouts, sizeof(uint64_t), cudaMemcpyDeviceToHost),
