@@ -73,9 +73,13 @@ def run_child(args, cases, timeout):
     a crash prints its Python stack). The child runs outside the source tree, so that `-c`
     imports the installed jax_ep (with _C), not the checkout's."""
     require_gpus(1)
+    # Each emulated rank's proxy copies on a stream of its own, next to the kernels' streams:
+    # past CUDA_DEVICE_MAX_CONNECTIONS (8 by default) streams share hardware queues, and a copy
+    # queued behind a spinning kernel never starts (the kernel waits for it).
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32")
     proc = subprocess.run([sys.executable, "-X", "faulthandler", *args, json.dumps(cases)],
                           capture_output=True, text=True, timeout=timeout,
-                          cwd=tempfile.gettempdir())
+                          cwd=tempfile.gettempdir(), env=env)
     got = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
