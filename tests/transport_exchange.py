@@ -35,7 +35,8 @@ from jax_ep import testing as oracle  # noqa: E402
 R = 8
 
 
-def run_case(kwargs, rng):
+def run_case(kwargs, rng, record):
+    """Runs the case; the proxies' errors go into ``record`` also when a check fails."""
     ll = _C.LowLatencyTransportForTests(R, E, K, T_MAX, HIDDEN, **kwargs)
     local = E // R
     try:
@@ -70,8 +71,7 @@ def run_case(kwargs, rng):
                         combined, want, magnitude, what=f"combine ({routing}, fp8 {use_fp8})",
                         term_rtol=oracle.FP8_TERM_RTOL if use_fp8 else oracle.F32_SUM_RTOL)
     finally:
-        errors = ll.close()
-    return errors
+        record["proxy_errors"] = ll.close()
 
 
 def main():
@@ -80,7 +80,7 @@ def main():
         rng = np.random.default_rng(1234)
         record = {"case": name, "ok": True, "error": "", "proxy_errors": []}
         try:
-            record["proxy_errors"] = run_case(kwargs, rng)
+            run_case(kwargs, rng, record)
         except Exception:  # noqa: BLE001 - reported to the parent, next case
             record["ok"] = False
             record["error"] = traceback.format_exc()[-3000:]
