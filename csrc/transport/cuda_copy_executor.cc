@@ -1,7 +1,15 @@
 #include "transport/cuda_copy_executor.h"
 
+#include <algorithm>
+#include <cstring>
+
 namespace jax_ep {
 namespace transport {
+namespace {
+
+constexpr uint64_t kReadStagingBytes = uint64_t{1} << 20;  // a read is split into such pieces
+
+}  // namespace
 
 CudaCopyExecutor::CudaCopyExecutor(cudaStream_t stream, uint32_t signal_slots)
     : stream_(stream), slots_(signal_slots == 0 ? 1 : signal_slots) {
@@ -9,6 +17,9 @@ CudaCopyExecutor::CudaCopyExecutor(cudaStream_t stream, uint32_t signal_slots)
   ok(cudaHostAlloc(reinterpret_cast<void**>(&staging_), slots_ * sizeof(uint64_t),
                    cudaHostAllocDefault),
      "cudaHostAlloc");
+  ok(cudaHostAlloc(reinterpret_cast<void**>(&read_staging_), kReadStagingBytes,
+                   cudaHostAllocDefault),
+     "cudaHostAlloc (reads)");
 }
 
 CudaCopyExecutor::~CudaCopyExecutor() {
@@ -16,6 +27,7 @@ CudaCopyExecutor::~CudaCopyExecutor() {
     cudaStreamSynchronize(stream_);
     cudaFreeHost(staging_);
   }
+  if (read_staging_ != nullptr) cudaFreeHost(read_staging_);
 }
 
 bool CudaCopyExecutor::ok(cudaError_t status, const char* what) {
@@ -55,9 +67,16 @@ void CudaCopyExecutor::write_signal(uint64_t* dst, uint64_t value) {
 }
 
 void CudaCopyExecutor::read(void* host_dst, const void* src, uint64_t bytes) {
-  if (!error_.empty() || !on_device()) return;
-  if (ok(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync")) {
-    ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (read)");
+  if (!error_.empty() || read_staging_ == nullptr || !on_device()) return;
+  for (uint64_t done = 0; done < bytes; done += kReadStagingBytes) {
+    const uint64_t piece = std::min(kReadStagingBytes, bytes - done);
+    if (!ok(cudaMemcpyAsync(read_staging_, static_cast<const char*>(src) + done, piece,
+                            cudaMemcpyDefault, stream_),
+            "cudaMemcpyAsync (read)") ||
+        !ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (read)")) {
+      return;
+    }
+    std::memcpy(static_cast<char*>(host_dst) + done, read_staging_, piece);
   }
 }
 

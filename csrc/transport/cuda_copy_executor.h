@@ -43,6 +43,12 @@ class CudaCopyExecutor final : public TransportExecutor {
   int device_ = 0;
   uint64_t* staging_ = nullptr;  // pinned host memory
   uint32_t slots_;
+  // Reads land here (pinned), then in the caller's memory. A read straight into pageable
+  // memory goes through the driver's own staging, which stalled behind a spinning kernel on
+  // the H200 (the probe's proxies were stuck in it until the kernel's bounded wait trapped).
+  // Allocated once: freeing pinned memory synchronises the device, which a kernel waiting for
+  // this proxy would never let happen.
+  char* read_staging_ = nullptr;
   uint32_t next_slot_ = 0;
   std::string error_;
 };
