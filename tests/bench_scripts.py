@@ -1,12 +1,16 @@
-"""Runs the benchmark scripts of benchmarks/ as subprocesses on 8 host CPU devices with small
-shapes (``--quick``) and reads the records they write (tests/test_benchmarks.py,
+"""Runs the benchmark scripts of benchmarks/ on 8 host CPU devices with small shapes
+(``--quick``) and reads the records they write (tests/test_benchmarks.py,
 tests/test_bench_scripts.py)."""
 
+import contextlib
 import glob
+import importlib
+import io
 import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
@@ -14,6 +18,7 @@ if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
 
 import bench_common as bc  # noqa: E402
+import jax  # noqa: E402
 
 SCRIPT_TIMEOUT_S = 600
 
@@ -24,13 +29,42 @@ def jax_ep_importable():
 
 
 def run_script(script, out_dir, *extra):
+    """Runs ``benchmarks/<script> --quick --out <out_dir> *extra``; returns what it printed.
+
+    In this process (the script's ``main(argv)``) when the test process has the 8 host CPU
+    devices the scripts want (conftest): no interpreter, JAX import and backend start per
+    script, and XLA:CPU at conftest's -O0, which compiles the scripts' many small programs
+    faster than the default level runs them (bench_step --quick: 19 -> 10 s). Elsewhere (the
+    CPU suite on a GPU machine) a subprocess pinned to the CPU devices.
+    """
+    argv = ["--quick", "--out", str(out_dir), *extra]
+    if jax.default_backend() == "cpu" and jax.device_count() == 8:
+        return _run_in_process(script, argv)
+    return _run_subprocess(script, argv)
+
+
+def _run_in_process(script, argv):
+    module = importlib.import_module(os.path.splitext(script)[0])
+    stdout = io.StringIO()
+    # Child processes a script starts (first_call's cases) inherit this process's environment:
+    # pinned to the CPU devices as _run_subprocess pins the script itself.
+    with mock.patch.dict(os.environ, {"JAX_PLATFORMS": "cpu"}), \
+            contextlib.redirect_stdout(stdout):
+        try:
+            module.main(argv)
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise AssertionError(f"{script} exited with {e.code}:\n"
+                                     f"{stdout.getvalue()[-3000:]}") from e
+    return stdout.getvalue()
+
+
+def _run_subprocess(script, argv):
     env = dict(os.environ)
-    # XLA's default optimization (not conftest's -O0): the timed programs run long enough that
-    # -O0 code costs more than it saves in compiling.
+    # XLA's default optimization, as the scripts run for real.
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, os.path.join(BENCH_DIR, script), "--quick", "--out", str(out_dir),
-           *extra]
+    cmd = [sys.executable, os.path.join(BENCH_DIR, script), *argv]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=SCRIPT_TIMEOUT_S)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

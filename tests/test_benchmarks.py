@@ -31,8 +31,11 @@ IMPLS = {"jax_ep", "reference", "all_to_all", "ragged_all_to_all",
          "ragged_all_to_all_decomposer"}
 def test_bench_ep_quick(tmp_path):
     # Every call's outputs kept: more work per op, so that CPU timing noise stays below it. One
-    # low-latency token count (--quick has 1 and 8): the sweep test below runs 1 and 2.
-    stdout = run_script("bench_ep.py", tmp_path, "--outputs", "all", "--ll-tokens", "8")
+    # low-latency token count (--quick has 1 and 8): the sweep test below runs 1 and 2. H=128
+    # (--quick: 512), the fp8 block: the script's plumbing is the same at any width, and at
+    # conftest's -O0 the runs of the 26 programs took a third of the test at 512.
+    stdout = run_script("bench_ep.py", tmp_path, "--outputs", "all", "--ll-tokens", "8",
+                        "--hidden", "128")
     payload = load_record(tmp_path, "8xcpu-*[0-9].json")
     results = payload["results"]
     assert results, payload

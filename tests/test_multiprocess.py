@@ -20,7 +20,10 @@ pytestmark = pytest.mark.skipif(bool(os.environ.get(launch.ENV_NUM_PROCESSES)),
 
 
 def run_launcher(*args, timeout=300, extra_env=None):
-    return launching.run_launcher(*args, platform="cpu", timeout=timeout, extra_env=extra_env)
+    # The children's XLA:CPU at -O0 as in this process (conftest): they compile every op and run
+    # it once or twice (the digest script: ~20% less time). A test's own XLA_FLAGS replace it.
+    env = {"XLA_FLAGS": "--xla_backend_optimization_level=0", **(extra_env or {})}
+    return launching.run_launcher(*args, platform="cpu", timeout=timeout, extra_env=env)
 
 
 def test_children_get_the_documented_environment():
