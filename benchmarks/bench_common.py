@@ -12,6 +12,7 @@ what comes back.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -178,6 +179,18 @@ def random_routing(mesh: Mesh, seed: int, tokens: int, experts: int, topk: int):
     Returns global ``topk_idx [R*T, K] int32`` and ``topk_weights [R*T, K] float32`` (softmax of
     the selected scores), both sharded along "ep".
     """
+    return jax.block_until_ready(_routing_maker(mesh, tokens, experts, topk)(jax.random.key(seed)))
+
+
+def random_rows(mesh: Mesh, seed: int, shape: tuple[int, ...], dtype=jnp.bfloat16):
+    """Standard-normal array of global ``shape`` (axis 0 = R * per-rank rows), sharded."""
+    return jax.block_until_ready(_rows_maker(mesh, tuple(shape), dtype)(jax.random.key(seed)))
+
+
+# One jitted maker per shape: a new closure per call compiled again every time (21 compiles in
+# bench_ep --quick alone).
+@functools.cache
+def _routing_maker(mesh: Mesh, tokens: int, experts: int, topk: int):
     num_ranks = mesh.shape[AXIS]
 
     def make(key):
@@ -185,18 +198,15 @@ def random_routing(mesh: Mesh, seed: int, tokens: int, experts: int, topk: int):
         vals, idx = lax.top_k(scores, topk)
         return idx.astype(jnp.int32), jax.nn.softmax(vals, axis=-1)
 
-    out = jax.jit(make, out_shardings=(sharded(mesh), sharded(mesh)))(jax.random.key(seed))
-    return jax.block_until_ready(out)
+    return jax.jit(make, out_shardings=(sharded(mesh), sharded(mesh)))
 
 
-def random_rows(mesh: Mesh, seed: int, shape: tuple[int, ...], dtype=jnp.bfloat16):
-    """Standard-normal array of global ``shape`` (axis 0 = R * per-rank rows), sharded."""
-
+@functools.cache
+def _rows_maker(mesh: Mesh, shape: tuple[int, ...], dtype):
     def make(key):
         return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
-    out = jax.jit(make, out_shardings=sharded(mesh))(jax.random.key(seed))
-    return jax.block_until_ready(out)
+    return jax.jit(make, out_shardings=sharded(mesh))
 
 
 def cast_fp8(x):

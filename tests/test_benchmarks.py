@@ -29,9 +29,11 @@ RECORD_KEYS = {"op": str, "impl": str, "dtype": str, "ranks": int, "tokens": int
 OPS = {"layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine"}
 IMPLS = {"jax_ep", "reference", "all_to_all", "ragged_all_to_all",
          "ragged_all_to_all_decomposer"}
+
+
 def test_bench_ep_quick(tmp_path):
     # Every call's outputs kept: more work per op, so that CPU timing noise stays below it. One
-    # low-latency token count (--quick has 1 and 8): the sweep test below runs 1 and 2. H=128
+    # low-latency token count (--quick has 1 and 8; the sweep's code is the same). H=128
     # (--quick: 512), the fp8 block: the script's plumbing is the same at any width, and at
     # conftest's -O0 the runs of the 26 programs took a third of the test at 512.
     stdout = run_script("bench_ep.py", tmp_path, "--outputs", "all", "--ll-tokens", "8",
