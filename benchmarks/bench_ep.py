@@ -640,7 +640,8 @@ def write_plots(records, out_prefix):
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:  # a panel whose cases all failed has none
+                ax.legend(fontsize=7)
         fig.tight_layout()
         path = f"{out_prefix}-{mode}.png"
         fig.savefig(path, dpi=120)
