@@ -123,7 +123,7 @@ def test_symbolic_export_refines_to_static_shapes(make_buffer, make_step, op, re
 def test_ops_are_side_effecting_for_xla_and_effect_free_for_jit(make_buffer, make_step):
     """XLA must neither remove nor merge our calls (has_side_effect in the HLO), and the jaxpr
     must carry no JAX effect: jit dispatches an effectful program through Python on every call
-    (no C++ fast path), which cost ~0.3-0.7 ms of host time per call on an H200."""
+    (no C++ fast path): 620-920 us per call of a 2-layer program on an H200, 160-430 without."""
     mesh = cpu_mesh()
     spec = shard_spec(mesh)
     step = jax.jit(jax.shard_map(make_step(make_buffer(mesh)), mesh=mesh,
