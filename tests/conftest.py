@@ -44,9 +44,9 @@ def pytest_configure(config):
 def _use_compilation_cache(config):
     """A persistent compilation cache of this process alone, new and removed at the end.
 
-    Many of the suite's programs equal an earlier one but for their Python function (the
-    benchmark scripts make every input with a new jitted closure; tests build the same ops for
-    each case), and a hit skips XLA: ~10% of the CPU suite's time. Not shared between
+    Many of the suite's programs equal an earlier one but for their Python function (tests
+    build the same ops for each case, the benchmark scripts each their own programs), and a hit
+    skips XLA: ~10% of the CPU suite's time. Not shared between
     processes (jax writes its entries without a lock); child processes start without it
     (first_call times a cold start).
     """

@@ -27,9 +27,14 @@ custom_call_p = Primitive("jax_ep_custom_call")
 custom_call_p.multiple_results = True
 
 
-@custom_call_p.def_impl
-def _impl(*operands, **params):  # outside any trace: compile the one call
-    return jax.jit(functools.partial(custom_call_p.bind, **params))(*operands)
+# Outside any trace: the one call, compiled once per target, types and attributes.
+@functools.partial(jax.jit, static_argnames=("target_name", "result_avals", "attributes"))
+def _impl(*operands, target_name, result_avals, attributes):
+    return custom_call_p.bind(*operands, target_name=target_name, result_avals=result_avals,
+                              attributes=attributes)
+
+
+custom_call_p.def_impl(_impl)
 
 
 @custom_call_p.def_abstract_eval
