@@ -24,8 +24,8 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/moe_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
-MATMULS="${MATMULS:-tokamax+mosaic,tokamax,mosaic,tiled,dense}"
-PEER_MATMUL="${PEER_MATMUL:-tokamax+mosaic}"
+MATMULS="${MATMULS:-mosaic,tokamax+mosaic,tokamax,tiled,dense}"
+PEER_MATMUL="${PEER_MATMUL:-mosaic}"
 SKIP="${SKIP:-}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 summary=()

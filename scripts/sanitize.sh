@@ -35,7 +35,10 @@ SHARED_DESELECT=(--deselect tests/test_gradients.py::test_low_latency_gradients
   --deselect tests/test_low_latency_split.py::test_gradients_through_send_and_recv_equal_fused)
 compute-sanitizer --version | tail -1 > "$LOGS/version.txt"
 filter=()
-compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name" && filter=(--kernel-name kns=_kernel)
+# Not `--help | grep -q`: under pipefail grep's early exit kills the writer with SIGPIPE and the
+# test fails, which left every kernel (XLA's too) instrumented until 2026-12-02.
+help=$(compute-sanitizer --help 2>&1)
+[[ $help == *--kernel-name* ]] && filter=(--kernel-name kns=_kernel)
 summary="$LOGS/summary.txt"  # appended to: several calls may each run some of the tools
 for mode in $MODES; do
   for tool in $TOOLS; do
@@ -61,7 +64,8 @@ for mode in $MODES; do
       fi
     fi
     log="$LOGS/$mode-$tool${SAN_TAG:+-$SAN_TAG}.log"; s=$(date +%s)
-    timeout "${SAN_S:-240}" "${cmd[@]}" > "$log" 2>&1; rc=$?
+    echo "+ ${cmd[*]}" > "$log"  # which filter and tests this log is of
+    timeout "${SAN_S:-240}" "${cmd[@]}" >> "$log" 2>&1; rc=$?
     # One "ERROR SUMMARY" (racecheck: "RACECHECK SUMMARY") per process, and pytest's last line.
     errs=$(grep -hoE "(ERROR|RACECHECK) SUMMARY: [0-9]+ (error|hazard)s?[^=]*" "$log" | sort | uniq -c | tr -s ' ' | paste -sd ';')
     tests=$(grep -E "[0-9]+ (passed|failed)" "$log" | tail -2 | tr -s ' ' | paste -sd ';')

@@ -102,12 +102,12 @@ def _check_library_matmul(matmul, rng, num_rows, sizes, k, m):
 # ---------------------------------------------------------------------------- selection
 def test_auto_is_tiled_without_a_hopper_gpu(monkeypatch):
     monkeypatch.delenv(grouped_gemm.MATMUL_ENV, raising=False)
-    if grouped_gemm.library_status("tokamax")[0]:
-        pytest.skip("tokamax runs here: auto is not tiled")
+    if grouped_gemm.library_status("mosaic")[0]:
+        pytest.skip("jax's Mosaic GPU kernels run here: auto is not tiled")
     assert grouped_gemm.resolve_matmul("auto", jnp.bfloat16) == "tiled"
     assert grouped_gemm.resolve_matmul("auto", jnp.float32) == "tiled"
     assert grouped_gemm.resolve_matmul("ragged_dot") == "ragged_dot"
-    assert grouped_gemm.selection_report().startswith("tiled (tokamax not used: ")
+    assert grouped_gemm.selection_report().startswith("tiled (jax's Mosaic GPU kernels not used: ")
     assert moe.DEFAULT_MATMUL == "auto"
 
 
@@ -140,10 +140,18 @@ def test_auto_falls_back_to_tiled_where_the_kernels_do_not_tile(monkeypatch, ref
         y = moe.swiglu_experts(x, sizes, *weights)  # auto -> mosaic (environment) or tiled
         assert y.shape == (8, hidden) and len(calls) == want_calls, (hidden, calls)
         calls.clear()
-    with pytest.raises(ValueError, match="multiples of 512"):  # asked for explicitly: an error
+    with pytest.raises(ValueError, match="multiples of 128"):  # asked for explicitly: an error
         moe.swiglu_experts(jnp.ones((8, 128), jnp.bfloat16), sizes, *(
             jnp.zeros(s, jnp.bfloat16) for s in ((2, 128, 64), (2, 128, 64), (2, 64, 128))),
             matmul="mosaic")
+
+
+def test_grid_grouping_divides_the_output_width():
+    """jax's row kernel needs the output width in whole groups of `grid_block_n` blocks."""
+    config = dict(grouped_gemm.MOSAIC_CONFIGS["rows"], block_n=128, grid_block_n=8)
+    got = {w: grouped_gemm._grid_block_n(config, w)["grid_block_n"]
+           for w in (2048, 1024, 1536, 640, 384, 128)}
+    assert got == {2048: 8, 1024: 8, 1536: 4, 640: 1, 384: 1, 128: 1}
 
 
 def test_library_matmul_rejects_bad_arguments(monkeypatch):
@@ -156,7 +164,7 @@ def test_library_matmul_rejects_bad_arguments(monkeypatch):
         grouped_gemm.library_matmul(x, w[:, :256], sizes, "tokamax")
     with pytest.raises(ValueError, match="matmul must be one of"):
         grouped_gemm.library_matmul(x, w, sizes, "tiled")
-    with pytest.raises(ValueError, match="multiples of 512, got M=96"):
+    with pytest.raises(ValueError, match="multiples of 128, got M=96"):
         grouped_gemm.library_matmul(x, w[..., :96], sizes, "mosaic")
     monkeypatch.setattr(grouped_gemm, "_import_status",
                         lambda module: (False, f"import {module} failed: nope"))

@@ -24,14 +24,14 @@ Forward and backward are three products, each a grouped GEMM:
   transpose) and `transposed_ragged_dot` (dw, masks only a group's first and last row block).
 - `"tokamax+mosaic"`: the forward through tokamax, both backward products through jax's
   kernels (dx without a transposed copy of the weights, dw without tokamax's per-block masking).
-- `"auto"`: `JAX_EP_MOE_MATMUL` when set, else `"tokamax+mosaic"` on Hopper GPUs when tokamax
-  imports and the rows are bfloat16 / float16, else `"tiled"`; `swiglu_experts` also falls back
-  to `"tiled"` when the kernels cannot tile the expert widths (`supports`). Why not all-tokamax:
-  tokamax's ragged-contraction kernel (dw) masks every row block in registers before its WGMMA
-  and runs at ~110 TFLOP/s in tokamax's own H100 tuning table (its row kernels at ~400-460),
-  and its dx needs the weights transposed by XLA first (2 x 256 MiB of traffic per matrix at
-  the benchmark shape); see `benchmarks/bench_moe_layer.py --sections products` for measured
-  rates.
+- `"auto"`: `JAX_EP_MOE_MATMUL` when set, else `"mosaic"` on Hopper GPUs where jax's kernels
+  import and the rows are bfloat16 / float16, else `"tiled"`; `swiglu_experts` also falls back
+  to `"tiled"` when the kernels cannot tile the expert widths (`supports`). Chosen by
+  measurement on an H200 (2026-12-02, the benchmark's shape, NOTES.md "MoE expert matmuls"):
+  jax's forward kernel ran the forward products in 872 us where tokamax's took 992, and the
+  whole fwd + bwd at 355 TFLOP/s with "mosaic" against 345 with "tokamax+mosaic". tokamax's own
+  dw kernel gave wrong gradients (`WRONG_ON_GPU`), masks every row block in registers before
+  its WGMMA, and its dx needs the weights transposed by XLA first.
 
 The library kernels take bfloat16 / float16 operands of one dtype and accumulate in float32; we
 ask for results in the operands' dtype (half the output traffic of float32, and the cotangents
@@ -69,8 +69,10 @@ WRONG_ON_GPU = {
                "whose dw and dx run jax's Mosaic GPU kernels"}
 # Environment variable naming what "auto" resolves to (one of MATMULS other than "auto").
 MATMUL_ENV = "JAX_EP_MOE_MATMUL"
-# What "auto" picks on Hopper GPUs where tokamax imports (bfloat16 / float16 rows).
-AUTO_LIBRARY_MATMUL = "tokamax+mosaic"
+# What "auto" picks on Hopper GPUs where jax's Mosaic GPU kernels import (bfloat16 / float16 rows),
+# and the library whose status decides it.
+AUTO_LIBRARY_MATMUL = "mosaic"
+_AUTO_LIBRARY = "mosaic"
 _FAST_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -100,9 +102,12 @@ TOKAMAX_CONFIGS: dict[str, dict | None] = {
                      persistent=False, grid_minor_dim=0, grid_tile_width=1),
 }
 # jax's kernels: block sizes from their own tuning sweeps' ranges (block_k 64 = one 128-byte
-# swizzle of bfloat16); grid_block_n must divide the output width in blocks.
+# swizzle of bfloat16). "rows" is the best of bench_moe_layer's sweep on an H200 (forward 479,
+# dx 417 TFLOP/s at the gate shape; 4 stages and grid_block_n 4 gave 453 / 400). grid_block_n
+# is the most output blocks a CTA group walks; each call uses the largest power of two up to it
+# that divides the output width in blocks (`_grid_block_n`).
 MOSAIC_CONFIGS: dict[str, dict] = {
-    "rows": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+    "rows": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=8),
     "contract": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
                      grid_block_n=4),
 }
@@ -170,7 +175,7 @@ def resolve_matmul(matmul: str, dtype=None) -> str:
     env = settings.value(MATMUL_ENV)  # ValueError naming it when not one of MATMULS[1:]
     if env:
         return env if (env not in LIBRARY_MATMULS or fast_dtype) else "tiled"
-    if fast_dtype and library_status("tokamax")[0]:
+    if fast_dtype and library_status(_AUTO_LIBRARY)[0]:
         return AUTO_LIBRARY_MATMUL
     return "tiled"
 
@@ -181,8 +186,8 @@ def selection_report() -> str:
     env = settings.value(MATMUL_ENV)
     if env:
         return f"{picked} (from {MATMUL_ENV}={env})"
-    ok, why = library_status("tokamax")
-    return f"{picked} ({why})" if ok else f"{picked} (tokamax not used: {why})"
+    ok, why = library_status(_AUTO_LIBRARY)
+    return f"{picked} ({why})" if ok else f"{picked} (jax's Mosaic GPU kernels not used: {why})"
 
 
 # ---------------------------------------------------------------------------- products
@@ -217,17 +222,27 @@ def _tokamax_product(product: str, a, b, group_sizes):
         preferred_element_type=a.dtype, implementation=_tokamax_impl("contract"))
 
 
+def _grid_block_n(config: dict, out_width: int) -> dict:
+    """`config` with `grid_block_n` cut to the largest power of two up to it that divides
+    `out_width // block_n` (`_check_tiles` has made it whole)."""
+    blocks, group = out_width // config["block_n"], config["grid_block_n"]
+    while blocks % group:
+        group //= 2
+    return {**config, "grid_block_n": group}
+
+
 def _mosaic_product(product: str, a, b, group_sizes):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
     group_sizes = group_sizes.astype(jnp.int32)
-    if product == "forward":
-        return ragged_dot_mgpu.ragged_dot(a, b, group_sizes=group_sizes, **MOSAIC_CONFIGS["rows"])
-    if product == "dx":
+    if product == "forward":  # [N, K] x [G, K, M] -> [N, M]
+        return ragged_dot_mgpu.ragged_dot(a, b, group_sizes=group_sizes,
+                                          **_grid_block_n(MOSAIC_CONFIGS["rows"], b.shape[2]))
+    if product == "dx":  # [N, M] x [G, K, M]^T -> [N, K]
         return ragged_dot_mgpu.ragged_dot(a, b, group_sizes=group_sizes, transpose_rhs=True,
-                                          **MOSAIC_CONFIGS["rows"])
+                                          **_grid_block_n(MOSAIC_CONFIGS["rows"], b.shape[1]))
     return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        a, b, group_sizes=group_sizes, **MOSAIC_CONFIGS["contract"])
+        a, b, group_sizes=group_sizes, **_grid_block_n(MOSAIC_CONFIGS["contract"], b.shape[1]))
 
 
 def _product(library: str, product: str, a, b, group_sizes):
@@ -270,10 +285,10 @@ def _check_tiles(matmul: str, k: int, m: int) -> None:
     if "mosaic" not in (kernels.forward, kernels.dx, kernels.dw):
         return
     rows, contract = MOSAIC_CONFIGS["rows"], MOSAIC_CONFIGS["contract"]
-    # K and M are each a contraction width (block_k), an output width (block_n * grid_block_n)
-    # and a dw block (block_m / block_n) of some product; all are powers of two.
-    unit = max(rows["block_k"], rows["block_n"] * rows["grid_block_n"], contract["block_m"],
-               contract["block_n"])
+    # K and M are each a contraction width (block_k), an output width (whole blocks of block_n;
+    # `_grid_block_n` fits the grouping) and a dw block (block_m / block_n) of some product; all
+    # are powers of two.
+    unit = max(rows["block_k"], rows["block_n"], contract["block_m"], contract["block_n"])
     bad = [f"{name}={size}" for name, size in (("K", k), ("M", m)) if size % unit]
     if bad:
         raise ValueError(f"library_matmul: matmul={matmul!r} uses jax's Mosaic GPU kernels, "

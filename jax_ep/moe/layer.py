@@ -334,7 +334,7 @@ def router(
 # ---------------------------------------------------------------------------- expert matmuls
 # The expert matmuls of swiglu_experts / moe_ffn: "tiled" (grouped_matmul), "ragged_dot"
 # (jax.lax.ragged_dot) or a library's grouped GEMM kernels (jax_ep.grouped_gemm); "auto" picks
-# tokamax+mosaic on Hopper GPUs where tokamax imports, else tiled (JAX_EP_MOE_MATMUL overrides).
+# mosaic (jax's kernels) on Hopper GPUs, else tiled (JAX_EP_MOE_MATMUL overrides).
 MATMULS = grouped_gemm.MATMULS
 DEFAULT_MATMUL = "auto"
 
@@ -363,9 +363,9 @@ def swiglu_experts(
             TF32 on GPUs for float32); the library kernels take bfloat16 / float16 only.
         matmul: how the three grouped matmuls run (forward and both backward products), same
             function either way (`jax_ep.grouped_gemm.MATMULS`):
-            `"auto"` (default): `JAX_EP_MOE_MATMUL` if set, else `"tokamax+mosaic"` for
-            bfloat16 / float16 rows on Hopper GPUs where tokamax imports, else `"tiled"` (also
-            when the library kernels cannot tile `H` / `F`, e.g. widths not multiples of 512).
+            `"auto"` (default): `JAX_EP_MOE_MATMUL` if set, else `"mosaic"` for bfloat16 /
+            float16 rows on Hopper GPUs where jax's Mosaic GPU kernels import, else `"tiled"`
+            (also when the library kernels cannot tile `H` / `F`: widths not multiples of 128).
             `"tokamax"`, `"tokamax+mosaic"`, `"mosaic"`: `grouped_gemm.library_matmul`, grouped
             GEMM kernels of tokamax and / or jax (`jax.experimental.pallas.ops.gpu`), Hopper
             only, bfloat16 / float16; rows past the groups are never stored (masked to 0 here).
