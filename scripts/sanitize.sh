@@ -16,8 +16,10 @@
 #             JAX_EP_TIMEOUT_S)
 #   SAN_TAG   a name for this run's logs and summary lines (runs split into chunks: shared mode,
 #             where the tool dies ~70 s into a run)
-#   SAN_K     pytest -k expression (default: not the 16-pair chains, under which the sanitized
-#             process itself segfaults while the 8-pair ones pass; not the Buffer-cycle test)
+#   SAN_K     pytest -k expression (default: all but the Buffer-cycle test)
+#   SAN_EACH  1: one run per selected test id (logs and summary lines named by it). The tool
+#             itself dies (SIGSEGV) 15-25 s into a run, with our kernels alone instrumented too
+#             (2026-12-02): a run that ends before that gets its summary
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/gpu_out}"; LOGS="$OUT/sanitize"; mkdir -p "$LOGS"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH"
@@ -29,7 +31,7 @@ export XLA_PYTHON_CLIENT_ALLOCATOR=platform PYTHONFAULTHANDLER=1  # a crash show
 TOOLS="${TOOLS:-memcheck racecheck synccheck initcheck}"
 MODES="${MODES:-ep1 shared}"
 SAN_TESTS="${SAN_TESTS:-tests/test_faults.py tests/test_split_chains.py}"
-SAN_K="${SAN_K:-not 16 and not hundred_buffers}"
+SAN_K="${SAN_K:-not hundred_buffers}"
 # The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
 SHARED_DESELECT=(--deselect tests/test_gradients.py::test_low_latency_gradients
   --deselect tests/test_low_latency_split.py::test_gradients_through_send_and_recv_equal_fused)
@@ -40,6 +42,15 @@ filter=()
 help=$(compute-sanitizer --help 2>&1)
 [[ $help == *--kernel-name* ]] && filter=(--kernel-name kns=_kernel)
 summary="$LOGS/summary.txt"  # appended to: several calls may each run some of the tools
+# What each run selects: the whole selection, or with SAN_EACH=1 one test id per run (the tool
+# crashes 15-25 s into a run: a short run ends with its summary).
+selections=("-k|$SAN_K|$SAN_TESTS")
+if [[ ${SAN_EACH:-0} == 1 ]]; then
+  # shellcheck disable=SC2086
+  mapfile -t ids < <(pytest -m gpu -q --collect-only -p no:cacheprovider -k "$SAN_K" $SAN_TESTS \
+    2>/dev/null | grep '::')
+  selections=(); for id in "${ids[@]}"; do selections+=("id|$id|"); done
+fi
 for mode in $MODES; do
   for tool in $TOOLS; do
     san=(compute-sanitizer --tool "$tool" "${filter[@]}" --report-api-errors no
@@ -49,26 +60,34 @@ for mode in $MODES; do
     # outputs to the host, rows the contract leaves unspecified included.
     [[ $tool == racecheck || $tool == initcheck ]] && san+=(--launch-count "${SLOW_LAUNCHES:-300}")
     [[ $tool == initcheck ]] && san+=(--check-api-memory-access no)
-    # shellcheck disable=SC2086
-    if [[ $mode == ep1 ]]; then
-      cmd=("${san[@]}" pytest -m gpu -v -p no:cacheprovider -k "$SAN_K" $SAN_TESTS)
-    else
-      pytest_cmd=(pytest -m gpu -v -p no:cacheprovider "${SHARED_DESELECT[@]}" -k "$SAN_K" $SAN_TESTS)
-      launch=(python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout "$((${SAN_S:-240} - 10))" --)
-      if [[ $mode == shared ]]; then
-        cmd=("${launch[@]}" "${san[@]}" "${pytest_cmd[@]}")
-      else  # shared-rank0
-        # shellcheck disable=SC2016
-        cmd=("${launch[@]}" bash -c 'if [[ $JAX_EP_PROCESS_ID == 0 ]]; then exec "$@"; fi
-          while [[ $1 != pytest ]]; do shift; done; exec "$@"' _ "${san[@]}" "${pytest_cmd[@]}")
+    for selection in "${selections[@]}"; do
+      IFS='|' read -r kind value files <<< "$selection"
+      if [[ $kind == id ]]; then
+        select_args=("$value"); tag="${SAN_TAG:+$SAN_TAG-}$(basename "${value//::/-}" | tr -c 'A-Za-z0-9_.-' _)"
+      else
+        # shellcheck disable=SC2206
+        select_args=(-k "$value" $files); tag="${SAN_TAG:-}"
       fi
-    fi
-    log="$LOGS/$mode-$tool${SAN_TAG:+-$SAN_TAG}.log"; s=$(date +%s)
-    echo "+ ${cmd[*]}" > "$log"  # which filter and tests this log is of
-    timeout "${SAN_S:-240}" "${cmd[@]}" >> "$log" 2>&1; rc=$?
-    # One "ERROR SUMMARY" (racecheck: "RACECHECK SUMMARY") per process, and pytest's last line.
-    errs=$(grep -hoE "(ERROR|RACECHECK) SUMMARY: [0-9]+ (error|hazard)s?[^=]*" "$log" | sort | uniq -c | tr -s ' ' | paste -sd ';')
-    tests=$(grep -E "[0-9]+ (passed|failed)" "$log" | tail -2 | tr -s ' ' | paste -sd ';')
-    echo "$mode $tool${SAN_TAG:+ ($SAN_TAG)} rc=$rc $(( $(date +%s) - s ))s | ${errs:-no sanitizer summary} | ${tests:-no pytest summary}" | tee -a "$summary"
+      if [[ $mode == ep1 ]]; then
+        cmd=("${san[@]}" pytest -m gpu -v -p no:cacheprovider "${select_args[@]}")
+      else
+        pytest_cmd=(pytest -m gpu -v -p no:cacheprovider "${SHARED_DESELECT[@]}" "${select_args[@]}")
+        launch=(python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout "$((${SAN_S:-240} - 10))" --)
+        if [[ $mode == shared ]]; then
+          cmd=("${launch[@]}" "${san[@]}" "${pytest_cmd[@]}")
+        else  # shared-rank0
+          # shellcheck disable=SC2016
+          cmd=("${launch[@]}" bash -c 'if [[ $JAX_EP_PROCESS_ID == 0 ]]; then exec "$@"; fi
+            while [[ $1 != pytest ]]; do shift; done; exec "$@"' _ "${san[@]}" "${pytest_cmd[@]}")
+        fi
+      fi
+      log="$LOGS/$mode-$tool${tag:+-$tag}.log"; s=$(date +%s)
+      echo "+ ${cmd[*]}" > "$log"  # which filter and tests this log is of
+      timeout "${SAN_S:-240}" "${cmd[@]}" >> "$log" 2>&1; rc=$?
+      # One "ERROR SUMMARY" (racecheck: "RACECHECK SUMMARY") per process, and pytest's last line.
+      errs=$(grep -hoE "(ERROR|RACECHECK) SUMMARY: [0-9]+ (error|hazard)s?[^=]*" "$log" | sort | uniq -c | tr -s ' ' | paste -sd ';')
+      tests=$(grep -E "[0-9]+ (passed|failed)" "$log" | tail -2 | tr -s ' ' | paste -sd ';')
+      echo "$mode $tool${tag:+ ($tag)} rc=$rc $(( $(date +%s) - s ))s | ${errs:-no sanitizer summary} | ${tests:-no pytest summary}" | tee -a "$summary"
+    done
   done
 done

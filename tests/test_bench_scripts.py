@@ -101,3 +101,16 @@ def test_bench_step_bare_runs_the_op_pair(tmp_path):
         assert record["bare"] is True and isinstance(record["time_us"], float), record
         assert positive(record["wall_short_us"]) and positive(record["wall_long_us"]), record
         assert record["layers"] == [1, 2], record
+
+
+def test_profile_moe_experts_quick(tmp_path):
+    """Both variants run and compute the same loss: the fused gate/up layout is the same
+    function as swiglu_experts, only in fewer products."""
+    run_script("profile_moe_experts.py", tmp_path)
+    payload = load_record(tmp_path, "*-moe_experts_profile.json")
+    assert payload["errors"] == [], payload["errors"]
+    losses = {r["variant"]: r["loss"] for r in payload["results"]}
+    assert set(losses) == {"split", "fused"}
+    assert abs(losses["split"] - losses["fused"]) <= 1e-3 * abs(losses["split"]), losses
+    for r in payload["results"]:
+        assert positive(r["wall_ms"]) and r["span_ms"] is None  # no device plane on CPU
