@@ -11,10 +11,9 @@ bf16, EP=1), measured three ways:
 - `kernels`: device time per step of each kernel name (`busy_ms` their sum).
 TFLOP/s count the useful work, 18 * rows * H * F per step, like bench_moe_layer.
 
-Variants: `split` is `jax_ep.moe.swiglu_experts` as shipped (gate and up are two products);
-`fused` is an experiment of a layout jax_ep does not offer: gate and up in one `[E, H, 2F]`
-weight, so the forward, dx and dw of both are one product each (three instead of six, and no
-sum of two dx), through `grouped_gemm.library_matmul` (or the tiled matmul off Hopper).
+Variants: `split` is `jax_ep.moe.swiglu_experts` with gate and up as two weights; `fused` with
+gate and up side by side in one `[E, H, 2F]` weight (`w_up=None`): forward, dx and dw of both
+are one product each (three instead of six, and no sum of two dx).
 On machines without a GPU the trace has no device plane: only the wall time is reported.
 """
 
@@ -75,24 +74,6 @@ def make_inputs(args):
     return x, ct, sizes, (w_gate, w_up, w_down)
 
 
-def fused_swiglu(x, sizes, w_gate_up, w_down, matmul):
-    """SwiGLU experts with gate and up as one `[E, H, 2F]` weight (masking as swiglu_experts)."""
-    from jax_ep import moe
-    from jax_ep.moe import grouped_gemm
-
-    if matmul in grouped_gemm.LIBRARY_MATMULS:
-        def product(a, w):
-            return grouped_gemm.library_matmul(a, w, sizes, matmul)
-    else:
-        def product(a, w):
-            return moe.grouped_matmul(a, w, sizes, preferred_element_type=jnp.float32)
-    ffn = w_down.shape[1]
-    valid = (jnp.arange(x.shape[0]) < jnp.minimum(jnp.sum(sizes), x.shape[0]))[:, None]
-    gate_up = jnp.where(valid, product(x, w_gate_up), 0).astype(jnp.float32)
-    hidden = (jax.nn.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]).astype(x.dtype)
-    return jnp.where(valid, product(hidden, w_down), 0)
-
-
 def make_step(variant, matmul, x, ct, sizes, weights):
     """`(jitted step, its arguments)`: value and gradients w.r.t. the rows and the weights."""
     from jax_ep import moe
@@ -107,7 +88,7 @@ def make_step(variant, matmul, x, ct, sizes, weights):
     w_gate, w_up, w_down = weights
 
     def loss(x, w_gate_up, w_down):
-        return loss_of(fused_swiglu(x, sizes, w_gate_up, w_down, matmul))
+        return loss_of(moe.swiglu_experts(x, sizes, w_gate_up, None, w_down, matmul=matmul))
     w_gate_up = jnp.concatenate([w_gate, w_up], axis=2)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (x, w_gate_up, w_down)
 

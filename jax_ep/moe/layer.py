@@ -343,7 +343,7 @@ def swiglu_experts(
     x_sorted: jax.Array,
     group_sizes: jax.Array,
     w_gate: jax.Array,
-    w_up: jax.Array,
+    w_up: jax.Array | None,
     w_down: jax.Array,
     *,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
@@ -352,12 +352,18 @@ def swiglu_experts(
 ) -> jax.Array:
     """Applies expert e's gated MLP to its group of rows: `(act(x Wg_e) * (x Wu_e)) Wd_e`.
 
-    Jittable; differentiable w.r.t. `x_sorted` and the three weights.
+    Jittable; differentiable w.r.t. `x_sorted` and the weights.
 
     Args:
         x_sorted: `[N, H]` rows grouped by expert (`permute`'s output).
         group_sizes: `[E_loc]` int32 rows per expert; rows after the groups give 0.
         w_gate: `[E_loc, H, F]`; w_up: `[E_loc, H, F]`; w_down: `[E_loc, F, H_out]`.
+            Or gate and up side by side in one weight: `w_gate` `[E_loc, H, 2F]` (gate columns
+            first) and `w_up=None`. The same function in three grouped matmuls instead of four
+            (forward, dx and dw of gate and up are one product each, and dx needs no sum):
+            the expert GEMMs fwd + bwd took 2.93 instead of 3.07 ms of kernel time on an H200
+            at bench_moe_layer's shape (`benchmarks/profile_moe_experts.py`). Store the
+            weight that way (the Flax example does); concatenating per step costs more.
         activation: elementwise activation of the gate (SiLU for SwiGLU).
         precision: matmul precision of `"tiled"` / `"ragged_dot"` (e.g. `"highest"` to avoid
             TF32 on GPUs for float32); the library kernels take bfloat16 / float16 only.
@@ -392,6 +398,7 @@ def swiglu_experts(
     """
     if matmul not in MATMULS:
         raise ValueError(f"swiglu_experts: matmul must be one of {MATMULS}, got {matmul!r}")
+    _check_gate_up("swiglu_experts", w_gate, w_up, w_down)
     dtype = x_sorted.dtype
     requested, matmul = matmul, grouped_gemm.resolve_matmul(matmul, dtype)
     widths = (w_gate.shape[1:], w_down.shape[1:])
@@ -406,8 +413,31 @@ def swiglu_experts(
         return gmm(lhs, rhs.astype(dtype), group_sizes, precision=precision,
                    preferred_element_type=jnp.float32)
 
-    hidden = activation(expert_matmul(x_sorted, w_gate)) * expert_matmul(x_sorted, w_up)
-    return expert_matmul(hidden.astype(dtype), w_down)
+    gate, up = _gate_and_up(expert_matmul, x_sorted, w_gate, w_up)
+    return expert_matmul((activation(gate) * up).astype(dtype), w_down)
+
+
+def _check_gate_up(caller, w_gate, w_up, w_down):
+    """The gate / up weights: two `[E, H, F]` or one `[E, H, 2F]` (w_up None), `w_down`'s F."""
+    if w_gate.ndim != 3:
+        raise ValueError(f"{caller}: w_gate must be [E_loc, H, F], got {w_gate.shape}")
+    if w_up is None:
+        if w_gate.shape[2] % 2 or w_down.shape[1:2] != (w_gate.shape[2] // 2,):
+            raise ValueError(
+                f"{caller}: with w_up=None, w_gate holds gate and up side by side: [E_loc, H, 2F] "
+                f"with F = w_down.shape[1]; got w_gate {w_gate.shape}, w_down {w_down.shape}")
+    elif w_up.shape != w_gate.shape:
+        raise ValueError(f"{caller}: w_up must be {w_gate.shape} like w_gate, got {w_up.shape}")
+
+
+def _gate_and_up(expert_matmul, x, w_gate, w_up):
+    """The gate and up products in float32: two products, or one of `[E, H, 2F]` split."""
+    if w_up is None:
+        gate_up = expert_matmul(x, w_gate).astype(jnp.float32)
+        ffn = w_gate.shape[2] // 2
+        return gate_up[:, :ffn], gate_up[:, ffn:]
+    return (expert_matmul(x, w_gate).astype(jnp.float32),
+            expert_matmul(x, w_up).astype(jnp.float32))
 
 
 def _swiglu_library(x_sorted, group_sizes, w_gate, w_up, w_down, activation, matmul):
@@ -427,8 +457,7 @@ def _swiglu_library(x_sorted, group_sizes, w_gate, w_up, w_down, activation, mat
         out = grouped_gemm.library_matmul(lhs, rhs.astype(dtype), group_sizes, matmul)
         return jnp.where(valid, out, zero)
 
-    gate = expert_matmul(x_sorted, w_gate).astype(jnp.float32)
-    up = expert_matmul(x_sorted, w_up).astype(jnp.float32)
+    gate, up = _gate_and_up(expert_matmul, x_sorted, w_gate, w_up)
     return expert_matmul((activation(gate) * up).astype(dtype), w_down)
 
 
@@ -438,7 +467,7 @@ def moe_ffn(
     topk_idx: jax.Array,
     topk_weights: jax.Array,
     w_gate: jax.Array,
-    w_up: jax.Array,
+    w_up: jax.Array | None,
     w_down: jax.Array,
     *,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
@@ -460,8 +489,10 @@ def moe_ffn(
         x: `[T, H]` this rank's tokens, dtype `buf.dtype`.
         topk_idx: `[T, K]` int32 global expert ids, `-1` = no expert.
         topk_weights: `[T, K]` float32 gate weights.
-        w_gate: `[E_loc, H, F]` this rank's gate projections.
-        w_up: `[E_loc, H, F]` this rank's up projections.
+        w_gate: `[E_loc, H, F]` this rank's gate projections, or `[E_loc, H, 2F]` gate and up
+            side by side when `w_up` is None (fewer, larger grouped matmuls: see
+            `swiglu_experts`).
+        w_up: `[E_loc, H, F]` this rank's up projections, or None.
         w_down: `[E_loc, F, H]` this rank's down projections.
         activation: gate activation (default SiLU).
         precision: precision of the expert matmuls (see `swiglu_experts`).
@@ -482,9 +513,8 @@ def moe_ffn(
             f"moe_ffn: w_gate must be [num_local_experts={num_local}, hidden={hidden}, F], "
             f"got {w_gate.shape}"
         )
-    ffn = w_gate.shape[2]
-    if w_up.shape != w_gate.shape:
-        raise ValueError(f"moe_ffn: w_up must be {w_gate.shape} like w_gate, got {w_up.shape}")
+    ffn = w_gate.shape[2] if w_up is not None else w_gate.shape[2] // 2
+    _check_gate_up("moe_ffn", w_gate, w_up, w_down)
     if w_down.shape != (num_local, ffn, hidden):
         raise ValueError(
             f"moe_ffn: w_down must be [{num_local}, {ffn}, {hidden}], got {w_down.shape}"
