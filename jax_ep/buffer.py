@@ -27,6 +27,8 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
 # Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
+# JAX_EP_DEVICE_TRANSPORT's values, in the order of the C++ DeviceTransport enum.
+DEVICE_TRANSPORTS = ("stores", "mapped", "emulated")
 
 _buffer_ids = itertools.count(1)
 
@@ -115,6 +117,11 @@ class Buffer:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        # How the fused low-latency ops reach peers (CUDA backend, low-latency Buffers; the
+        # others ignore the setting): "stores" through peer mappings, or the put-protocol
+        # kernels written for peers without a mapping ("mapped", "emulated"; docs/transport.md).
+        self.device_transport = (settings.value("JAX_EP_DEVICE_TRANSPORT") if self.low_latency
+                                 else "stores")
         self.buffer_id = next(_buffer_ids)
         self._closed = False
         self._errors_lock = threading.Lock()
@@ -254,7 +261,9 @@ class Buffer:
             module, num_ranks=self.num_ranks, num_experts=self.num_experts, hidden=self.hidden,
             max_tokens_per_rank=self.max_tokens_per_rank, num_topk=self.num_topk,
             capacity=self.capacity, dtype_bytes=self.dtype.itemsize,
-            low_latency=self.low_latency, timeout_s=self.timeout_s, **grids)
+            low_latency=self.low_latency, timeout_s=self.timeout_s,
+            device_transport=DEVICE_TRANSPORTS.index(self.device_transport),
+            emulator_seed=settings.value("JAX_EP_EMULATOR_SEED"), **grids)
 
     def _allocate(self):
         if self.backend == "cuda":
@@ -346,20 +355,25 @@ class Buffer:
         low_latency_dispatch; combines and cached dispatches do not count), ``overflow_rows``
         (normal dispatch rows past ``capacity``), ``dropped_low_latency_rows`` (low-latency
         selections past the ``max_tokens_per_rank`` rows a source has at one expert: only
-        possible when a token repeats an expert in its top-k) and ``timeouts`` (a description
-        of every timed-out wait)."""
+        possible when a token repeats an expert in its top-k), ``timeouts`` (a description
+        of every timed-out wait) and ``transport`` (what the emulated transport's host proxies
+        of this process found, each once: ``JAX_EP_DEVICE_TRANSPORT=emulated`` only).
+        Over a device transport the low-latency kernels count no invalid ids or dropped
+        rows yet."""
         self._check_open()
         if self.backend == "cuda" and self._allocated:
             module, _ = cuda.load_extension()
             # Timeout records live in host memory: read them first, without a CUDA call, since
             # a device whose kernel trapped has lost its context.
+            transport = list(module.take_transport_errors(self.buffer_id))
             stuck = [r for r in module.read_timeouts(self.buffer_id) if r["timed_out"]]
             if stuck:
-                return dict(dict.fromkeys(ERROR_COUNTERS, 0),
+                return dict(dict.fromkeys(ERROR_COUNTERS, 0), transport=transport,
                             timeouts=[self._describe_timeout(r) for r in stuck])
             records = module.read_errors(self.buffer_id)
             counts = {name: sum(r[name] for r in records) for name in ERROR_COUNTERS}
         else:
+            transport = []
             jax.effects_barrier()
             with self._errors_lock:
                 counts = dict(self._host_errors)
@@ -370,7 +384,7 @@ class Buffer:
             # time), and it works where NCCL refuses (processes sharing a GPU).
             self._error_sums += 1
             counts = ipc.sum_over_processes(self, f"errors{self._error_sums}", counts)
-        return dict(counts, timeouts=[])
+        return dict(counts, timeouts=[], transport=transport)
 
     @staticmethod
     def _describe_timeout(record):
@@ -385,7 +399,7 @@ class Buffer:
         Waits for pending work (host synchronisation: call it between steps, not inside one).
         """
         errors = self.errors()
-        problems = []
+        problems = [f"the emulated transport: {e}" for e in errors["transport"]]
         if errors["invalid_expert_ids"]:
             problems.append(f"{errors['invalid_expert_ids']} expert ids outside "
                             f"[-1, {self.num_experts}) were treated as -1")

@@ -26,14 +26,20 @@ def _seconds(name: str, raw: str) -> float:
     return seconds
 
 
-def _positive_int(name: str, raw: str) -> int:
-    try:
-        number = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
-    if number < 1:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
-    return number
+def _int_at_least(minimum: int, what: str) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        try:
+            number = int(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be a {what} integer, got {raw!r}") from None
+        if number < minimum:
+            raise ValueError(f"{name} must be a {what} integer, got {raw!r}")
+        return number
+    return parse
+
+
+_positive_int = _int_at_least(1, "positive")
+_nonnegative_int = _int_at_least(0, "non-negative")
 
 
 def _choice(*options: str) -> Callable[[str, str], str]:
@@ -74,6 +80,12 @@ SETTINGS = {s.name: s for s in (
             "of those, the blocks that push rows to peers (default: a quarter)"),
     Setting("JAX_EP_LOW_LATENCY_BLOCKS", "runtime", None, _positive_int,
             "blocks of a low-latency launch, at most one per SM (default: all SMs but 8)"),
+    Setting("JAX_EP_DEVICE_TRANSPORT", "runtime", "stores", _choice("stores", "mapped", "emulated"),
+            "how the fused low-latency ops of a Buffer reach peers: stores through peer mappings, "
+            "or the put-protocol kernels for peers without one, performed as stores (mapped) or "
+            "by an adversarial host proxy (emulated: for tests; docs/transport.md)"),
+    Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,
+            "the emulated transport's seed (reordering, tearing, delays); rank r uses seed + r"),
     Setting("JAX_EP_MOE_MATMUL", "runtime", None,
             _choice("tiled", "ragged_dot", "tokamax", "tokamax+mosaic", "mosaic"),
             "the expert matmul that jax_ep.moe's matmul=\"auto\" uses (default: by machine)"),

@@ -220,7 +220,7 @@ def test_adversarial_routings_match_the_oracle_and_are_reported(backend):
                 invalid = int(((idx != -1) & ((idx < 0) | (idx >= E))).sum())
                 reads = 4 if buf.low_latency else 2  # ops that count invalid ids
                 want = {"invalid_expert_ids": reads * invalid, "overflow_rows": overflow,
-                        "dropped_low_latency_rows": 2 * dropped, "timeouts": []}
+                        "dropped_low_latency_rows": 2 * dropped, "timeouts": [], "transport": []}
                 got = buf.errors()
                 assert got == want, f"errors() {got}, injected {want}"
                 if invalid or overflow or dropped:

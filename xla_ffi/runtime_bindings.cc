@@ -97,7 +97,25 @@ void add_runtime_functions(nb::module_& m) {
       .def_rw("timeout_s", &BufferConfig::timeout_s)
       .def_rw("normal_blocks", &BufferConfig::normal_blocks)
       .def_rw("normal_push_blocks", &BufferConfig::normal_push_blocks)
-      .def_rw("low_latency_blocks", &BufferConfig::low_latency_blocks);
+      .def_rw("low_latency_blocks", &BufferConfig::low_latency_blocks)
+      // DeviceTransport as its number: 0 stores, 1 mapped, 2 emulated (create_buffer checks it).
+      .def_prop_rw(
+          "device_transport",
+          [](const BufferConfig& c) { return static_cast<int>(c.device_transport); },
+          [](BufferConfig& c, int value) {
+            c.device_transport = static_cast<DeviceTransport>(value);
+          })
+      .def_rw("emulator_seed", &BufferConfig::emulator_seed);
+
+  m.def(
+      "take_transport_errors",
+      [](int64_t buffer_id) {
+        nb::gil_scoped_release release;
+        return take_transport_errors(buffer_id);
+      },
+      nb::arg("buffer_id"),
+      "The errors the emulated transport's host proxies found since the last call, each once "
+      "(\"rank r of EP group g: kind: message\"); empty for other Buffers.");
 
   m.def(
       "create_buffer",

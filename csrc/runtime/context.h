@@ -10,10 +10,20 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "transport/command_ring.h"
+
 namespace jax_ep {
 
 // Ranks reachable over NVLink in one EP group (one host).
 constexpr int kMaxRanks = 8;
+
+// How the fused low-latency ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the
+// low-latency kernels' own stores through peer mappings (NVLink). The other two run the
+// put-protocol kernels of kernels/low_latency/low_latency_transport.h, written for peers without
+// a mapping (docs/transport.md): kMapped performs each put as stores through the peer mapping;
+// kEmulated hands every command to a host proxy per rank, which delivers it with copy-engine
+// copies, adversarially (the test transport of issue 20).
+enum class DeviceTransport : int32_t { kStores = 0, kMapped = 1, kEmulated = 2 };
 
 // Static configuration of a Buffer, identical on every rank.
 struct BufferConfig {
@@ -31,6 +41,8 @@ struct BufferConfig {
   int normal_blocks = 0;       // normal-mode transfer kernels (default: one per SM)
   int normal_push_blocks = 0;  // of those, the pushing ones (default: a quarter)
   int low_latency_blocks = 0;  // low-latency launches (default: all SMs but 8)
+  DeviceTransport device_transport = DeviceTransport::kStores;  // with low_latency only
+  uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
 
   int num_local_experts() const { return num_experts / num_ranks; }
 };
@@ -99,6 +111,11 @@ struct RankContext {
   int low_latency_blocks = 0;  // grid of the low-latency kernels (0: the default, see
                                // low_latency_grid_size)
   int normal_push_blocks = 0;  // of which the first ones send (push roles)
+  // DeviceTransport other than kStores: the device table [kMaxRanks][2] of every rank's two
+  // transport regions (each inside that rank's workspace), and with kEmulated this rank's
+  // command ring (pinned host memory; its proxy is the registry's).
+  char** transport_region_bases = nullptr;
+  transport::RingView transport_ring{};
 };
 
 // Workspace sizes of each mode (defined next to the kernels that use the regions).
@@ -106,6 +123,10 @@ size_t normal_workspace_bytes(const BufferConfig& config);
 size_t low_latency_workspace_bytes(const BufferConfig& config);
 // Byte offset of the low-latency regions inside the workspace.
 size_t low_latency_workspace_offset(const BufferConfig& config);
+// The put-protocol kernels' area (DeviceTransport other than kStores; 0 bytes otherwise): their
+// two regions and their own sequence words, after the low-latency regions.
+size_t low_latency_transport_offset(const BufferConfig& config);
+size_t low_latency_transport_bytes(const BufferConfig& config);
 
 // Load every kernel of each mode on the current device (no lazy loading mid-run).
 void preload_normal_kernels();

@@ -21,7 +21,9 @@
 #include <utility>
 
 #include "kernels/common/limits.h"
+#include "kernels/low_latency/low_latency_over_transport.h"
 #include "runtime/nvshmem_host.h"
+#include "transport/emulated_ranks.h"
 
 namespace jax_ep {
 namespace {
@@ -32,11 +34,23 @@ constexpr int kNormalBlocksPerSm = 1;
 // receive). NVLink saturates with far fewer SMs than HBM-bound local copies need.
 constexpr int kNormalPushBlocksDivisor = 4;
 
+// Commands in a rank's ring before its warps wait for the proxy (DeviceTransport::kEmulated).
+constexpr uint64_t kEmulatorRingCapacity = 4096;
+
+// The host proxy of one local rank over the emulated transport, and the memory of its ring.
+// Members go in reverse order: the proxy thread stops before the ring is freed.
+struct EmulatedRank {
+  const RankContext* ctx = nullptr;
+  transport::DeviceArena arena;
+  std::unique_ptr<transport::RankProxy> proxy;
+};
+
 struct BufferState {
   BufferConfig config;
-  std::vector<std::unique_ptr<RankContext>> contexts;  // every local device of every group
-  std::vector<std::vector<int>> groups;                // device ordinals or kRemoteRank
-  std::vector<std::pair<int, void*>> imported;         // (device, mapping) of other processes
+  std::vector<std::unique_ptr<RankContext>> contexts;   // every local device of every group
+  std::vector<std::vector<int>> groups;                 // device ordinals or kRemoteRank
+  std::vector<std::pair<int, void*>> imported;          // (device, mapping) of other processes
+  std::vector<std::unique_ptr<EmulatedRank>> emulated;  // DeviceTransport::kEmulated
 };
 
 std::shared_mutex registry_mutex;
@@ -132,6 +146,16 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
     message << "jax_ep: timeout_s must be positive, got " << config.timeout_s;
     return message.str();
   }
+  const int transport = static_cast<int>(config.device_transport);
+  if (transport < 0 || transport > static_cast<int>(DeviceTransport::kEmulated)) {
+    message << "jax_ep: device_transport must be 0 (stores), 1 (mapped) or 2 (emulated), got "
+            << transport;
+    return message.str();
+  }
+  if (config.device_transport != DeviceTransport::kStores && !config.low_latency) {
+    return "jax_ep: a device transport (JAX_EP_DEVICE_TRANSPORT) carries the low-latency ops "
+           "only: create the Buffer with low_latency=True";
+  }
   return "";
 }
 
@@ -167,6 +191,8 @@ void free_rank_context(RankContext& ctx) {
     }
   }
   if (ctx.peer_workspaces_device != nullptr) cudaFree(ctx.peer_workspaces_device);
+  if (ctx.transport_region_bases != nullptr) cudaFree(ctx.transport_region_bases);
+  ctx.transport_region_bases = nullptr;
   if (ctx.error_counters != nullptr) cudaFree(ctx.error_counters);
   if (ctx.timeout_record_host != nullptr) cudaFreeHost(ctx.timeout_record_host);
   ctx.workspace = nullptr;
@@ -224,6 +250,11 @@ std::string allocate_rank(RankContext& ctx) {
   if (ctx.config.low_latency) {
     preload_low_latency_kernels();
     RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaGetLastError());  // from preload_low_latency_kernels()
+  }
+  if (config.device_transport != DeviceTransport::kStores) {
+    RETURN_MESSAGE_IF_CUDA_ERROR(
+        device, cudaMalloc(&ctx.transport_region_bases, sizeof(char*) * 2 * kMaxRanks));
+    RETURN_MESSAGE_IF_CUDA_ERROR(device, preload_low_latency_transport_kernels());
   }
   return "";
 }
@@ -330,6 +361,58 @@ void close_imported(std::vector<std::pair<int, void*>>& imported) {
   cudaGetLastError();
 }
 
+// Once every peer of `ctx` is mapped: the device table of every rank's transport regions, and over
+// the emulated transport this rank's ring and host proxy (which registers every rank's regions).
+std::string start_transport(BufferState& state, RankContext& ctx) {
+  const BufferConfig& config = ctx.config;
+  if (config.device_transport == DeviceTransport::kStores) return "";
+  char* table[2 * kMaxRanks];
+  low_latency_transport_region_table(ctx, table);
+  RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaSetDevice(ctx.device));
+  RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaMemcpy(ctx.transport_region_bases, table,
+                                                      sizeof(table), cudaMemcpyHostToDevice));
+  if (config.device_transport != DeviceTransport::kEmulated) return "";
+  for (const auto& running : state.emulated) {
+    if (running->ctx == &ctx) return "";  // started at creation (a group of this process alone)
+  }
+  const LowLatencyTransportArea area = low_latency_transport_area(config);
+  std::vector<std::vector<std::pair<void*, uint64_t>>> regions(config.num_ranks);
+  for (int r = 0; r < config.num_ranks; ++r) {
+    regions[r] = {{table[2 * r + kTransportWorkspace], area.layout.workspace_bytes},
+                  {table[2 * r + kTransportStaging], area.layout.staging_bytes}};
+  }
+  transport::ProxyOptions options;  // adversarial, as docs/transport.md describes
+  options.ordering = transport::Ordering::kUnordered;
+  options.seed = config.emulator_seed + static_cast<uint64_t>(ctx.rank);
+  options.chunk_bytes = 1024;
+  options.max_delay_steps = 4;
+  options.snapshot_sources = true;
+  options.log_deliveries = false;
+  auto emulated = std::make_unique<EmulatedRank>();
+  emulated->ctx = &ctx;
+  try {
+    ctx.transport_ring = transport::make_ring(emulated->arena, kEmulatorRingCapacity,
+                                              static_cast<uint32_t>(kTransportOpWarps));
+    emulated->proxy =
+        std::make_unique<transport::RankProxy>(ctx.rank, options, ctx.transport_ring, regions);
+  } catch (const std::exception& e) {
+    return std::string("jax_ep: the emulated transport of rank ") + std::to_string(ctx.rank) +
+           " (device " + std::to_string(ctx.device) + "): " + e.what();
+  }
+  state.emulated.push_back(std::move(emulated));
+  return "";
+}
+
+// Waits for the local devices, then stops the proxies (they deliver what was published first):
+// before peers are unmapped or workspaces freed.
+void stop_transport(BufferState& state) {
+  for (auto& ctx : state.contexts) {
+    if (cudaSetDevice(ctx->device) == cudaSuccess) cudaDeviceSynchronize();
+  }
+  state.emulated.clear();
+  cudaGetLastError();
+}
+
 }  // namespace
 
 std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
@@ -355,7 +438,17 @@ std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
                            state.contexts);
       if (!error.empty()) break;
     }
+    // Groups of this process alone have every peer mapped now; the others after
+    // import_workspace_handles().
+    for (auto& ctx : state.contexts) {
+      const std::vector<int>& group = groups[ctx->group];
+      if (!error.empty()) break;
+      if (std::count(group.begin(), group.end(), kRemoteRank) == 0) {
+        error = start_transport(state, *ctx);
+      }
+    }
     if (!error.empty()) {
+      stop_transport(state);
       for (auto& ctx : state.contexts) free_rank_context(*ctx);
       return error;
     }
@@ -383,6 +476,7 @@ void destroy_buffer(int64_t buffer_id) {
     for (const auto& ctx : state.contexts) by_device.erase({buffer_id, ctx->device});
   }
   CurrentDeviceGuard device_guard;
+  stop_transport(state);
   close_imported(state.imported);
   for (auto& ctx : state.contexts) free_rank_context(*ctx);
 }
@@ -444,6 +538,7 @@ std::string import_workspace_handles(int64_t buffer_id,
       ctx->peer_workspaces[r] = static_cast<char*>(mapping);
     }
     std::string error = upload_peer_table(*ctx);
+    if (error.empty()) error = start_transport(state, *ctx);
     if (!error.empty()) return error;
   }
   return "";
@@ -454,11 +549,23 @@ void release_peer_workspaces(int64_t buffer_id) {
   auto it = buffers.find(buffer_id);
   if (it == buffers.end()) return;
   CurrentDeviceGuard device_guard;
-  for (auto& ctx : it->second.contexts) {
-    if (cudaSetDevice(ctx->device) == cudaSuccess) cudaDeviceSynchronize();
-  }
+  stop_transport(it->second);  // the proxies write into the imported workspaces
   close_imported(it->second.imported);
   cudaGetLastError();
+}
+
+std::vector<std::string> take_transport_errors(int64_t buffer_id) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  std::vector<std::string> errors;
+  auto it = buffers.find(buffer_id);
+  if (it == buffers.end()) return errors;
+  for (const auto& emulated : it->second.emulated) {
+    for (const std::string& e : emulated->proxy->take_errors()) {
+      errors.push_back("rank " + std::to_string(emulated->ctx->rank) + " of EP group " +
+                       std::to_string(emulated->ctx->group) + ": " + e);
+    }
+  }
+  return errors;
 }
 
 size_t workspace_bytes(const BufferConfig& config) {
@@ -467,6 +574,10 @@ size_t workspace_bytes(const BufferConfig& config) {
     const size_t low_latency_end =
         low_latency_workspace_offset(config) + low_latency_workspace_bytes(config);
     if (low_latency_end > total) total = low_latency_end;
+    const size_t transport_bytes = low_latency_transport_bytes(config);
+    if (transport_bytes > 0) {
+      total = std::max(total, low_latency_transport_offset(config) + transport_bytes);
+    }
   }
   return total;
 }

@@ -87,6 +87,14 @@ RankProxy::Report RankProxy::stop() {
   return report;
 }
 
+std::vector<std::string> RankProxy::take_errors() {
+  std::vector<std::string> errors;
+  for (const ProxyError& e : thread_->take_errors()) {
+    errors.push_back(std::string(proxy_error_name(e.kind)) + ": " + e.message);
+  }
+  return errors;
+}
+
 std::string stop_and_describe(std::vector<std::unique_ptr<RankProxy>>& proxies) {
   std::string text;
   for (size_t r = 0; r < proxies.size(); ++r) {

@@ -65,6 +65,9 @@ class RankProxy {
   };
   // Delivers what was published, stops the thread and reports what went wrong.
   Report stop();
+  // While it runs: the errors found since the last call ("kind: message"), each once (the
+  // executor's CUDA failure is the proxy thread's until stop() reports it).
+  std::vector<std::string> take_errors();
 
  private:
   OwnedStream copy_stream_;

@@ -55,6 +55,7 @@
 #include "kernels/low_latency/low_latency_common.cuh"
 #include "kernels/low_latency/low_latency_launch.h"
 #include "kernels/low_latency/low_latency_layout.cuh"
+#include "kernels/low_latency/low_latency_over_transport.h"
 
 namespace jax_ep {
 namespace {
@@ -482,6 +483,11 @@ cudaError_t launch_combine_halves(const RankContext& ctx, const LowLatencyCombin
 cudaError_t launch_low_latency_combine(const RankContext& ctx,
                                        const LowLatencyCombineParams& params,
                                        LowLatencyHalves halves, cudaStream_t stream) {
+  if (ctx.config.device_transport != DeviceTransport::kStores) {
+    // Over a device transport only the fused op exists (the handlers refuse the halves).
+    if (halves != LowLatencyHalves::kBoth) return cudaErrorNotSupported;
+    return launch_low_latency_combine_over_transport(ctx, params, stream);
+  }
   switch (halves) {
     case LowLatencyHalves::kSend:
       return launch_combine_halves<LowLatencyHalves::kSend>(ctx, params, stream);

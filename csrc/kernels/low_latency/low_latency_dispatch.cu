@@ -95,6 +95,7 @@
 #include "kernels/low_latency/low_latency_common.cuh"
 #include "kernels/low_latency/low_latency_launch.h"
 #include "kernels/low_latency/low_latency_layout.cuh"
+#include "kernels/low_latency/low_latency_over_transport.h"
 
 namespace jax_ep {
 namespace {
@@ -903,6 +904,11 @@ size_t low_latency_workspace_offset(const BufferConfig& config) {
 cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
                                         const LowLatencyDispatchParams& params,
                                         LowLatencyHalves halves, cudaStream_t stream) {
+  if (ctx.config.device_transport != DeviceTransport::kStores) {
+    // Over a device transport only the fused op exists (the handlers refuse the halves).
+    if (halves != LowLatencyHalves::kBoth) return cudaErrorNotSupported;
+    return launch_low_latency_dispatch_over_transport(ctx, params, stream);
+  }
   switch (halves) {
     case LowLatencyHalves::kSend:
       return launch_dispatch_halves<LowLatencyHalves::kSend>(ctx, params, stream);

@@ -429,6 +429,19 @@ cudaError_t launch_low_latency_transport_dispatch(LowLatencyTransportKind kind,
                        low_latency_transport_dispatch_kernel<EmulatedTransport>);
 }
 
+cudaError_t preload_low_latency_transport_kernels() {
+  cudaFuncAttributes attributes;
+  for (const void* kernel :
+       {reinterpret_cast<const void*>(low_latency_transport_dispatch_kernel<MappedTransport>),
+        reinterpret_cast<const void*>(low_latency_transport_dispatch_kernel<EmulatedTransport>),
+        reinterpret_cast<const void*>(low_latency_transport_combine_kernel<MappedTransport>),
+        reinterpret_cast<const void*>(low_latency_transport_combine_kernel<EmulatedTransport>)}) {
+    const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launch_low_latency_transport_combine(LowLatencyTransportKind kind,
                                                  const LowLatencyTransportLaunch& launch,
                                                  const LowLatencyTransportCombine& op,

@@ -181,5 +181,7 @@ cudaError_t launch_low_latency_transport_combine(LowLatencyTransportKind kind,
                                                  const LowLatencyTransportLaunch& launch,
                                                  const LowLatencyTransportCombine& op,
                                                  cudaStream_t stream);
+// Loads the four kernels on the current device (no lazy loading under graph capture).
+cudaError_t preload_low_latency_transport_kernels();
 
 }  // namespace jax_ep

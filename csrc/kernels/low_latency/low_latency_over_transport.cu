@@ -1,0 +1,120 @@
+// The fused low-latency ops of a Buffer over a device transport (low_latency_over_transport.h).
+// Host code only: it fills the put-protocol kernels' launch structures from a RankContext.
+#include "kernels/low_latency/low_latency_over_transport.h"
+
+#include <cstdint>
+
+namespace jax_ep {
+namespace {
+
+constexpr size_t kWordsBytes = 64;
+
+LowLatencyTransportKind kind_of(const BufferConfig& config) {
+  return config.device_transport == DeviceTransport::kEmulated ? LowLatencyTransportKind::kEmulated
+                                                               : LowLatencyTransportKind::kMapped;
+}
+
+// The launch of this rank alone (rank_base = rank, rank_count = 1: index 0 of every per-rank
+// array), and its two ops' sequence words.
+struct RankLaunch {
+  LowLatencyTransportLaunch launch;
+  uint64_t* combine_sequence = nullptr;
+  uint32_t* combine_finished = nullptr;
+};
+
+RankLaunch rank_launch(const RankContext& ctx, int num_tokens, const int32_t* topk_idx) {
+  const LowLatencyTransportArea area = low_latency_transport_area(ctx.config);
+  char* words = ctx.workspace + low_latency_transport_offset(ctx.config) + area.words;
+  RankLaunch r;
+  LowLatencyTransportLaunch& l = r.launch;
+  l.layout = area.layout;
+  l.region_bases = ctx.transport_region_bases;
+  l.rings[0] = ctx.transport_ring;
+  l.rank_base = ctx.rank;
+  l.rank_count = 1;
+  l.sequence[0] = reinterpret_cast<uint64_t*>(words);
+  l.finished[0] = reinterpret_cast<uint32_t*>(words + 16);
+  l.barrier[0] = reinterpret_cast<uint32_t*>(words + 24);
+  l.timeout_ns = ctx.timeout_ns;
+  l.timeout_record = ctx.timeout_record;
+  l.num_tokens = num_tokens;
+  l.topk_idx[0] = topk_idx;
+  r.combine_sequence = reinterpret_cast<uint64_t*>(words + 8);
+  r.combine_finished = reinterpret_cast<uint32_t*>(words + 20);
+  return r;
+}
+
+}  // namespace
+
+LowLatencyTransportArea low_latency_transport_area(const BufferConfig& config) {
+  LowLatencyTransportShape shape;
+  shape.num_ranks = config.num_ranks;
+  shape.num_experts = config.num_experts;
+  shape.num_topk = config.num_topk;
+  shape.max_tokens = config.max_tokens_per_rank;
+  shape.hidden = config.hidden;
+  shape.warps_per_rank = kTransportOpWarps;
+  LowLatencyTransportArea area;
+  area.layout = make_low_latency_transport_layout(shape);
+  area.workspace_region = 0;
+  area.staging_region = align_up(area.layout.workspace_bytes, kLowLatencyAlignBytes);
+  area.words = align_up(area.staging_region + area.layout.staging_bytes, kLowLatencyAlignBytes);
+  area.bytes = area.words + kWordsBytes;
+  return area;
+}
+
+size_t low_latency_transport_offset(const BufferConfig& config) {
+  return align_up(low_latency_workspace_offset(config) + low_latency_workspace_bytes(config),
+                  kLowLatencyAlignBytes);
+}
+
+size_t low_latency_transport_bytes(const BufferConfig& config) {
+  if (!config.low_latency || config.device_transport == DeviceTransport::kStores) return 0;
+  return low_latency_transport_area(config).bytes;
+}
+
+void low_latency_transport_region_table(const RankContext& ctx, char* table[2 * kMaxRanks]) {
+  const LowLatencyTransportArea area = low_latency_transport_area(ctx.config);
+  const size_t offset = low_latency_transport_offset(ctx.config);
+  for (int r = 0; r < kMaxRanks; ++r) {
+    char* workspace = r < ctx.config.num_ranks ? ctx.peer_workspaces[r] : nullptr;
+    table[2 * r + kTransportWorkspace] =
+        workspace != nullptr ? workspace + offset + area.workspace_region : nullptr;
+    table[2 * r + kTransportStaging] =
+        workspace != nullptr ? workspace + offset + area.staging_region : nullptr;
+  }
+}
+
+cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
+                                                       const LowLatencyDispatchParams& params,
+                                                       cudaStream_t stream) {
+  const RankLaunch r = rank_launch(ctx, params.num_tokens, params.topk_idx);
+  LowLatencyTransportDispatch op;
+  op.use_fp8 = params.use_fp8;
+  op.round_scale = params.round_scale;
+  op.x[0] = params.x;
+  op.recv_x[0] = params.recv_x;
+  op.recv_scales[0] = params.recv_scales;
+  op.recv_count[0] = params.recv_count;
+  op.recv_src[0] = params.recv_src;
+  op.recv_k[0] = params.recv_k;
+  return launch_low_latency_transport_dispatch(kind_of(ctx.config), r.launch, op, stream);
+}
+
+cudaError_t launch_low_latency_combine_over_transport(const RankContext& ctx,
+                                                      const LowLatencyCombineParams& params,
+                                                      cudaStream_t stream) {
+  RankLaunch r = rank_launch(ctx, params.num_tokens, params.topk_idx);
+  r.launch.sequence[0] = r.combine_sequence;  // combine runs its own sequence
+  r.launch.finished[0] = r.combine_finished;
+  LowLatencyTransportCombine op;
+  op.y[0] = params.y;
+  op.recv_src[0] = params.recv_src;
+  op.recv_k[0] = params.recv_k;
+  op.recv_count[0] = params.recv_count;
+  op.topk_weights[0] = params.topk_weights;
+  op.out[0] = params.out;
+  return launch_low_latency_transport_combine(kind_of(ctx.config), r.launch, op, stream);
+}
+
+}  // namespace jax_ep

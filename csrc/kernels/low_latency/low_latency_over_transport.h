@@ -1,0 +1,48 @@
+// The fused low-latency ops of a Buffer over a device transport (BufferConfig::device_transport
+// other than kStores): the put-protocol kernels of low_latency_transport.h, one launch per rank,
+// with their regions and sequence words carved out of the Buffer's workspace. Called by the
+// launchers of low_latency_launch.h; the split halves have no transport version yet.
+//
+// The area at low_latency_transport_offset(config) of every rank's workspace:
+//   [workspace region][staging region][words]
+// so rank r's regions are peer_workspaces[r] + the same offsets, the same for every rank, and a
+// workspace mapped into another process (CUDA IPC) carries its regions with it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "kernels/low_latency/low_latency_launch.h"
+#include "kernels/low_latency/low_latency_transport.h"
+#include "runtime/context.h"
+
+namespace jax_ep {
+
+// One-warp blocks per rank of an op's launch: the layout's combine slots depend on it, so it is
+// fixed (every rank must agree), not a tuning knob.
+constexpr int kTransportOpWarps = 32;
+
+struct LowLatencyTransportArea {
+  LowLatencyTransportLayout layout;
+  size_t workspace_region = 0;  // offsets from the area's start
+  size_t staging_region = 0;
+  size_t words = 0;  // u64 dispatch sequence, u64 combine sequence, u32 dispatch finished,
+                     // u32 combine finished, u32 dispatch barrier
+  size_t bytes = 0;
+};
+
+LowLatencyTransportArea low_latency_transport_area(const BufferConfig& config);
+
+// Every rank's two regions as seen from `ctx`'s device: table[2 * r + region], region 0 the
+// workspace region, 1 the staging region; null for ranks whose workspace is not mapped yet.
+void low_latency_transport_region_table(const RankContext& ctx, char* table[2 * kMaxRanks]);
+
+cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
+                                                       const LowLatencyDispatchParams& params,
+                                                       cudaStream_t stream);
+cudaError_t launch_low_latency_combine_over_transport(const RankContext& ctx,
+                                                      const LowLatencyCombineParams& params,
+                                                      cudaStream_t stream);
+
+}  // namespace jax_ep

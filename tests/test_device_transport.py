@@ -1,0 +1,109 @@
+"""The fused low-latency ops over a device transport (JAX_EP_DEVICE_TRANSPORT, issue 20): the
+put-protocol kernels written for peers without a peer mapping, under the FFI ops.
+
+On CPU: the setting reaches the Buffer, and the workspace grows by the transport's area. On a
+GPU: the low-latency op suite (tests/test_low_latency.py, the fused ops) passes over both
+transports, and the split halves refuse a device transport with a clear error.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ep_mesh, require_gpus
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import settings
+from jax_ep.backends import cuda
+
+TESTS = Path(__file__).resolve().parent
+
+
+def make_buffer(backend, low_latency=True):
+    return jax_ep.Buffer(ep_mesh(backend), "ep", num_experts=8, hidden=256, max_tokens_per_rank=8,
+                         num_topk=2, dtype=jnp.bfloat16, low_latency=low_latency,
+                         backend=backend)
+
+
+def test_the_setting_reaches_low_latency_buffers_only(monkeypatch):
+    monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "emulated")
+    assert make_buffer("xla").device_transport == "emulated"
+    assert make_buffer("xla", low_latency=False).device_transport == "stores"
+    monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "rdma")
+    with pytest.raises(ValueError, match="JAX_EP_DEVICE_TRANSPORT"):
+        make_buffer("xla")
+    monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "mapped")
+    monkeypatch.setenv("JAX_EP_EMULATOR_SEED", "-1")
+    with pytest.raises(ValueError, match="JAX_EP_EMULATOR_SEED"):
+        settings.value("JAX_EP_EMULATOR_SEED")
+
+
+def test_the_reference_backend_reports_no_transport_errors():
+    buf = make_buffer("xla")
+    assert buf.errors()["transport"] == []
+    buf.check()
+
+
+def test_the_workspace_holds_the_transports_area():
+    module, reason = cuda.load_extension()
+    if module is None:
+        pytest.skip(f"the CUDA extension is not built here: {reason}")
+
+    def workspace(low_latency, transport):
+        config = cuda.buffer_config(
+            module, num_ranks=2, num_experts=8, hidden=256, max_tokens_per_rank=8, num_topk=2,
+            capacity=16, dtype_bytes=2, low_latency=low_latency, timeout_s=10.0,
+            device_transport=transport)
+        return module.workspace_bytes(config)
+
+    stores, mapped, emulated = (workspace(True, t) for t in range(3))
+    assert mapped == emulated > stores  # one area, whatever performs the puts
+    # 2 ranks x 4 local experts x 8 slots of a 512-byte row, twice (call parity), at least
+    assert mapped - stores >= 2 * 4 * 2 * 8 * 512
+    assert workspace(False, 1) == workspace(False, 0)  # normal-only Buffers have no area
+
+
+def _run_suite_over(transport, *pytest_args):
+    """tests/test_low_latency.py's GPU cases in a child process with the transport set."""
+    env = dict(os.environ, JAX_EP_DEVICE_TRANSPORT=transport, JAX_EP_EMULATOR_SEED="7",
+               # The proxy's copies must not queue behind the kernel that waits for them.
+               CUDA_DEVICE_MAX_CONNECTIONS="32", JAX_EP_TIMEOUT_S="20")
+    with tempfile.TemporaryDirectory() as cwd:  # not the checkout: jax_ep must be the installed
+        proc = subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p",
+             "no:cacheprovider", "-m", "gpu", str(TESTS / "test_low_latency.py"), *pytest_args],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["mapped", "emulated"])
+def test_low_latency_ops_over_a_device_transport(transport):
+    require_gpus(1)
+    rc, output = _run_suite_over(transport, "-k", "cuda")
+    assert rc == 0 and " passed" in output and "failed" not in output, output
+
+
+@pytest.mark.gpu
+def test_split_halves_refuse_a_device_transport(monkeypatch, rng):
+    require_gpus(1)
+    monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "mapped")
+    buf = make_buffer("cuda")
+    try:
+        rows = buf.num_ranks * 8
+        x = jnp.zeros((rows, 256), jnp.bfloat16)
+        idx = jnp.asarray(rng.integers(0, 8, (rows, 2)), jnp.int32)
+        send = jax.jit(jax.shard_map(
+            lambda x, i: jax_ep.low_latency_dispatch_send(buf, x, i).ticket,
+            mesh=buf.mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
+        with pytest.raises(Exception, match="split halves do not run over a device transport"):
+            np.asarray(send(x, idx))
+    finally:
+        buf.close()
