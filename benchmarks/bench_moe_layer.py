@@ -20,8 +20,10 @@ with 1/2 steps, 2 repeats, and only in the sections and impls named by ``--ragge
 
 - ``experts``: the expert GEMMs alone on one device: ``jax.value_and_grad`` of
   ``sum(swiglu_experts(x_sorted, group_sizes, w_gate, w_up, w_down) * cotangent)`` w.r.t. the
-  rows and the three weights, at one rank's shapes (``E_loc = E / R`` experts, ``T*K`` used rows
-  split over them multinomially (uniform), ``C * min(K, E_loc)`` rows in all as in the layer).
+  rows and the weights (``--gate-up fused``, the default: gate and up as one ``[E, H, 2F]``
+  weight, ``w_up=None``; ``split``: two), at one rank's shapes (``E_loc = E / R`` experts,
+  ``T*K`` used rows split over them multinomially (uniform), ``C * min(K, E_loc)`` rows in all
+  as in the layer).
 - ``products``: each library product alone (``forward``, ``dx``, ``dw``) at the gate / up shape
   (``[N, H] x [E_loc, H, F]``) and the down shape (``[N, F] x [E_loc, F, H]``).
 - ``layer``: the whole layer step, for each transport (impl):
@@ -82,6 +84,8 @@ DEFAULTS = {"tokens": 4096, "hidden": 2048, "ffn": 1024, "experts": 64, "topk": 
             "n_short": 2, "n_long": 6, "repeats": 10, "warmup": 2, "max_minutes": 2.0}
 QUICK = {"tokens": 64, "hidden": 256, "ffn": 128, "experts": 16, "topk": 2,
          "n_short": 1, "n_long": 2, "repeats": 3, "warmup": 1, "max_minutes": None}
+# How the gate and up weights are held (jax_ep.moe.swiglu_experts): one [E, H, 2F] weight, or two.
+GATE_UP = ("fused", "split")
 # bf16 tolerance of the forward check: |got - want| <= ATOL * max|want| + RTOL * |want|.
 RTOL, ATOL = 2e-2, 2e-2
 
@@ -124,6 +128,9 @@ def parse_args(argv):
     p.add_argument("--sweep", action="store_true",
                    help="products section: try every tile config of SWEEP_CONFIGS per library "
                         "product at the gate shape (records carry their config)")
+    p.add_argument("--gate-up", choices=GATE_UP, default="fused",
+                   help="experts and layer sections: gate and up as one [E, H, 2F] weight "
+                        "(fused, default: what the Flax example stores) or two (split)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name, value in DEFAULTS.items():
@@ -169,8 +176,9 @@ class Inputs:
 
     ``sets[i] = (x [R*T, H] bf16, topk_idx [R*T, K] int32, topk_weights [R*T, K] f32,
     cotangent [R*T, H] bf16)``, one per step of the long program; ``weights`` =
-    ``(w_gate [E, H, F], w_up [E, H, F], w_down [E, F, H])`` bf16 (rank r holds experts
-    ``[r*E_loc, (r+1)*E_loc)``), scaled so that the layer output is O(1).
+    ``(w_gate [E, H, F], w_up [E, H, F], w_down [E, F, H])`` bf16, or with ``--gate-up fused``
+    ``(w_gate_up [E, H, 2F], w_down)`` (rank r holds experts ``[r*E_loc, (r+1)*E_loc)``),
+    scaled so that the layer output is O(1).
     """
 
     def __init__(self, mesh, args):
@@ -188,35 +196,53 @@ class Inputs:
         def make(key):
             k1, k2, k3 = jax.random.split(key, 3)
             normal = jax.random.normal
-            return ((normal(k1, (e, h, f)) * h**-0.5).astype(jnp.bfloat16),
-                    (normal(k2, (e, h, f)) * h**-0.5).astype(jnp.bfloat16),
-                    (normal(k3, (e, f, h)) * f**-0.5).astype(jnp.bfloat16))
+            return held_as(args.gate_up, ((normal(k1, (e, h, f)) * h**-0.5).astype(jnp.bfloat16),
+                                          (normal(k2, (e, h, f)) * h**-0.5).astype(jnp.bfloat16),
+                                          (normal(k3, (e, f, h)) * f**-0.5).astype(jnp.bfloat16)))
 
         shard = bc.sharded(mesh)
+        count = 2 if args.gate_up == "fused" else 3
         self.weights = jax.block_until_ready(
-            jax.jit(make, out_shardings=(shard, shard, shard))(jax.random.key(seed + 3000)))
+            jax.jit(make, out_shardings=(shard,) * count)(jax.random.key(seed + 3000)))
+
+
+def held_as(gate_up, weights):
+    """``(w_gate, w_up, w_down)`` as ``--gate-up`` holds them: ``(w_gate_up [E, H, 2F], w_down)``
+    for fused, unchanged for split."""
+    if gate_up == "split":
+        return tuple(weights)
+    w_gate, w_up, w_down = weights
+    return jnp.concatenate([w_gate, w_up], axis=2), w_down
+
+
+def swiglu_weights(weights):
+    """Held weights as ``swiglu_experts`` / ``moe_ffn`` take them: ``(w_gate, w_up or None,
+    w_down)``."""
+    return tuple(weights) if len(weights) == 3 else (weights[0], None, weights[1])
 
 
 # ----------------------------------------------------------------------------- the layers
 
 
-def expert_block(recv_x, recv_idx, recv_w, w_gate, w_up, w_down, matmul):
+def expert_block(recv_x, recv_idx, recv_w, weights, matmul):
     """The local expert computation every transport shares (as in ``jax_ep.moe.moe_ffn``).
 
     ``recv_x [C, H]``, ``recv_idx [C, K]`` local ids (-1: not here), ``recv_w [C, K]`` f32 ->
-    ``[C, H]`` weighted expert outputs in ``recv_x``'s dtype; ``matmul`` as ``--matmul``.
+    ``[C, H]`` weighted expert outputs in ``recv_x``'s dtype; ``weights`` as ``Inputs`` holds
+    them; ``matmul`` as ``--matmul``.
     """
     from jax_ep import moe
 
-    num_local, num_topk = w_gate.shape[0], recv_idx.shape[1]
+    num_local, num_topk = weights[0].shape[0], recv_idx.shape[1]
     num_rows = recv_x.shape[0] * min(num_topk, num_local)  # lossless: ids of a row are distinct
     x_sorted, group_sizes, state = moe.permute(recv_x, recv_idx, num_local, num_rows=num_rows)
-    y_sorted = moe.swiglu_experts(x_sorted, group_sizes, w_gate, w_up, w_down, matmul=matmul)
+    y_sorted = moe.swiglu_experts(x_sorted, group_sizes, *swiglu_weights(weights), matmul=matmul)
     return moe.unpermute(y_sorted, state, recv_w).astype(recv_x.dtype)
 
 
 def make_layer(impl, num_ranks, experts, topk, buf=None, matmul=None):
-    """Per-rank forward ``layer(x, topk_idx, topk_weights, w_gate, w_up, w_down) -> [T, H]``.
+    """Per-rank forward ``layer(x, topk_idx, topk_weights, *weights) -> [T, H]`` (``weights``
+    as ``Inputs`` holds them).
 
     ``matmul``: the expert matmul (``--matmul``; None: ``jax_ep.moe.DEFAULT_MATMUL``), the same
     for every impl.
@@ -225,29 +251,29 @@ def make_layer(impl, num_ranks, experts, topk, buf=None, matmul=None):
 
     matmul = moe.DEFAULT_MATMUL if matmul is None else matmul
     if impl == "jax_ep":
-        def layer(x, idx, w, w_gate, w_up, w_down):
-            return moe.moe_ffn(buf, x, idx, w, w_gate, w_up, w_down, matmul=matmul)
+        def layer(x, idx, w, *weights):
+            return moe.moe_ffn(buf, x, idx, w, *swiglu_weights(weights), matmul=matmul)
 
         return layer
     peer = bc.PEER_CLASSES[impl](num_ranks, experts, topk)
 
-    def layer(x, idx, w, w_gate, w_up, w_down):
+    def layer(x, idx, w, *weights):
         recv_x, recv_idx, recv_w = peer.dispatch([x], idx, w)
-        y = expert_block(recv_x, recv_idx, recv_w, w_gate, w_up, w_down, matmul)
+        y = expert_block(recv_x, recv_idx, recv_w, weights, matmul)
         return peer.combine(y, peer.plan(idx))
 
     return layer
 
 
 def fwd_bwd(layer):
-    """``step(weights, x, idx, w, ct) -> (loss, (dx, dw_gate, dw_up, dw_down))`` per rank."""
+    """``step(weights, x, idx, w, ct) -> (loss, (dx, *dweights))`` per rank."""
 
     def step(weights, x, idx, w, ct):
-        def loss_fn(x, w_gate, w_up, w_down):
-            out = layer(x, idx, w, w_gate, w_up, w_down)
+        def loss_fn(x, *weights):
+            out = layer(x, idx, w, *weights)
             return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
 
-        return jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3))(x, *weights)
+        return jax.value_and_grad(loss_fn, argnums=tuple(range(1 + len(weights))))(x, *weights)
 
     return step
 
@@ -256,10 +282,10 @@ def forward(mesh, layer, inputs, k=0):
     """Global forward output ``[R*T, H]`` of set ``k`` (a host float32 array)."""
     x, idx, w, _ = inputs.sets[k]
 
-    def fn(x, idx, w, w_gate, w_up, w_down):
-        return layer(x, idx, w, w_gate, w_up, w_down)
+    def fn(x, idx, w, *weights):
+        return layer(x, idx, w, *weights)
 
-    out = bc.shard_mapped(mesh, fn, 6)(x, idx, w, *inputs.weights)
+    out = bc.shard_mapped(mesh, fn, 3 + len(inputs.weights))(x, idx, w, *inputs.weights)
     return np.asarray(out.astype(jnp.float32))
 
 
@@ -336,7 +362,9 @@ class ExpertInputs:
         self.weights = ((normal(k1, (self.e_loc, h, f)) * h**-0.5).astype(jnp.bfloat16),
                         (normal(k2, (self.e_loc, h, f)) * h**-0.5).astype(jnp.bfloat16),
                         (normal(k3, (self.e_loc, f, h)) * f**-0.5).astype(jnp.bfloat16))
-        jax.block_until_ready((self.sets, self.weights))
+        # The experts section's weights, as --gate-up holds them (products use the split ones).
+        self.held = held_as(args.gate_up, self.weights)
+        jax.block_until_ready((self.sets, self.weights, self.held))
 
 
 def dense_experts(x, w_gate, w_up, w_down, used):
@@ -357,15 +385,18 @@ def experts_step(matmul, used):
     from jax_ep import moe
 
     def step(weights, x, sizes, ct):
-        def loss(x, w_gate, w_up, w_down):
+        def loss(x, *weights):
+            w_gate, w_up, w_down = swiglu_weights(weights)
             if matmul == DENSE:
+                if w_up is None:  # the dense ceiling multiplies gate and up apart
+                    w_gate, w_up = jnp.split(w_gate, 2, axis=2)
                 y = dense_experts(x, w_gate, w_up, w_down, used)
             else:
                 y = moe.swiglu_experts(x, sizes, w_gate, w_up, w_down,
                                        matmul=base_matmul(matmul))
             return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
 
-        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, *weights)
+        return jax.value_and_grad(loss, argnums=tuple(range(1 + len(weights))))(x, *weights)
 
     return step
 
@@ -573,12 +604,12 @@ def run_experts(r, matmuls):
 
         def one_matmul(m=m):
             used = inputs.used if m != DENSE else inputs.used // inputs.e_loc * inputs.e_loc
-            time_us, extra = measure(one, args, experts_step(m, inputs.used), inputs.weights,
+            time_us, extra = measure(one, args, experts_step(m, inputs.used), inputs.held,
                                      inputs.sets, r.pool, m)
             flops = 18.0 * used * args.hidden * args.ffn
             return make_record(EXPERTS_OP, args, r.num_ranks, time_us, flops, extra, matmul=m,
-                               resolved=resolved_name(m), experts_local=inputs.e_loc,
-                               rows=inputs.rows, rows_used=used)
+                               resolved=resolved_name(m), gate_up=args.gate_up,
+                               experts_local=inputs.e_loc, rows=inputs.rows, rows_used=used)
 
         r.attempt(f"experts {m}", EXPERTS_OP, {"matmul": m}, one_matmul)
     return inputs
@@ -705,7 +736,8 @@ def run_layers(r, matmuls, impls):
                     if buf is not None:
                         extra["backend"] = buf.backend
                     return make_record(OP, args, num_ranks, time_us, layer_flops(args), extra,
-                                       impl=impl, matmul=m, resolved=resolved_name(m))
+                                       impl=impl, matmul=m, resolved=resolved_name(m),
+                                       gate_up=args.gate_up)
                 finally:
                     if buf is not None:
                         buf.close()
@@ -773,7 +805,9 @@ def main(argv=None):
     path = os.path.join(args.out, name + ".json")
     method = {"n_short": args.n_short, "n_long": args.n_long, "repeats": args.repeats,
               "warmup": args.warmup, "loss": "sum(out * cotangent)",
-              "grads": ["x", "w_gate", "w_up", "w_down"], "routing": "top-k of uniform scores",
+              "grads": ["x", "w_gate_up", "w_down"] if args.gate_up == "fused"
+              else ["x", "w_gate", "w_up", "w_down"], "gate_up": args.gate_up,
+              "routing": "top-k of uniform scores",
               "matmuls": list(args.matmul), "sections": list(args.sections),
               "ragged_dot_on_gpu": dict(SLOW, sections=list(args.ragged_dot_sections),
                                         impls=list(args.ragged_dot_impls)),

@@ -50,6 +50,7 @@ def test_bench_moe_layer_quick(tmp_path):
         for key, kind in RECORD_KEYS.items():
             assert isinstance(rec[key], kind), (key, rec)
         assert rec["dtype"] == "bf16" and rec["matmul"] == "auto", rec
+        assert rec["gate_up"] == "fused", rec
         assert rec["resolved"] == "tiled", rec  # no Hopper GPU here
         assert (rec["ranks"], rec["tokens"], rec["hidden"], rec["ffn"], rec["experts"],
                 rec["topk"]) == (8, 64, 256, 128, 16, 2), rec
@@ -119,10 +120,10 @@ def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- same function
 
 
-def _setup(num_ranks=8, tokens=16, hidden=128, ffn=64, experts=16, topk=4):
+def _setup(num_ranks=8, tokens=16, hidden=128, ffn=64, experts=16, topk=4, gate_up="fused"):
     args = bml.parse_args(["--quick", "--tokens", str(tokens), "--hidden", str(hidden),
                            "--ffn", str(ffn), "--experts", str(experts), "--topk", str(topk),
-                           "--n-short", "1", "--n-long", "2"])
+                           "--n-short", "1", "--n-long", "2", "--gate-up", gate_up])
     mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), (bc.AXIS,))
     return args, mesh, bml.Inputs(mesh, args)
 
@@ -131,11 +132,13 @@ def _grads(mesh, layer, inputs):
     step = bml.fwd_bwd(layer)
     x, idx, w, ct = inputs.sets[0]
 
-    def fn(w_gate, w_up, w_down, x, idx, w, ct):
-        loss, grads = step((w_gate, w_up, w_down), x, idx, w, ct)
+    count = len(inputs.weights)
+
+    def fn(*args):
+        loss, grads = step(args[:count], *args[count:])
         return loss[None], *grads
 
-    out = bc.shard_mapped(mesh, fn, 7)(*inputs.weights, x, idx, w, ct)
+    out = bc.shard_mapped(mesh, fn, count + 4)(*inputs.weights, x, idx, w, ct)
     return [np.asarray(a.astype(jnp.float32)) for a in out]
 
 
@@ -158,12 +161,38 @@ def test_transports_compute_the_same_layer(impl, monkeypatch):
     assert np.max(np.abs(want)) > 0.1  # a real signal, not zeros
     err, ok = bml.compare(got, want)
     assert ok, err
-    # Gradients w.r.t. x and the three expert weights agree too (same loss, same function).
-    for name, g, w in zip(("loss", "dx", "dw_gate", "dw_up", "dw_down"),
+    # Gradients w.r.t. x and the expert weights agree too (same loss, same function).
+    for name, g, w in zip(("loss", "dx", "dw_gate_up", "dw_down"),
                           _grads(mesh, layer, inputs), _grads(mesh, ref, inputs), strict=True):
         assert np.all(np.isfinite(g)), name
         scale = max(float(np.max(np.abs(w))), 1e-6)
         np.testing.assert_allclose(g, w, rtol=3e-2, atol=3e-2 * scale, err_msg=name)
+    buf.close()
+
+
+@pytest.mark.skipif(not _jax_ep_importable(), reason="jax_ep not importable")
+def test_gate_up_layouts_compute_the_same_layer():
+    """--gate-up fused holds the split weights side by side: same forward, and its weight
+    gradient is the two split ones side by side."""
+    import jax_ep
+
+    (args, mesh, fused), (_, _, split) = (_setup(gate_up=g) for g in ("fused", "split"))
+    np.testing.assert_array_equal(np.asarray(fused.weights[0], np.float32), np.concatenate(
+        [np.asarray(split.weights[0], np.float32), np.asarray(split.weights[1], np.float32)],
+        axis=2))
+    buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+                        max_tokens_per_rank=args.tokens, num_topk=args.topk, backend="xla",
+                        report_errors=False)
+    layer = bml.make_layer("jax_ep", mesh.shape[bc.AXIS], args.experts, args.topk, buf)
+    err, ok = bml.compare(bml.forward(mesh, layer, fused), bml.forward(mesh, layer, split))
+    assert ok, err
+    (_, dx, dw_gate_up, dw_down), (_, dx1, dw_gate, dw_up, dw_down1) = (
+        _grads(mesh, layer, inputs) for inputs in (fused, split))
+    for name, got, want in (("dx", dx, dx1), ("dw_gate_up", dw_gate_up,
+                                              np.concatenate([dw_gate, dw_up], axis=2)),
+                            ("dw_down", dw_down, dw_down1)):
+        np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.max(np.abs(want)),
+                                   err_msg=name)
     buf.close()
 
 
