@@ -106,6 +106,8 @@ SETTINGS = {s.name: s for s in (
             "NVSHMEM root with include/host/nvshmemx_api.h (default: the installed wheel)"),
     Setting("JAX_EP_COMMIT", "tooling", None, _text,
             "commit recorded in benchmark results (a copied tree may carry a stale .git)"),
+    Setting("JAX_EP_TRANSPORT_SEEDS", "tooling", 3, _positive_int,
+            "emulator seeds of tests/test_device_transport.py's fake-hosts digests"),
     Setting("JAX_EP_TEST_SEED", "tooling", None, _text,
             "pins the seed of the adversarial routing tests"),
 )}

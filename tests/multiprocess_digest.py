@@ -1,11 +1,13 @@
 """Digests of every op's outputs on fixed inputs, to compare process layouts bit for bit.
 
-    python tests/multiprocess_digest.py [xla|cuda]                      # one process, all devices
+    python tests/multiprocess_digest.py [xla|cuda] [low_latency]        # one process, all devices
     python -m jax_ep.launch -n 2 -- python tests/multiprocess_digest.py cuda   # one per GPU
 
 Process 0 prints one line ``DIGEST <name> <sha256>`` per output (normal dispatch bf16/fp8,
 cached dispatch, combine, layout, low-latency dispatch fp8/bf16 and combine, gradients of a
 dispatch+combine loss); the lines of the two layouts must be equal (tests/test_gpu_multiprocess.py).
+With ``low_latency`` only the low-latency ops (3 lines): what a device transport carries
+(tests/test_device_transport.py).
 """
 
 import dataclasses
@@ -56,7 +58,7 @@ def digest(name, tree):
         print(f"DIGEST {name} {sha.hexdigest()}", flush=True)
 
 
-def main(backend):
+def main(backend, parts="all"):
     devices = jax.devices("gpu") if backend == "cuda" else jax.devices("cpu")
     mesh = Mesh(np.array(devices), ("ep",))
     R = mesh.shape["ep"]
@@ -65,6 +67,12 @@ def main(backend):
     x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
     x8, s8 = (np.asarray(a) for a in jax.vmap(jax_ep.per_token_cast_to_fp8)(jnp.asarray(x)))
 
+    if parts == "all":
+        normal_mode(mesh, backend, x, x8, s8, idx, w)
+    low_latency_mode(mesh, backend, x, idx, w)
+
+
+def normal_mode(mesh, backend, x, x8, s8, idx, w):
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
                         backend=backend, report_errors=False)
 
@@ -93,6 +101,8 @@ def main(backend):
     digest("gradient", run_sharded(mesh, loss_grad, x, idx, w))
     buf.close()
 
+
+def low_latency_mode(mesh, backend, x, idx, w):
     ll = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
                        low_latency=True, backend=backend, report_errors=False)
 
@@ -106,8 +116,9 @@ def main(backend):
     digest("low_latency_dispatch_fp8", d8)
     digest("low_latency_dispatch_bf16", d16)
     digest("low_latency_combine", out)
+    ll.check()  # over the emulated transport: what its proxies found, if anything
     ll.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "cuda")
+    main(sys.argv[1] if len(sys.argv) > 1 else "cuda", *sys.argv[2:3])
