@@ -360,9 +360,7 @@ class Buffer:
         selections past the ``max_tokens_per_rank`` rows a source has at one expert: only
         possible when a token repeats an expert in its top-k), ``timeouts`` (a description
         of every timed-out wait) and ``transport`` (what the emulated transport's host proxies
-        of this process found, each once: ``JAX_EP_DEVICE_TRANSPORT=emulated`` only).
-        Over a device transport the low-latency kernels count no invalid ids or dropped
-        rows yet."""
+        of this process found, each once: ``JAX_EP_DEVICE_TRANSPORT=emulated`` only)."""
         self._check_open()
         if self.backend == "cuda" and self._allocated:
             module, _ = cuda.load_extension()

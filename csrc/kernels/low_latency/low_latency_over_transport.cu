@@ -88,7 +88,7 @@ void low_latency_transport_region_table(const RankContext& ctx, char* table[2 * 
 cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
                                                        const LowLatencyDispatchParams& params,
                                                        cudaStream_t stream) {
-  const RankLaunch r = rank_launch(ctx, params.num_tokens, params.topk_idx);
+  RankLaunch r = rank_launch(ctx, params.num_tokens, params.topk_idx);
   LowLatencyTransportDispatch op;
   op.use_fp8 = params.use_fp8;
   op.round_scale = params.round_scale;
@@ -98,6 +98,7 @@ cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
   op.recv_count[0] = params.recv_count;
   op.recv_src[0] = params.recv_src;
   op.recv_k[0] = params.recv_k;
+  r.launch.error_counters[0] = ctx.error_counters;
   return launch_low_latency_transport_dispatch(kind_of(ctx.config), r.launch, op, stream);
 }
 

@@ -193,10 +193,16 @@ __global__ void __launch_bounds__(kWarpSize)
   const int32_t* topk_idx = l.topk_idx[w.index];
   const size_t message_bytes = op.use_fp8 ? s.fp8_message_bytes() : s.row_bytes();
 
-  // A. Stage each token's message once, and (token, k) of its selections.
+  // A. Stage each token's message once, and (token, k) of its selections; count the ids
+  // outside [-1, E) of this warp's tokens (the puts below treat them as -1).
   const int4* x = static_cast<const int4*>(op.x[w.index]);
   const int vectors_per_row = static_cast<int>(s.row_bytes() / kBytesPerVector);
+  unsigned long long invalid = 0;
   for (int token = w.warp; token < l.num_tokens; token += warps) {
+    for (int k = lane; k < s.num_topk; k += kWarpSize) {
+      const int id = topk_idx[token * s.num_topk + k];
+      invalid += (id < -1 || id >= s.num_experts) ? 1 : 0;
+    }
     char* message = t.local(in_staging(layout.staged_row_at(token)));
     const int4* x_row = x + static_cast<int64_t>(token) * vectors_per_row;
     if (op.use_fp8) {
@@ -215,6 +221,7 @@ __global__ void __launch_bounds__(kWarpSize)
 
   // C. Put: this warp's global experts, their (token, k) pairs in order.
   const int pairs = l.num_tokens * s.num_topk;
+  unsigned long long dropped = 0;  // the same on every lane: the loop below is warp-uniform
   for (int expert = w.warp; expert < s.num_experts; expert += warps) {
     const int dst = expert / local;
     const int local_expert = expert % local;
@@ -225,7 +232,10 @@ __global__ void __launch_bounds__(kWarpSize)
       while (match != 0) {
         const int first = __ffs(match) - 1;
         match &= match - 1;
-        if (sent == s.max_tokens) continue;  // past T_max rows (repeated experts): dropped
+        if (sent == s.max_tokens) {  // past T_max rows (repeated experts): dropped, counted
+          ++dropped;
+          continue;
+        }
         const int token = (base + first) / s.num_topk;
         const int k = (base + first) % s.num_topk;
         const uint32_t source_region = l.mutant == transport::Mutant::kUnregisteredSource
@@ -245,6 +255,14 @@ __global__ void __launch_bounds__(kWarpSize)
   }
   // D. Every put of this warp has landed: the next call may restage.
   t.quiet(lane);
+  ErrorCounters* counters = l.error_counters[w.index];
+  if (counters != nullptr) {
+    for (int delta = kWarpSize / 2; delta > 0; delta /= 2) {
+      invalid += __shfl_xor_sync(kFullMask, invalid, delta);
+    }
+    if (lane == 0 && invalid != 0) atomicAdd(&counters->invalid_expert_ids, invalid);
+    if (lane == 0 && dropped != 0) atomicAdd(&counters->dropped_low_latency_rows, dropped);
+  }
 
   // E. Receive: units (local expert, source).
   const int rows_per_expert = s.num_ranks * s.max_tokens;

@@ -145,6 +145,9 @@ struct LowLatencyTransportLaunch {
   uint32_t* barrier[kTransportMaxRanksPerLaunch];        // dispatch: each rank's warp counter
   int num_tokens = 0;                                    // T <= T_max, the same on every rank
   const int32_t* topk_idx[kTransportMaxRanksPerLaunch];  // [T, K]
+  // Dispatch: where each rank counts ids outside [-1, E) and selections dropped past T_max
+  // (device memory, as the mapped kernels count them), or nullptr: not counted.
+  ErrorCounters* error_counters[kTransportMaxRanksPerLaunch] = {};
   // Tests only: one protocol rule broken. Dispatch: no_fence, unregistered_source; combine:
   // no_fence, signal_before_data, reuse_before_quiet.
   transport::Mutant mutant = transport::Mutant::kNone;
