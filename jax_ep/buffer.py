@@ -117,7 +117,7 @@ class Buffer:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        # How the fused low-latency ops reach peers (CUDA backend, low-latency Buffers; the
+        # How the low-latency ops reach peers (CUDA backend, low-latency Buffers; the
         # others ignore the setting): "stores" through peer mappings, or the put-protocol
         # kernels written for peers without a mapping ("mapped", "emulated"; docs/transport.md).
         self.device_transport = (settings.value("JAX_EP_DEVICE_TRANSPORT") if self.low_latency

@@ -81,7 +81,7 @@ SETTINGS = {s.name: s for s in (
     Setting("JAX_EP_LOW_LATENCY_BLOCKS", "runtime", None, _positive_int,
             "blocks of a low-latency launch, at most one per SM (default: all SMs but 8)"),
     Setting("JAX_EP_DEVICE_TRANSPORT", "runtime", "stores", _choice("stores", "mapped", "emulated"),
-            "how the fused low-latency ops of a Buffer reach peers: stores through peer mappings, "
+            "how the low-latency ops of a Buffer reach peers: stores through peer mappings, "
             "or the put-protocol kernels for peers without one, performed as stores (mapped) or "
             "by an adversarial host proxy (emulated: for tests; docs/transport.md)"),
     Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,

@@ -2,10 +2,9 @@
 put-protocol kernels written for peers without a peer mapping, under the FFI ops.
 
 On CPU: the setting reaches the Buffer, and the workspace grows by the transport's area. On a
-GPU: the low-latency op suite (tests/test_low_latency.py, the fused ops) passes over both
-transports, two processes on one GPU faked as two hosts give the same bits under every seed of
-the emulator (and the reference's, where only data moves), and the split halves refuse a device
-transport with a clear error.
+GPU: the low-latency op suite (fused ops, split halves and their chains, adversarial routings)
+passes over both transports, and two processes on one GPU faked as two hosts give the same bits
+under every seed of the emulator (and the reference's, where only data moves).
 """
 
 import os
@@ -14,19 +13,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import launching
-import numpy as np
 import pytest
 from conftest import ep_mesh, require_gpus
-from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import settings
 from jax_ep.backends import cuda
 
 TESTS = Path(__file__).resolve().parent
+# What runs over each transport in a child process: the fused low-latency ops, the adversarial
+# routings (invalid ids, repeated experts: check()'s counters), the split halves and their
+# chains (16 pairs, fused calls and XLA work between the halves).
+SUITE = ("test_low_latency.py", "test_faults.py", "test_low_latency_split.py",
+         "test_split_chains.py")
 
 
 def make_buffer(backend, low_latency=True):
@@ -68,22 +69,21 @@ def test_the_workspace_holds_the_transports_area():
 
     stores, mapped, emulated = (workspace(True, t) for t in range(3))
     assert mapped == emulated > stores  # one area, whatever performs the puts
-    # 2 ranks x 4 local experts x 8 slots of a 512-byte row, twice (call parity), at least
-    assert mapped - stores >= 2 * 4 * 2 * 8 * 512
+    # at least: 2 channels (fused, split) x 2 parities x 4 local experts x 2 sources x 8 slots
+    # of a 512-byte row
+    assert mapped - stores >= 2 * 2 * 4 * 2 * 8 * 512
     assert workspace(False, 1) == workspace(False, 0)  # normal-only Buffers have no area
 
 
 def _run_suite_over(transport, *pytest_args):
-    """The low-latency op tests and the adversarial routings (invalid ids, repeated experts:
-    the counters of check()) in a child process with the transport set."""
+    """SUITE's GPU cases in a child process with the transport set."""
     env = dict(os.environ, JAX_EP_DEVICE_TRANSPORT=transport, JAX_EP_EMULATOR_SEED="7",
                # The proxy's copies must not queue behind the kernel that waits for them.
                CUDA_DEVICE_MAX_CONNECTIONS="32", JAX_EP_TIMEOUT_S="20")
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: jax_ep must be the installed
         proc = subprocess.run(
             [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p",
-             "no:cacheprovider", "-m", "gpu", str(TESTS / "test_low_latency.py"),
-             str(TESTS / "test_faults.py"), *pytest_args],
+             "no:cacheprovider", "-m", "gpu", *(str(TESTS / f) for f in SUITE), *pytest_args],
             cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -94,24 +94,6 @@ def test_low_latency_ops_over_a_device_transport(transport):
     require_gpus(1)
     rc, output = _run_suite_over(transport, "-k", "cuda and not hundred_buffers")
     assert rc == 0 and " passed" in output and "failed" not in output, output
-
-
-@pytest.mark.gpu
-def test_split_halves_refuse_a_device_transport(monkeypatch, rng):
-    require_gpus(1)
-    monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "mapped")
-    buf = make_buffer("cuda")
-    try:
-        rows = buf.num_ranks * 8
-        x = jnp.zeros((rows, 256), jnp.bfloat16)
-        idx = jnp.asarray(rng.integers(0, 8, (rows, 2)), jnp.int32)
-        send = jax.jit(jax.shard_map(
-            lambda x, i: jax_ep.low_latency_dispatch_send(buf, x, i).ticket,
-            mesh=buf.mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
-        with pytest.raises(Exception, match="split halves do not run over a device transport"):
-            np.asarray(send(x, idx))
-    finally:
-        buf.close()
 
 
 def _low_latency_digests(proc):

@@ -11,7 +11,6 @@
 
 #include <cstdint>
 #include <sstream>
-#include <string>
 
 #include "common.h"
 #include "kernels/common/limits.h"
@@ -55,18 +54,6 @@ ffi::Error begin_call(const char* op, cudaStream_t stream, int64_t buffer_id, in
   note_handler_call(stream);
   FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, ctx));
   return check_low_latency_config(op, (*ctx)->config);
-}
-
-// A split half's start: begin_call, and a Buffer whose low-latency ops use its peer mappings
-// (the put-protocol kernels of a device transport have no split halves yet).
-ffi::Error begin_split_call(const char* op, cudaStream_t stream, int64_t buffer_id, int32_t device,
-                            const RankContext** ctx) {
-  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, ctx));
-  if ((*ctx)->config.device_transport == DeviceTransport::kStores) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(
-      std::string(op) +
-      ": the split halves do not run over a device transport yet "
-      "(JAX_EP_DEVICE_TRANSPORT is set for this Buffer): use the fused op");
 }
 
 // The send half's result / the receive half's operand: [1] int32.
@@ -149,7 +136,7 @@ ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t device, int64
                                       ffi::Result<ffi::AnyBuffer> ticket) {
   const char* op = kLowLatencyDispatchSendOp;
   const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_split_call(op, stream, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   LowLatencyDispatchParams params;
   FFI_RETURN_IF_ERROR(
       check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x, &topk_idx, &params));
@@ -169,7 +156,7 @@ ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t device, int64
                                       ffi::Result<ffi::AnyBuffer> recv_k) {
   const char* op = kLowLatencyDispatchRecvOp;
   const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_split_call(op, stream, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   LowLatencyDispatchParams params;
   FFI_RETURN_IF_ERROR(
       check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x, nullptr, &params));
@@ -244,7 +231,7 @@ ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t device, int64_
                                      ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> ticket) {
   const char* op = kLowLatencyCombineSendOp;
   const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_split_call(op, stream, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   LowLatencyCombineParams params;
   FFI_RETURN_IF_ERROR(
       check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
@@ -262,7 +249,7 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t device, int64_
                                      ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> out) {
   const char* op = kLowLatencyCombineRecvOp;
   const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_split_call(op, stream, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   LowLatencyCombineParams params;
   FFI_RETURN_IF_ERROR(
       check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));

@@ -17,7 +17,7 @@ namespace jax_ep {
 // Ranks reachable over NVLink in one EP group (one host).
 constexpr int kMaxRanks = 8;
 
-// How the fused low-latency ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the
+// How the low-latency ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the
 // low-latency kernels' own stores through peer mappings (NVLink). The other two run the
 // put-protocol kernels of kernels/low_latency/low_latency_transport.h, written for peers without
 // a mapping (docs/transport.md): kMapped performs each put as stores through the peer mapping;

@@ -378,8 +378,8 @@ std::string start_transport(BufferState& state, RankContext& ctx) {
   const LowLatencyTransportArea area = low_latency_transport_area(config);
   std::vector<std::vector<std::pair<void*, uint64_t>>> regions(config.num_ranks);
   for (int r = 0; r < config.num_ranks; ++r) {
-    regions[r] = {{table[2 * r + kTransportWorkspace], area.layout.workspace_bytes},
-                  {table[2 * r + kTransportStaging], area.layout.staging_bytes}};
+    regions[r] = {{table[2 * r + kTransportWorkspace], area.workspace_region_bytes},
+                  {table[2 * r + kTransportStaging], area.staging_region_bytes}};
   }
   transport::ProxyOptions options;  // adversarial, as docs/transport.md describes
   options.ordering = transport::Ordering::kUnordered;

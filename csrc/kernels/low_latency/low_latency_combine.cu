@@ -484,9 +484,7 @@ cudaError_t launch_low_latency_combine(const RankContext& ctx,
                                        const LowLatencyCombineParams& params,
                                        LowLatencyHalves halves, cudaStream_t stream) {
   if (ctx.config.device_transport != DeviceTransport::kStores) {
-    // Over a device transport only the fused op exists (the handlers refuse the halves).
-    if (halves != LowLatencyHalves::kBoth) return cudaErrorNotSupported;
-    return launch_low_latency_combine_over_transport(ctx, params, stream);
+    return launch_low_latency_combine_over_transport(ctx, params, halves, stream);
   }
   switch (halves) {
     case LowLatencyHalves::kSend:

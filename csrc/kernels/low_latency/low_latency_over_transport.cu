@@ -1,4 +1,4 @@
-// The fused low-latency ops of a Buffer over a device transport (low_latency_over_transport.h).
+// The low-latency ops of a Buffer over a device transport (low_latency_over_transport.h).
 // Host code only: it fills the put-protocol kernels' launch structures from a RankContext.
 #include "kernels/low_latency/low_latency_over_transport.h"
 
@@ -7,7 +7,25 @@
 namespace jax_ep {
 namespace {
 
-constexpr size_t kWordsBytes = 64;
+constexpr size_t kWordsBytes = 64;  // per channel
+static_assert(static_cast<uint32_t>(LowLatencyHalves::kSend) == kTransportSendHalf &&
+                  static_cast<uint32_t>(LowLatencyHalves::kRecv) == kTransportRecvHalf &&
+                  static_cast<uint32_t>(LowLatencyHalves::kBoth) == kTransportBothHalves,
+              "a launch's halves are LowLatencyHalves' value");
+
+// `layout` with every offset moved past `workspace` bytes of its workspace region and `staging`
+// bytes of its staging region.
+LowLatencyTransportLayout shifted(LowLatencyTransportLayout layout, size_t workspace,
+                                  size_t staging) {
+  for (size_t* offset :
+       {&layout.counts, &layout.combine_words, &layout.meta, &layout.rows, &layout.combine_rows}) {
+    *offset += workspace;
+  }
+  for (size_t* offset : {&layout.staged_rows, &layout.staged_meta, &layout.combine_slots}) {
+    *offset += staging;
+  }
+  return layout;
+}
 
 LowLatencyTransportKind kind_of(const BufferConfig& config) {
   return config.device_transport == DeviceTransport::kEmulated ? LowLatencyTransportKind::kEmulated
@@ -15,19 +33,25 @@ LowLatencyTransportKind kind_of(const BufferConfig& config) {
 }
 
 // The launch of this rank alone (rank_base = rank, rank_count = 1: index 0 of every per-rank
-// array), and its two ops' sequence words.
+// array) in the channel of `halves`, and its two ops' sequence words there.
 struct RankLaunch {
   LowLatencyTransportLaunch launch;
   uint64_t* combine_sequence = nullptr;
   uint32_t* combine_finished = nullptr;
 };
 
-RankLaunch rank_launch(const RankContext& ctx, int num_tokens, const int32_t* topk_idx) {
+RankLaunch rank_launch(const RankContext& ctx, LowLatencyHalves halves, int num_tokens,
+                       const int32_t* topk_idx, int32_t* ticket) {
   const LowLatencyTransportArea area = low_latency_transport_area(ctx.config);
-  char* words = ctx.workspace + low_latency_transport_offset(ctx.config) + area.words;
+  const int channel =
+      halves == LowLatencyHalves::kBoth ? kTransportFusedChannel : kTransportSplitChannel;
+  char* words =
+      ctx.workspace + low_latency_transport_offset(ctx.config) + area.words + channel * kWordsBytes;
   RankLaunch r;
   LowLatencyTransportLaunch& l = r.launch;
-  l.layout = area.layout;
+  l.layout = area.channels[channel];
+  l.halves = static_cast<uint32_t>(halves);  // LowLatencyHalves' values are the phase bits
+  l.ticket = ticket;
   l.region_bases = ctx.transport_region_bases;
   l.rings[0] = ctx.transport_ring;
   l.rank_base = ctx.rank;
@@ -54,12 +78,19 @@ LowLatencyTransportArea low_latency_transport_area(const BufferConfig& config) {
   shape.max_tokens = config.max_tokens_per_rank;
   shape.hidden = config.hidden;
   shape.warps_per_rank = kTransportOpWarps;
+  const LowLatencyTransportLayout layout = make_low_latency_transport_layout(shape);
+  const size_t workspace = align_up(layout.workspace_bytes, kLowLatencyAlignBytes);
+  const size_t staging = align_up(layout.staging_bytes, kLowLatencyAlignBytes);
   LowLatencyTransportArea area;
-  area.layout = make_low_latency_transport_layout(shape);
+  for (int c = 0; c < kTransportChannels; ++c) {
+    area.channels[c] = shifted(layout, c * workspace, c * staging);
+  }
+  area.workspace_region_bytes = kTransportChannels * workspace;
+  area.staging_region_bytes = kTransportChannels * staging;
   area.workspace_region = 0;
-  area.staging_region = align_up(area.layout.workspace_bytes, kLowLatencyAlignBytes);
-  area.words = align_up(area.staging_region + area.layout.staging_bytes, kLowLatencyAlignBytes);
-  area.bytes = area.words + kWordsBytes;
+  area.staging_region = area.workspace_region_bytes;
+  area.words = area.staging_region + area.staging_region_bytes;
+  area.bytes = area.words + kTransportChannels * kWordsBytes;
   return area;
 }
 
@@ -87,8 +118,9 @@ void low_latency_transport_region_table(const RankContext& ctx, char* table[2 * 
 
 cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
                                                        const LowLatencyDispatchParams& params,
+                                                       LowLatencyHalves halves,
                                                        cudaStream_t stream) {
-  RankLaunch r = rank_launch(ctx, params.num_tokens, params.topk_idx);
+  RankLaunch r = rank_launch(ctx, halves, params.num_tokens, params.topk_idx, params.ticket);
   LowLatencyTransportDispatch op;
   op.use_fp8 = params.use_fp8;
   op.round_scale = params.round_scale;
@@ -104,8 +136,9 @@ cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
 
 cudaError_t launch_low_latency_combine_over_transport(const RankContext& ctx,
                                                       const LowLatencyCombineParams& params,
+                                                      LowLatencyHalves halves,
                                                       cudaStream_t stream) {
-  RankLaunch r = rank_launch(ctx, params.num_tokens, params.topk_idx);
+  RankLaunch r = rank_launch(ctx, halves, params.num_tokens, params.topk_idx, params.ticket);
   r.launch.sequence[0] = r.combine_sequence;  // combine runs its own sequence
   r.launch.finished[0] = r.combine_finished;
   LowLatencyTransportCombine op;

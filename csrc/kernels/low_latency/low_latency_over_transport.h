@@ -1,12 +1,15 @@
-// The fused low-latency ops of a Buffer over a device transport (BufferConfig::device_transport
+// The low-latency ops of a Buffer over a device transport (BufferConfig::device_transport
 // other than kStores): the put-protocol kernels of low_latency_transport.h, one launch per rank,
 // with their regions and sequence words carved out of the Buffer's workspace. Called by the
-// launchers of low_latency_launch.h; the split halves have no transport version yet.
+// launchers of low_latency_launch.h, for the fused ops and the split halves.
 //
 // The area at low_latency_transport_offset(config) of every rank's workspace:
 //   [workspace region][staging region][words]
 // so rank r's regions are peer_workspaces[r] + the same offsets, the same for every rank, and a
-// workspace mapped into another process (CUDA IPC) carries its regions with it.
+// workspace mapped into another process (CUDA IPC) carries its regions with it. Each region
+// holds two channels, as the mapped kernels keep them: the fused ops' and the split halves'
+// (a fused call may come between a send and its receive). A channel is a layout whose offsets
+// are shifted past the other's; each has its own words.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,12 +26,19 @@ namespace jax_ep {
 // fixed (every rank must agree), not a tuning knob.
 constexpr int kTransportOpWarps = 32;
 
+// The channels of an area: the fused ops', the split halves'.
+constexpr int kTransportFusedChannel = 0;
+constexpr int kTransportSplitChannel = 1;
+constexpr int kTransportChannels = 2;
+
 struct LowLatencyTransportArea {
-  LowLatencyTransportLayout layout;
+  LowLatencyTransportLayout channels[kTransportChannels];  // offsets within the regions
+  size_t workspace_region_bytes = 0;                       // both channels
+  size_t staging_region_bytes = 0;
   size_t workspace_region = 0;  // offsets from the area's start
   size_t staging_region = 0;
-  size_t words = 0;  // u64 dispatch sequence, u64 combine sequence, u32 dispatch finished,
-                     // u32 combine finished, u32 dispatch barrier
+  size_t words = 0;  // per channel, 64 bytes: u64 dispatch sequence, u64 combine sequence, u32
+                     // dispatch finished, u32 combine finished, u32 dispatch barrier
   size_t bytes = 0;
 };
 
@@ -40,9 +50,10 @@ void low_latency_transport_region_table(const RankContext& ctx, char* table[2 * 
 
 cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
                                                        const LowLatencyDispatchParams& params,
+                                                       LowLatencyHalves halves,
                                                        cudaStream_t stream);
 cudaError_t launch_low_latency_combine_over_transport(const RankContext& ctx,
                                                       const LowLatencyCombineParams& params,
-                                                      cudaStream_t stream);
+                                                      LowLatencyHalves halves, cudaStream_t stream);
 
 }  // namespace jax_ep

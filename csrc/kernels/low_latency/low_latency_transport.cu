@@ -193,77 +193,84 @@ __global__ void __launch_bounds__(kWarpSize)
   const int32_t* topk_idx = l.topk_idx[w.index];
   const size_t message_bytes = op.use_fp8 ? s.fp8_message_bytes() : s.row_bytes();
 
-  // A. Stage each token's message once, and (token, k) of its selections; count the ids
-  // outside [-1, E) of this warp's tokens (the puts below treat them as -1).
-  const int4* x = static_cast<const int4*>(op.x[w.index]);
   const int vectors_per_row = static_cast<int>(s.row_bytes() / kBytesPerVector);
-  unsigned long long invalid = 0;
-  for (int token = w.warp; token < l.num_tokens; token += warps) {
-    for (int k = lane; k < s.num_topk; k += kWarpSize) {
-      const int id = topk_idx[token * s.num_topk + k];
-      invalid += (id < -1 || id >= s.num_experts) ? 1 : 0;
-    }
-    char* message = t.local(in_staging(layout.staged_row_at(token)));
-    const int4* x_row = x + static_cast<int64_t>(token) * vectors_per_row;
-    if (op.use_fp8) {
-      stage_fp8(message, x_row, s.hidden, op.round_scale, lane);
-    } else {
-      warp_copy_vectors<true>(reinterpret_cast<int4*>(message), x_row, vectors_per_row, lane);
-    }
-    for (int k = lane; k < s.num_topk; k += kWarpSize) {
-      *reinterpret_cast<int4*>(t.local(in_staging(layout.staged_meta_at(token, k)))) =
-          make_int4(token, k, 0, 0);
-    }
-  }
-  // B. Every warp's staged rows are complete before any of them is put.
-  rank_barrier(l.barrier[w.index], static_cast<uint32_t>(warps * tag),
-               wait_of(l, w.rank, WaitPhase::kLowLatencyDispatchRecv), lane);
-
-  // C. Put: this warp's global experts, their (token, k) pairs in order.
-  const int pairs = l.num_tokens * s.num_topk;
-  unsigned long long dropped = 0;  // the same on every lane: the loop below is warp-uniform
-  for (int expert = w.warp; expert < s.num_experts; expert += warps) {
-    const int dst = expert / local;
-    const int local_expert = expert % local;
-    int sent = 0;
-    for (int base = 0; base < pairs; base += kWarpSize) {
-      const int pair = base + lane;
-      uint32_t match = __ballot_sync(kFullMask, pair < pairs && topk_idx[pair] == expert);
-      while (match != 0) {
-        const int first = __ffs(match) - 1;
-        match &= match - 1;
-        if (sent == s.max_tokens) {  // past T_max rows (repeated experts): dropped, counted
-          ++dropped;
-          continue;
-        }
-        const int token = (base + first) / s.num_topk;
-        const int k = (base + first) % s.num_topk;
-        const uint32_t source_region = l.mutant == transport::Mutant::kUnregisteredSource
-                                           ? transport::kUnregisteredRegion
-                                           : kTransportStaging;
-        t.put(dst, in_workspace(layout.row_at(parity, local_expert, w.rank, sent)),
-              SymmetricAddress{source_region, layout.staged_row_at(token)}, message_bytes, lane);
-        t.put(dst, in_workspace(layout.meta_at(parity, local_expert, w.rank, sent)),
-              in_staging(layout.staged_meta_at(token, k)), 16, lane);
-        ++sent;
+  if (l.halves & kTransportSendHalf) {
+    // A. Stage each token's message once, and (token, k) of its selections; count the ids
+    // outside [-1, E) of this warp's tokens (the puts below treat them as -1).
+    const int4* x = static_cast<const int4*>(op.x[w.index]);
+    unsigned long long invalid = 0;
+    for (int token = w.warp; token < l.num_tokens; token += warps) {
+      for (int k = lane; k < s.num_topk; k += kWarpSize) {
+        const int id = topk_idx[token * s.num_topk + k];
+        invalid += (id < -1 || id >= s.num_experts) ? 1 : 0;
+      }
+      char* message = t.local(in_staging(layout.staged_row_at(token)));
+      const int4* x_row = x + static_cast<int64_t>(token) * vectors_per_row;
+      if (op.use_fp8) {
+        stage_fp8(message, x_row, s.hidden, op.round_scale, lane);
+      } else {
+        warp_copy_vectors<true>(reinterpret_cast<int4*>(message), x_row, vectors_per_row, lane);
+      }
+      for (int k = lane; k < s.num_topk; k += kWarpSize) {
+        *reinterpret_cast<int4*>(t.local(in_staging(layout.staged_meta_at(token, k)))) =
+            make_int4(token, k, 0, 0);
       }
     }
-    // The count says "these rows landed": it must not overtake them.
-    if (l.mutant != transport::Mutant::kNoFence) t.fence(lane);
-    t.signal(dst, in_workspace(layout.count_word(parity, local_expert, w.rank)),
-             pack_tagged_count(tag, static_cast<uint32_t>(sent)), SignalOp::kSet, lane);
-  }
-  // D. Every put of this warp has landed: the next call may restage.
-  t.quiet(lane);
-  ErrorCounters* counters = l.error_counters[w.index];
-  if (counters != nullptr) {
-    for (int delta = kWarpSize / 2; delta > 0; delta /= 2) {
-      invalid += __shfl_xor_sync(kFullMask, invalid, delta);
-    }
-    if (lane == 0 && invalid != 0) atomicAdd(&counters->invalid_expert_ids, invalid);
-    if (lane == 0 && dropped != 0) atomicAdd(&counters->dropped_low_latency_rows, dropped);
-  }
+    // B. Every warp's staged rows are complete before any of them is put.
+    rank_barrier(l.barrier[w.index], static_cast<uint32_t>(warps * tag),
+                 wait_of(l, w.rank, WaitPhase::kLowLatencyDispatchRecv), lane);
 
+    // C. Put: this warp's global experts, their (token, k) pairs in order.
+    const int pairs = l.num_tokens * s.num_topk;
+    unsigned long long dropped = 0;  // the same on every lane: the loop below is warp-uniform
+    for (int expert = w.warp; expert < s.num_experts; expert += warps) {
+      const int dst = expert / local;
+      const int local_expert = expert % local;
+      int sent = 0;
+      for (int base = 0; base < pairs; base += kWarpSize) {
+        const int pair = base + lane;
+        uint32_t match = __ballot_sync(kFullMask, pair < pairs && topk_idx[pair] == expert);
+        while (match != 0) {
+          const int first = __ffs(match) - 1;
+          match &= match - 1;
+          if (sent == s.max_tokens) {  // past T_max rows (repeated experts): dropped, counted
+            ++dropped;
+            continue;
+          }
+          const int token = (base + first) / s.num_topk;
+          const int k = (base + first) % s.num_topk;
+          const uint32_t source_region = l.mutant == transport::Mutant::kUnregisteredSource
+                                             ? transport::kUnregisteredRegion
+                                             : kTransportStaging;
+          t.put(dst, in_workspace(layout.row_at(parity, local_expert, w.rank, sent)),
+                SymmetricAddress{source_region, layout.staged_row_at(token)}, message_bytes, lane);
+          t.put(dst, in_workspace(layout.meta_at(parity, local_expert, w.rank, sent)),
+                in_staging(layout.staged_meta_at(token, k)), 16, lane);
+          ++sent;
+        }
+      }
+      // The count says "these rows landed": it must not overtake them.
+      if (l.mutant != transport::Mutant::kNoFence) t.fence(lane);
+      t.signal(dst, in_workspace(layout.count_word(parity, local_expert, w.rank)),
+               pack_tagged_count(tag, static_cast<uint32_t>(sent)), SignalOp::kSet, lane);
+    }
+    // D. Every put of this warp has landed: the next call may restage.
+    t.quiet(lane);
+    ErrorCounters* counters = l.error_counters[w.index];
+    if (counters != nullptr) {
+      for (int delta = kWarpSize / 2; delta > 0; delta /= 2) {
+        invalid += __shfl_xor_sync(kFullMask, invalid, delta);
+      }
+      if (lane == 0 && invalid != 0) atomicAdd(&counters->invalid_expert_ids, invalid);
+      if (lane == 0 && dropped != 0) atomicAdd(&counters->dropped_low_latency_rows, dropped);
+    }
+  }
+  if (l.halves == kTransportSendHalf) {
+    if (w.index == 0 && w.warp == 0 && lane == 0 && l.ticket != nullptr) {
+      *l.ticket = static_cast<int32_t>(tag);
+    }
+    return;
+  }
   // E. Receive: units (local expert, source).
   const int rows_per_expert = s.num_ranks * s.max_tokens;
   const int scales_per_row = s.hidden / kChannelsPerScale;
@@ -335,48 +342,57 @@ __global__ void __launch_bounds__(kWarpSize)
   const int rows_per_expert = s.num_ranks * s.max_tokens;
   const int vectors_per_row = static_cast<int>(s.row_bytes() / kBytesPerVector);
 
-  // A. Send: units (local expert, destination rank); the rows of an expert are ordered by
-  // source rank, so those of `dst` are one range [lo, lo + n).
-  int used = 0;  // this warp's combine slots used since its last quiet
-  for (int unit = w.warp; unit < local * s.num_ranks; unit += warps) {
-    const int expert = unit / s.num_ranks;
-    const int dst = unit % s.num_ranks;
-    const int32_t* recv_src = op.recv_src[w.index] + static_cast<size_t>(expert) * rows_per_expert;
-    const int32_t* recv_k = op.recv_k[w.index] + static_cast<size_t>(expert) * rows_per_expert;
-    const int rows = op.recv_count[w.index][expert];
-    int lo = 0;
-    int n = 0;
-    for (int base = 0; base < rows; base += kWarpSize) {
-      const int row = base + lane;
-      const int source = row < rows ? recv_src[row] / s.max_tokens : s.num_ranks;
-      lo += __popc(__ballot_sync(kFullMask, source < dst));
-      n += __popc(__ballot_sync(kFullMask, source == dst));
-    }
-    const int4* y = static_cast<const int4*>(op.y[w.index]) +
-                    static_cast<int64_t>(expert) * rows_per_expert * vectors_per_row;
-    const SymmetricAddress word = in_workspace(layout.combine_word(parity, w.rank, expert));
-    if (l.mutant == transport::Mutant::kSignalBeforeData) {
-      t.signal(dst, word, tag, SignalOp::kSet, lane);
-    }
-    for (int row = lo; row < lo + n; ++row) {
-      if (used == s.combine_slots) {  // rule 3: a slot is reused only after a quiet
-        if (l.mutant != transport::Mutant::kReuseBeforeQuiet) t.quiet(lane);
-        used = 0;
+  if (l.halves & kTransportSendHalf) {
+    // A. Send: units (local expert, destination rank); the rows of an expert are ordered by
+    // source rank, so those of `dst` are one range [lo, lo + n).
+    int used = 0;  // this warp's combine slots used since its last quiet
+    for (int unit = w.warp; unit < local * s.num_ranks; unit += warps) {
+      const int expert = unit / s.num_ranks;
+      const int dst = unit % s.num_ranks;
+      const int32_t* recv_src =
+          op.recv_src[w.index] + static_cast<size_t>(expert) * rows_per_expert;
+      const int32_t* recv_k = op.recv_k[w.index] + static_cast<size_t>(expert) * rows_per_expert;
+      const int rows = op.recv_count[w.index][expert];
+      int lo = 0;
+      int n = 0;
+      for (int base = 0; base < rows; base += kWarpSize) {
+        const int row = base + lane;
+        const int source = row < rows ? recv_src[row] / s.max_tokens : s.num_ranks;
+        lo += __popc(__ballot_sync(kFullMask, source < dst));
+        n += __popc(__ballot_sync(kFullMask, source == dst));
       }
-      const SymmetricAddress slot = in_staging(layout.combine_slot_at(w.warp, used++));
-      warp_copy_vectors<true>(reinterpret_cast<int4*>(t.local(slot)),
-                              y + static_cast<int64_t>(row) * vectors_per_row, vectors_per_row,
-                              lane);
-      const int token = recv_src[row] % s.max_tokens;
-      t.put(dst, in_workspace(layout.combine_row_at(parity, token, recv_k[row])), slot,
-            s.row_bytes(), lane);
+      const int4* y = static_cast<const int4*>(op.y[w.index]) +
+                      static_cast<int64_t>(expert) * rows_per_expert * vectors_per_row;
+      const SymmetricAddress word = in_workspace(layout.combine_word(parity, w.rank, expert));
+      if (l.mutant == transport::Mutant::kSignalBeforeData) {
+        t.signal(dst, word, tag, SignalOp::kSet, lane);
+      }
+      for (int row = lo; row < lo + n; ++row) {
+        if (used == s.combine_slots) {  // rule 3: a slot is reused only after a quiet
+          if (l.mutant != transport::Mutant::kReuseBeforeQuiet) t.quiet(lane);
+          used = 0;
+        }
+        const SymmetricAddress slot = in_staging(layout.combine_slot_at(w.warp, used++));
+        warp_copy_vectors<true>(reinterpret_cast<int4*>(t.local(slot)),
+                                y + static_cast<int64_t>(row) * vectors_per_row, vectors_per_row,
+                                lane);
+        const int token = recv_src[row] % s.max_tokens;
+        t.put(dst, in_workspace(layout.combine_row_at(parity, token, recv_k[row])), slot,
+              s.row_bytes(), lane);
+      }
+      if (l.mutant != transport::Mutant::kSignalBeforeData) {
+        if (l.mutant != transport::Mutant::kNoFence) t.fence(lane);
+        t.signal(dst, word, tag, SignalOp::kSet, lane);
+      }
     }
-    if (l.mutant != transport::Mutant::kSignalBeforeData) {
-      if (l.mutant != transport::Mutant::kNoFence) t.fence(lane);
-      t.signal(dst, word, tag, SignalOp::kSet, lane);
-    }
+    t.quiet(lane);
   }
-  t.quiet(lane);
+  if (l.halves == kTransportSendHalf) {
+    if (w.index == 0 && w.warp == 0 && lane == 0 && l.ticket != nullptr) {
+      *l.ticket = static_cast<int32_t>(tag);
+    }
+    return;
+  }
 
   // B. Hear from every rank this call (parity safety), each warp its share of the words.
   for (int unit = w.warp; unit < s.num_ranks * local; unit += warps) {

@@ -49,6 +49,13 @@ namespace jax_ep {
 
 constexpr int kTransportMaxRanksPerLaunch = 8;
 
+// Which phases a launch runs (LowLatencyTransportLaunch::halves): the split pair's send half
+// (dispatch A-D, combine A and its quiet; then the ticket), its receive half (dispatch E,
+// combine B-C; then the sequence word advances), or both (the fused op).
+constexpr uint32_t kTransportSendHalf = 1;
+constexpr uint32_t kTransportRecvHalf = 2;
+constexpr uint32_t kTransportBothHalves = kTransportSendHalf | kTransportRecvHalf;
+
 // The two symmetric regions of every rank.
 enum LowLatencyTransportRegion : uint32_t {
   kTransportWorkspace = 0,  // written by peers: count words, combine words, received rows
@@ -148,6 +155,9 @@ struct LowLatencyTransportLaunch {
   // Dispatch: where each rank counts ids outside [-1, E) and selections dropped past T_max
   // (device memory, as the mapped kernels count them), or nullptr: not counted.
   ErrorCounters* error_counters[kTransportMaxRanksPerLaunch] = {};
+  uint32_t halves = kTransportBothHalves;
+  int32_t* ticket = nullptr;  // [1] a send half alone stores its call's tag there (XLA orders
+                              // the receive after it through this result)
   // Tests only: one protocol rule broken. Dispatch: no_fence, unregistered_source; combine:
   // no_fence, signal_before_data, reuse_before_quiet.
   transport::Mutant mutant = transport::Mutant::kNone;
