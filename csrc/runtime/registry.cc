@@ -438,12 +438,12 @@ std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
                            state.contexts);
       if (!error.empty()) break;
     }
-    // Groups of this process alone have every peer mapped now; the others after
-    // import_workspace_handles().
+    // Every peer is mapped now in groups of this process alone and on NVSHMEM's symmetric
+    // heap; the others' after import_workspace_handles().
     for (auto& ctx : state.contexts) {
       const std::vector<int>& group = groups[ctx->group];
       if (!error.empty()) break;
-      if (std::count(group.begin(), group.end(), kRemoteRank) == 0) {
+      if (ctx->symmetric_workspace || std::count(group.begin(), group.end(), kRemoteRank) == 0) {
         error = start_transport(state, *ctx);
       }
     }
