@@ -28,7 +28,7 @@ MAX_TOPK = 32            # static limit of the kernels (per-token id lists live 
 # Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 # JAX_EP_DEVICE_TRANSPORT's values, in the order of the C++ DeviceTransport enum.
-DEVICE_TRANSPORTS = ("stores", "mapped", "emulated")
+DEVICE_TRANSPORTS = ("stores", "mapped", "emulated", "nvshmem")
 
 _buffer_ids = itertools.count(1)
 
@@ -278,6 +278,8 @@ class Buffer:
             pes = []
             if self.transport == "nvshmem":
                 nvshmem.join(self, module, self.workspace_bytes)
+                if self.device_transport == "nvshmem":
+                    nvshmem.load_device_transport(module)
                 pes = nvshmem.pes(self)
             module.create_buffer(self.buffer_id, self._ep_groups(),
                                  self._runtime_config(module), pes=pes)

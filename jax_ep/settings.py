@@ -80,10 +80,12 @@ SETTINGS = {s.name: s for s in (
             "of those, the blocks that push rows to peers (default: a quarter)"),
     Setting("JAX_EP_LOW_LATENCY_BLOCKS", "runtime", None, _positive_int,
             "blocks of a low-latency launch, at most one per SM (default: all SMs but 8)"),
-    Setting("JAX_EP_DEVICE_TRANSPORT", "runtime", "stores", _choice("stores", "mapped", "emulated"),
+    Setting("JAX_EP_DEVICE_TRANSPORT", "runtime", "stores",
+            _choice("stores", "mapped", "emulated", "nvshmem"),
             "how the low-latency ops of a Buffer reach peers: stores through peer mappings, "
-            "or the put-protocol kernels for peers without one, performed as stores (mapped) or "
-            "by an adversarial host proxy (emulated: for tests; docs/transport.md)"),
+            "or the put-protocol kernels for peers without one, performed as stores (mapped), "
+            "by an adversarial host proxy (emulated: for tests) or by NVSHMEM's device API "
+            "(nvshmem, with JAX_EP_TRANSPORT=nvshmem; docs/transport.md)"),
     Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,
             "the emulated transport's seed (reordering, tearing, delays); rank r uses seed + r"),
     Setting("JAX_EP_MOE_MATMUL", "runtime", None,

@@ -67,17 +67,18 @@ def test_the_workspace_holds_the_transports_area():
             device_transport=transport)
         return module.workspace_bytes(config)
 
-    stores, mapped, emulated = (workspace(True, t) for t in range(3))
-    assert mapped == emulated > stores  # one area, whatever performs the puts
+    stores, mapped, emulated, nvshmem = (workspace(True, t) for t in range(4))
+    assert mapped == emulated == nvshmem > stores  # one area, whatever performs the puts
     # at least: 2 channels (fused, split) x 2 parities x 4 local experts x 2 sources x 8 slots
     # of a 512-byte row
     assert mapped - stores >= 2 * 2 * 4 * 2 * 8 * 512
     assert workspace(False, 1) == workspace(False, 0)  # normal-only Buffers have no area
 
 
-def _run_suite_over(transport, *pytest_args):
+def _run_suite_over(transport, *pytest_args, **extra_env):
     """SUITE's GPU cases in a child process with the transport set."""
     env = dict(os.environ, JAX_EP_DEVICE_TRANSPORT=transport, JAX_EP_EMULATOR_SEED="7",
+               **extra_env,
                # The proxy's copies must not queue behind the kernel that waits for them.
                CUDA_DEVICE_MAX_CONNECTIONS="32", JAX_EP_TIMEOUT_S="20")
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: jax_ep must be the installed
@@ -89,10 +90,19 @@ def _run_suite_over(transport, *pytest_args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["mapped", "emulated"])
+@pytest.mark.parametrize("transport", ["mapped", "emulated", "nvshmem"])
 def test_low_latency_ops_over_a_device_transport(transport):
+    """Over NVSHMEM's device API the process is one PE whose puts reach itself (issue 20: the
+    NVSHMEM build forced onto its put path for peers that do have a mapping)."""
     require_gpus(1)
-    rc, output = _run_suite_over(transport, "-k", "cuda and not hundred_buffers")
+    extra = {}
+    if transport == "nvshmem":
+        module, _ = cuda.load_extension()
+        if not module.nvshmem_built():
+            pytest.skip("jax_ep was built without NVSHMEM (the nvidia-nvshmem wheel's headers "
+                        "and device library)")
+        extra = {"JAX_EP_TRANSPORT": "nvshmem"}
+    rc, output = _run_suite_over(transport, "-k", "cuda and not hundred_buffers", **extra)
     assert rc == 0 and " passed" in output and "failed" not in output, output
 
 
@@ -130,3 +140,20 @@ def test_emulated_transport_across_fake_hosts_moves_the_bits_of_the_reference():
     assert mapped["low_latency_dispatch_bf16"] == want["low_latency_dispatch_bf16"]
     for seed in range(settings.value("JAX_EP_TRANSPORT_SEEDS")):
         assert run("emulated", seed) == mapped, f"seed {seed}"
+
+
+def test_the_nvshmem_device_transport_loads_where_it_is_built():
+    """The NVSHMEM device transport's kernels are a plugin (libjax_ep_nvshmem.so): jax_ep._C
+    imports without NVSHMEM, and where NVSHMEM was found at build time the plugin loads after
+    NVSHMEM's host library and has its entry points (no GPU needed to load it)."""
+    from jax_ep.transports import nvshmem
+
+    module, reason = cuda.load_extension()
+    if module is None:
+        pytest.skip(f"the CUDA extension is not built here: {reason}")
+    if not module.nvshmem_built():
+        assert not os.path.exists(nvshmem.PLUGIN)
+        pytest.skip("jax_ep was built without NVSHMEM (no nvidia-nvshmem-cu13 wheel at build time)")
+    module.nvshmem_load(nvshmem.library_path())
+    module.nvshmem_plugin_load(nvshmem.PLUGIN)
+    module.nvshmem_plugin_load(nvshmem.PLUGIN)  # once: later calls are no-ops

@@ -17,6 +17,7 @@
 #include "kernels/normal/normal_workspace.h"
 #include "runtime/context.h"
 #include "runtime/nvshmem_host.h"
+#include "runtime/nvshmem_plugin.h"
 #include "runtime/registry.h"
 #include "targets.h"
 
@@ -147,6 +148,15 @@ void add_runtime_functions(nb::module_& m) {
         if (!error.empty()) throw std::runtime_error(error);
       },
       nb::arg("library_path"), "Loads NVSHMEM's host library (libnvshmem_host.so.3).");
+  m.def(
+      "nvshmem_plugin_load",
+      [](const std::string& path) {
+        const std::string error = nvshmem_plugin_load(path);
+        if (!error.empty()) throw std::runtime_error(error);
+      },
+      nb::arg("path"),
+      "Loads the NVSHMEM device transport's kernels (libjax_ep_nvshmem.so, built only with "
+      "NVSHMEM), after nvshmem_load.");
   m.def(
       "nvshmem_unique_id",
       []() {

@@ -22,8 +22,9 @@ constexpr int kMaxRanks = 8;
 // put-protocol kernels of kernels/low_latency/low_latency_transport.h, written for peers without
 // a mapping (docs/transport.md): kMapped performs each put as stores through the peer mapping;
 // kEmulated hands every command to a host proxy per rank, which delivers it with copy-engine
-// copies, adversarially (the test transport of issue 20).
-enum class DeviceTransport : int32_t { kStores = 0, kMapped = 1, kEmulated = 2 };
+// copies, adversarially (the test transport of issue 20); kNvshmem performs it with NVSHMEM's
+// device API (the workspace on NVSHMEM's symmetric heap, JAX_EP_TRANSPORT=nvshmem).
+enum class DeviceTransport : int32_t { kStores = 0, kMapped = 1, kEmulated = 2, kNvshmem = 3 };
 
 // Static configuration of a Buffer, identical on every rank.
 struct BufferConfig {
@@ -116,6 +117,7 @@ struct RankContext {
   // command ring (pinned host memory; its proxy is the registry's).
   char** transport_region_bases = nullptr;
   transport::RingView transport_ring{};
+  int pes[kMaxRanks] = {};  // symmetric_workspace: every rank's NVSHMEM PE
 };
 
 // Workspace sizes of each mode (defined next to the kernels that use the regions).

@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include <mutex>
+#include <set>
 #include <string>
 
 #ifndef JAX_EP_HAVE_NVSHMEM
@@ -29,7 +30,9 @@ struct NvshmemApi {
   void* (*malloc)(size_t) = nullptr;
   void (*free)(void*) = nullptr;
   void* (*ptr)(const void*, int) = nullptr;
+  int (*culibrary_init)(CUlibrary) = nullptr;
   bool initialized = false;
+  std::set<void*> device_libraries;  // those nvshmem_init_device_library filled
 };
 
 NvshmemApi api;
@@ -78,6 +81,9 @@ std::string nvshmem_load(const std::string& library_path) {
   resolve("nvshmem_malloc", &api.malloc, &missing);
   resolve("nvshmem_free", &api.free, &missing);
   resolve("nvshmem_ptr", &api.ptr, &missing);
+  // Only the NVSHMEM device transport needs it (nvshmem_init_device_library says so).
+  api.culibrary_init =
+      reinterpret_cast<decltype(api.culibrary_init)>(dlsym(library, "nvshmemx_culibrary_init"));
   if (!missing.empty()) {
     dlclose(library);
     api = NvshmemApi{};
@@ -152,6 +158,24 @@ void nvshmem_release(void* ptr) {
   if (api.initialized && ptr != nullptr) api.free(ptr);
 }
 
+std::string nvshmem_init_device_library(void* library) {
+  std::lock_guard<std::mutex> lock(api_mutex);
+  if (!api.initialized) return "jax_ep: NVSHMEM is not initialised in this process";
+  if (api.device_libraries.count(library) != 0) return "";
+  if (api.culibrary_init == nullptr) {
+    return "jax_ep: " + api.path +
+           " has no nvshmemx_culibrary_init (NVSHMEM 3.8 or newer is "
+           "needed for JAX_EP_DEVICE_TRANSPORT=nvshmem)";
+  }
+  const int status = api.culibrary_init(static_cast<CUlibrary>(library));
+  if (status != 0) {
+    return "jax_ep: nvshmemx_culibrary_init failed (status " + std::to_string(status) +
+           ") for the NVSHMEM device transport's kernels";
+  }
+  api.device_libraries.insert(library);
+  return "";
+}
+
 #else  // !JAX_EP_HAVE_NVSHMEM
 
 std::string nvshmem_load(const std::string&) { return kNotBuilt; }
@@ -161,6 +185,7 @@ bool nvshmem_initialized() { return false; }
 std::string nvshmem_allocate(size_t, void**) { return kNotBuilt; }
 void* nvshmem_peer_address(void*, int) { return nullptr; }
 void nvshmem_release(void*) {}
+std::string nvshmem_init_device_library(void*) { return kNotBuilt; }
 
 #endif  // JAX_EP_HAVE_NVSHMEM
 

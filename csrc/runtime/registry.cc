@@ -147,9 +147,9 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
     return message.str();
   }
   const int transport = static_cast<int>(config.device_transport);
-  if (transport < 0 || transport > static_cast<int>(DeviceTransport::kEmulated)) {
-    message << "jax_ep: device_transport must be 0 (stores), 1 (mapped) or 2 (emulated), got "
-            << transport;
+  if (transport < 0 || transport > static_cast<int>(DeviceTransport::kNvshmem)) {
+    message << "jax_ep: device_transport must be 0 (stores), 1 (mapped), 2 (emulated) or 3 "
+            << "(nvshmem), got " << transport;
     return message.str();
   }
   if (config.device_transport != DeviceTransport::kStores && !config.low_latency) {
@@ -300,6 +300,7 @@ std::string upload_peer_table(RankContext& ctx) {
 // NVSHMEM PE pes[r]'s copy of the same symmetric object.
 std::string map_symmetric_peers(RankContext& ctx, const std::vector<int>& pes) {
   for (int r = 0; r < ctx.config.num_ranks; ++r) {
+    ctx.pes[r] = pes[r];
     ctx.peer_workspaces[r] = static_cast<char*>(nvshmem_peer_address(ctx.workspace, pes[r]));
     if (ctx.peer_workspaces[r] == nullptr) {
       return "jax_ep: rank " + std::to_string(r) + " (NVSHMEM PE " + std::to_string(pes[r]) +
@@ -371,6 +372,12 @@ std::string start_transport(BufferState& state, RankContext& ctx) {
   RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaSetDevice(ctx.device));
   RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaMemcpy(ctx.transport_region_bases, table,
                                                       sizeof(table), cudaMemcpyHostToDevice));
+  if (config.device_transport == DeviceTransport::kNvshmem) {
+    void* library = nullptr;
+    std::string error = nvshmem_transport_library(&library);
+    if (error.empty()) error = nvshmem_init_device_library(library);
+    return error;
+  }
   if (config.device_transport != DeviceTransport::kEmulated) return "";
   for (const auto& running : state.emulated) {
     if (running->ctx == &ctx) return "";  // started at creation (a group of this process alone)
@@ -420,6 +427,11 @@ std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
                           const std::vector<std::vector<int>>& pes) {
   std::string error = validate(config, groups);
   if (error.empty() && !pes.empty()) error = validate_symmetric(groups, pes);
+  if (error.empty() && config.device_transport == DeviceTransport::kNvshmem && pes.empty()) {
+    error =
+        "jax_ep: JAX_EP_DEVICE_TRANSPORT=nvshmem puts through NVSHMEM's symmetric heap: "
+        "set JAX_EP_TRANSPORT=nvshmem too";
+  }
   if (!error.empty()) return error;
   {
     std::shared_lock<std::shared_mutex> lock(registry_mutex);

@@ -78,6 +78,21 @@ def pes(buf) -> list[list[int]]:
     return [[d.process_index for d in group] for group in buf._ep_group_devices()]
 
 
+# The NVSHMEM device transport's kernels, next to jax_ep._C where NVSHMEM was found at build time.
+PLUGIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "libjax_ep_nvshmem.so")
+
+
+def load_device_transport(module) -> None:
+    """Loads the kernels of JAX_EP_DEVICE_TRANSPORT=nvshmem (after join: they need NVSHMEM's
+    host library)."""
+    if not os.path.exists(PLUGIN):
+        raise RuntimeError(f"JAX_EP_DEVICE_TRANSPORT=nvshmem: {PLUGIN} was not built (jax_ep "
+                           f"builds it where the nvidia-nvshmem-cu13 wheel's headers and device "
+                           f"library are found)")
+    module.nvshmem_plugin_load(PLUGIN)
+
+
 def join(buf, module, workspace_bytes: int) -> None:
     """Joins NVSHMEM in this process (once; collective over every process of the job)."""
     if module.nvshmem_initialized():

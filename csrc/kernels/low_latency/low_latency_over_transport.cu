@@ -28,8 +28,14 @@ LowLatencyTransportLayout shifted(LowLatencyTransportLayout layout, size_t works
 }
 
 LowLatencyTransportKind kind_of(const BufferConfig& config) {
-  return config.device_transport == DeviceTransport::kEmulated ? LowLatencyTransportKind::kEmulated
-                                                               : LowLatencyTransportKind::kMapped;
+  switch (config.device_transport) {
+    case DeviceTransport::kEmulated:
+      return LowLatencyTransportKind::kEmulated;
+    case DeviceTransport::kNvshmem:
+      return LowLatencyTransportKind::kNvshmem;
+    default:
+      return LowLatencyTransportKind::kMapped;
+  }
 }
 
 // The launch of this rank alone (rank_base = rank, rank_count = 1: index 0 of every per-rank
@@ -63,6 +69,7 @@ RankLaunch rank_launch(const RankContext& ctx, LowLatencyHalves halves, int num_
   l.timeout_record = ctx.timeout_record;
   l.num_tokens = num_tokens;
   l.topk_idx[0] = topk_idx;
+  for (int peer = 0; peer < ctx.config.num_ranks; ++peer) l.pe_of_rank[peer] = ctx.pes[peer];
   r.combine_sequence = reinterpret_cast<uint64_t*>(words + 8);
   r.combine_finished = reinterpret_cast<uint32_t*>(words + 20);
   return r;

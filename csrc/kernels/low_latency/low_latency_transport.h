@@ -39,6 +39,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "kernels/common/limits.h"
 #include "kernels/low_latency/low_latency_layout.cuh"  // JAX_EP_HOST_DEVICE, TimeoutRecord
@@ -156,6 +157,7 @@ struct LowLatencyTransportLaunch {
   // (device memory, as the mapped kernels count them), or nullptr: not counted.
   ErrorCounters* error_counters[kTransportMaxRanksPerLaunch] = {};
   uint32_t halves = kTransportBothHalves;
+  int pe_of_rank[kTransportMaxRanksPerLaunch] = {};  // kNvshmem: every rank's NVSHMEM PE
   int32_t* ticket = nullptr;  // [1] a send half alone stores its call's tag there (XLA orders
                               // the receive after it through this result)
   // Tests only: one protocol rule broken. Dispatch: no_fence, unregistered_source; combine:
@@ -183,7 +185,9 @@ struct LowLatencyTransportCombine {
   void* out[kTransportMaxRanksPerLaunch];                  // bf16 [T, H]
 };
 
-enum class LowLatencyTransportKind { kMapped = 0, kEmulated = 1 };
+// kNvshmem: NVSHMEM's device API (transport/nvshmem_transport.cuh); only in builds with NVSHMEM's
+// headers, elsewhere its launches fail with cudaErrorNotSupported.
+enum class LowLatencyTransportKind { kMapped = 0, kEmulated = 1, kNvshmem = 2 };
 
 // One launch of rank_count * warps_per_rank one-warp blocks on `stream`.
 cudaError_t launch_low_latency_transport_dispatch(LowLatencyTransportKind kind,
@@ -196,5 +200,17 @@ cudaError_t launch_low_latency_transport_combine(LowLatencyTransportKind kind,
                                                  cudaStream_t stream);
 // Loads the four kernels on the current device (no lazy loading under graph capture).
 cudaError_t preload_low_latency_transport_kernels();
+
+// The kNvshmem launches (low_latency_transport_nvshmem.cu).
+cudaError_t launch_low_latency_transport_dispatch_nvshmem(const LowLatencyTransportLaunch& launch,
+                                                          const LowLatencyTransportDispatch& op,
+                                                          cudaStream_t stream);
+cudaError_t launch_low_latency_transport_combine_nvshmem(const LowLatencyTransportLaunch& launch,
+                                                         const LowLatencyTransportCombine& op,
+                                                         cudaStream_t stream);
+// The CUDA library (a CUlibrary) holding the kNvshmem kernels, loaded on the current device, for
+// nvshmemx_culibrary_init: their NVSHMEM device state is theirs alone (no relocatable device
+// code). "" or what failed.
+std::string nvshmem_transport_library(void** library);
 
 }  // namespace jax_ep
