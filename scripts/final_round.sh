@@ -8,6 +8,9 @@
 #           halves, the split ops and the adversarial routings over CUDA IPC peers
 #   transport  tests/test_transport_gpu.py alone (issue 20's emulated transport; SUITE_ARGS
 #           "--ignore=tests/test_transport_gpu.py" keeps it out of the suite)
+#   devtransport  tests/test_device_transport.py alone (the ops over every device transport,
+#           in child processes: several minutes; SUITE_ARGS
+#           "--ignore=tests/test_device_transport.py" keeps it out of the suite)
 #   ptx     scripts/ptx_check.sh: a PTX-only compute_80 build (the A100 code path, JIT-compiled
 #           on this GPU), the image the driver loaded, the GPU suite (last: it replaces the build)
 set -uo pipefail
@@ -27,6 +30,8 @@ has suite && step gpu_suite "${SUITE_S:-330}" pytest -m gpu -q -p no:cacheprovid
 has transport && step transport "${TRANSPORT_S:-200}" pytest -m gpu -q -p no:cacheprovider -rs \
   --durations=10 tests/test_transport_gpu.py
 # The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
+has devtransport && step devtransport "${DEVTRANSPORT_S:-500}" pytest -m gpu -q \
+  -p no:cacheprovider -rs --durations=10 tests/test_device_transport.py
 has shared && step shared 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 290 -- \
   pytest -m gpu -q -p no:cacheprovider tests/test_split_chains.py tests/test_low_latency_split.py \
   tests/test_faults.py --deselect \
