@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# One GPU call for the MoE expert matmuls (~5-6 minutes; every step bounded by `timeout`, ~11
-# at most): run from the repo root on the GPU machine, with jax_ep already installed. Installs
+# One GPU call for the MoE expert matmuls (~8-10 minutes; every step bounded by `timeout`; to
+# fit a 10-minute call leave steps out, e.g. SKIP="products ragged peak"): run from the repo root
+# on the GPU machine, with jax_ep already installed. Installs
 # the carried wheels of .whl/ (tokamax and the dependencies the machine lacks) into /tmp/site,
 # then runs, logs and JSON under $OUT:
 #   env       jax-ep-env (its last line: the matmul that matmul="auto" picks, and why)
 #   tests     pytest -m gpu tests/test_grouped_gemm.py (plain pytest: the installed jax_ep, with
 #             its extension): every library matmul (tokamax, tokamax+mosaic, mosaic) against
 #             float32 references, alone and in the MoE layer
+#   profile   profile_moe_experts.py --matmul mosaic: where a step of the expert GEMMs goes
+#             (kernel time per kernel, device span, wall), gate and up split and fused (~1 min)
 #   bench     bench_moe_layer at the issue's shape (T=4096, H=2048, F=1024, E=64, top-8, bf16,
-#             all GPUs): the expert GEMMs alone and the whole layer step per matmul, jax_ep with
-#             every matmul, all_to_all / ragged_all_to_all with $PEER_MATMUL
+#             all GPUs, gate and up fused): the expert GEMMs alone and the whole layer step per
+#             matmul, jax_ep with every matmul, all_to_all / ragged_all_to_all with
+#             $PEER_MATMUL. Each Pallas program compiles in 14-21 s: BENCH_MINUTES (default 5)
 #   products  bench_moe_layer: each library product (forward, dx, dw) alone, both shapes
 #   sweep     only with SWEEP=1 (~3 more minutes): each library product at the gate shape with
 #             every tile config of bench_moe_layer.SWEEP_CONFIGS (records carry their config)
@@ -24,7 +28,7 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/moe_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
-MATMULS="${MATMULS:-mosaic,tokamax+mosaic,tokamax,tiled,dense}"
+MATMULS="${MATMULS:-mosaic,tokamax+mosaic,tiled,dense}"
 PEER_MATMUL="${PEER_MATMUL:-mosaic}"
 SKIP="${SKIP:-}"
 BENCH_ARGS="${BENCH_ARGS:-}"
@@ -43,8 +47,11 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 if command -v jax-ep-env > /dev/null; then step env 60 jax-ep-env; else step env 60 python3 -m jax_ep.env; fi
 step tests 150 pytest -m gpu -q -p no:cacheprovider -rs tests/test_grouped_gemm.py
-step bench 200 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag matmuls --check \
-  --matmul "$MATMULS" --sections experts,layer --peers-with "$PEER_MATMUL" --max-minutes 2.5 $BENCH_ARGS
+step profile 150 python3 benchmarks/profile_moe_experts.py --out "$OUT" --matmul mosaic
+BENCH_MINUTES="${BENCH_MINUTES:-5}"
+step bench "$(( ${BENCH_MINUTES%.*} * 60 + 120 ))" python3 benchmarks/bench_moe_layer.py \
+  --out "$OUT" --tag matmuls --check --matmul "$MATMULS" --sections experts,layer \
+  --peers-with "$PEER_MATMUL" --max-minutes "$BENCH_MINUTES" $BENCH_ARGS
 step products 90 python3 benchmarks/bench_moe_layer.py --out "$OUT" --tag products \
   --matmul tokamax+mosaic --sections products --max-minutes 1.1 $BENCH_ARGS
 [[ -n "${SWEEP:-}" ]] && step sweep 170 python3 benchmarks/bench_moe_layer.py --out "$OUT" \
@@ -69,6 +76,7 @@ EOF
 
 printf '%s\n' "${summary[@]}"
 grep -h "MoE expert matmul" "$OUT/env.log" 2>/dev/null
+grep -hE "^(split|fused) " "$OUT/profile.log" 2>/dev/null
 grep -h "TFLOP/s" "$OUT/peak.log" 2>/dev/null
 grep -hE "^(FAILED|ERROR|SKIPPED)" "$OUT/tests.log" 2>/dev/null | cut -c1-200 | head -12
 python3 - "$OUT" <<'EOF'
