@@ -38,23 +38,21 @@ LowLatencyTransportKind kind_of(const BufferConfig& config) {
   }
 }
 
-// The launch of this rank alone (rank_base = rank, rank_count = 1: index 0 of every per-rank
-// array) in the channel of `halves`, and its two ops' sequence words there.
-struct RankLaunch {
-  LowLatencyTransportLaunch launch;
-  uint64_t* combine_sequence = nullptr;
-  uint32_t* combine_finished = nullptr;
-};
+// A channel's words: per op (0 dispatch, 1 combine) a u64 sequence at 8 * op and a u32 finished
+// count at 16 + 4 * op; the dispatch barrier at 24.
+enum TransportOp { kDispatchOp = 0, kCombineOp = 1 };
 
-RankLaunch rank_launch(const RankContext& ctx, LowLatencyHalves halves, int num_tokens,
-                       const int32_t* topk_idx, int32_t* ticket) {
+// The launch of `op` by this rank alone (rank_base = rank, rank_count = 1: index 0 of every
+// per-rank array) in the channel of `halves`.
+LowLatencyTransportLaunch rank_launch(const RankContext& ctx, TransportOp op,
+                                      LowLatencyHalves halves, int num_tokens,
+                                      const int32_t* topk_idx, int32_t* ticket) {
   const LowLatencyTransportArea area = low_latency_transport_area(ctx.config);
   const int channel =
       halves == LowLatencyHalves::kBoth ? kTransportFusedChannel : kTransportSplitChannel;
   char* words =
       ctx.workspace + low_latency_transport_offset(ctx.config) + area.words + channel * kWordsBytes;
-  RankLaunch r;
-  LowLatencyTransportLaunch& l = r.launch;
+  LowLatencyTransportLaunch l;
   l.layout = area.channels[channel];
   l.halves = static_cast<uint32_t>(halves);  // LowLatencyHalves' values are the phase bits
   l.ticket = ticket;
@@ -62,17 +60,15 @@ RankLaunch rank_launch(const RankContext& ctx, LowLatencyHalves halves, int num_
   l.rings[0] = ctx.transport_ring;
   l.rank_base = ctx.rank;
   l.rank_count = 1;
-  l.sequence[0] = reinterpret_cast<uint64_t*>(words);
-  l.finished[0] = reinterpret_cast<uint32_t*>(words + 16);
+  l.sequence[0] = reinterpret_cast<uint64_t*>(words + 8 * op);
+  l.finished[0] = reinterpret_cast<uint32_t*>(words + 16 + 4 * op);
   l.barrier[0] = reinterpret_cast<uint32_t*>(words + 24);
   l.timeout_ns = ctx.timeout_ns;
   l.timeout_record = ctx.timeout_record;
   l.num_tokens = num_tokens;
   l.topk_idx[0] = topk_idx;
   for (int peer = 0; peer < ctx.config.num_ranks; ++peer) l.pe_of_rank[peer] = ctx.pes[peer];
-  r.combine_sequence = reinterpret_cast<uint64_t*>(words + 8);
-  r.combine_finished = reinterpret_cast<uint32_t*>(words + 20);
-  return r;
+  return l;
 }
 
 }  // namespace
@@ -127,7 +123,9 @@ cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
                                                        const LowLatencyDispatchParams& params,
                                                        LowLatencyHalves halves,
                                                        cudaStream_t stream) {
-  RankLaunch r = rank_launch(ctx, halves, params.num_tokens, params.topk_idx, params.ticket);
+  LowLatencyTransportLaunch l =
+      rank_launch(ctx, kDispatchOp, halves, params.num_tokens, params.topk_idx, params.ticket);
+  l.error_counters[0] = ctx.error_counters;
   LowLatencyTransportDispatch op;
   op.use_fp8 = params.use_fp8;
   op.round_scale = params.round_scale;
@@ -137,17 +135,15 @@ cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
   op.recv_count[0] = params.recv_count;
   op.recv_src[0] = params.recv_src;
   op.recv_k[0] = params.recv_k;
-  r.launch.error_counters[0] = ctx.error_counters;
-  return launch_low_latency_transport_dispatch(kind_of(ctx.config), r.launch, op, stream);
+  return launch_low_latency_transport_dispatch(kind_of(ctx.config), l, op, stream);
 }
 
 cudaError_t launch_low_latency_combine_over_transport(const RankContext& ctx,
                                                       const LowLatencyCombineParams& params,
                                                       LowLatencyHalves halves,
                                                       cudaStream_t stream) {
-  RankLaunch r = rank_launch(ctx, halves, params.num_tokens, params.topk_idx, params.ticket);
-  r.launch.sequence[0] = r.combine_sequence;  // combine runs its own sequence
-  r.launch.finished[0] = r.combine_finished;
+  const LowLatencyTransportLaunch l =
+      rank_launch(ctx, kCombineOp, halves, params.num_tokens, params.topk_idx, params.ticket);
   LowLatencyTransportCombine op;
   op.y[0] = params.y;
   op.recv_src[0] = params.recv_src;
@@ -155,7 +151,7 @@ cudaError_t launch_low_latency_combine_over_transport(const RankContext& ctx,
   op.recv_count[0] = params.recv_count;
   op.topk_weights[0] = params.topk_weights;
   op.out[0] = params.out;
-  return launch_low_latency_transport_combine(kind_of(ctx.config), r.launch, op, stream);
+  return launch_low_latency_transport_combine(kind_of(ctx.config), l, op, stream);
 }
 
 }  // namespace jax_ep

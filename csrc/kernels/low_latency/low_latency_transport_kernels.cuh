@@ -106,6 +106,17 @@ __device__ __forceinline__ void finish_call(const LowLatencyTransportLaunch& l, 
   }
 }
 
+// A send half launched alone ends after its phases: it stores its tag as the ticket (XLA orders
+// the receive after it through that result). False when the launch runs a receive half too.
+__device__ __forceinline__ bool ends_after_send(const LowLatencyTransportLaunch& l, const Warp& w,
+                                                uint64_t tag) {
+  if (l.halves != kTransportSendHalf) return false;
+  if (w.index == 0 && w.warp == 0 && w.lane == 0 && l.ticket != nullptr) {
+    *l.ticket = static_cast<int32_t>(tag);
+  }
+  return true;
+}
+
 // One token's fp8 message: e4m3 channels, then one float scale per 128 channels. Eight aligned
 // lanes hold one scale group (16 channels each).
 __device__ __forceinline__ void stage_fp8(char* message, const int4* x_row, int hidden,
@@ -218,12 +229,7 @@ __global__ void __launch_bounds__(kWarpSize)
       if (lane == 0 && dropped != 0) atomicAdd(&counters->dropped_low_latency_rows, dropped);
     }
   }
-  if (l.halves == kTransportSendHalf) {
-    if (w.index == 0 && w.warp == 0 && lane == 0 && l.ticket != nullptr) {
-      *l.ticket = static_cast<int32_t>(tag);
-    }
-    return;
-  }
+  if (ends_after_send(l, w, tag)) return;
   // E. Receive: units (local expert, source).
   const int rows_per_expert = s.num_ranks * s.max_tokens;
   const int scales_per_row = s.hidden / kChannelsPerScale;
@@ -340,12 +346,7 @@ __global__ void __launch_bounds__(kWarpSize)
     }
     t.quiet(lane);
   }
-  if (l.halves == kTransportSendHalf) {
-    if (w.index == 0 && w.warp == 0 && lane == 0 && l.ticket != nullptr) {
-      *l.ticket = static_cast<int32_t>(tag);
-    }
-    return;
-  }
+  if (ends_after_send(l, w, tag)) return;
 
   // B. Hear from every rank this call (parity safety), each warp its share of the words.
   for (int unit = w.warp; unit < s.num_ranks * local; unit += warps) {
