@@ -69,10 +69,8 @@ WRONG_ON_GPU = {
                "whose dw and dx run jax's Mosaic GPU kernels"}
 # Environment variable naming what "auto" resolves to (one of MATMULS other than "auto").
 MATMUL_ENV = "JAX_EP_MOE_MATMUL"
-# What "auto" picks on Hopper GPUs where jax's Mosaic GPU kernels import (bfloat16 / float16 rows),
-# and the library whose status decides it.
+# What "auto" picks on Hopper GPUs where its kernels' libraries import (bfloat16 / float16 rows).
 AUTO_LIBRARY_MATMUL = "mosaic"
-_AUTO_LIBRARY = "mosaic"
 _FAST_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -175,9 +173,17 @@ def resolve_matmul(matmul: str, dtype=None) -> str:
     env = settings.value(MATMUL_ENV)  # ValueError naming it when not one of MATMULS[1:]
     if env:
         return env if (env not in LIBRARY_MATMULS or fast_dtype) else "tiled"
-    if fast_dtype and library_status(_AUTO_LIBRARY)[0]:
+    if fast_dtype and _auto_status()[0]:
         return AUTO_LIBRARY_MATMUL
     return "tiled"
+
+
+def _auto_status() -> tuple[bool, str]:
+    """`library_status` of every library `AUTO_LIBRARY_MATMUL`'s kernels come from."""
+    kernels = LIBRARY_MATMULS[AUTO_LIBRARY_MATMUL]
+    statuses = [library_status(lib) for lib in sorted({kernels.forward, kernels.dx, kernels.dw})]
+    failed = [why for ok, why in statuses if not ok]
+    return (False, failed[0]) if failed else (True, statuses[0][1])
 
 
 def selection_report() -> str:
@@ -186,8 +192,8 @@ def selection_report() -> str:
     env = settings.value(MATMUL_ENV)
     if env:
         return f"{picked} (from {MATMUL_ENV}={env})"
-    ok, why = library_status(_AUTO_LIBRARY)
-    return f"{picked} ({why})" if ok else f"{picked} (jax's Mosaic GPU kernels not used: {why})"
+    ok, why = _auto_status()
+    return f"{picked} ({why})" if ok else f"{picked} ({AUTO_LIBRARY_MATMUL} not used: {why})"
 
 
 # ---------------------------------------------------------------------------- products
