@@ -2,9 +2,9 @@
 
     python benchmarks/profile_moe_experts.py [--matmul mosaic] [--variants split,fused]
 
-For each variant, one jitted step `value_and_grad(sum(y * ct))` w.r.t. the rows and the weights
-at bench_moe_layer's shape (T=4096 tokens x top-8 = 32768 rows, H=2048, F=1024, 64 experts,
-bf16, EP=1), measured three ways:
+For each variant, one step of bench_moe_layer's experts section (`value_and_grad(sum(y * ct))`
+w.r.t. the rows and the weights, its inputs: T=4096 tokens x top-8 = 32768 rows split
+multinomially over 64 experts, H=2048, F=1024, bf16, EP=1), measured three ways:
 - `wall_ms`: the median wall time of a synchronous call (what a loop of blocking steps pays);
 - `span_ms` / `idle_ms`: from a profiler trace of 3 calls in a row, the device timeline's span
   per step and the time in it where no kernel ran;
@@ -28,9 +28,10 @@ import tempfile
 import time
 
 import bench_common as bc
+import bench_moe_layer as bml
 import jax
 import jax.numpy as jnp
-import numpy as np
+import profile_ops
 
 DEFAULTS = dict(tokens=4096, topk=8, hidden=2048, ffn=1024, experts=64)
 QUICK = dict(tokens=64, topk=2, hidden=256, ffn=128, experts=4)
@@ -46,6 +47,7 @@ def parse_args(argv):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tag", help="file name <machine>-<date>-moe_experts_profile-<tag>.json")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.variants = tuple(v for v in args.variants.split(",") if v)
     bad = [v for v in args.variants if v not in VARIANTS]
@@ -53,81 +55,39 @@ def parse_args(argv):
         p.error(f"unknown variants {bad}: expected some of {','.join(VARIANTS)}")
     for name, value in (QUICK if args.quick else DEFAULTS).items():
         setattr(args, name, value)
+    args.gate_up = "split"  # bench_moe_layer.ExpertInputs' weights: each variant holds its own
     return args
-
-
-def make_inputs(args):
-    rows = args.tokens * args.topk
-    rng = np.random.default_rng(0)
-    experts = np.argsort(rng.random((args.tokens, args.experts)), axis=1)[:, :args.topk]
-    sizes = jnp.asarray(np.bincount(experts.ravel(), minlength=args.experts), jnp.int32)
-    keys = jax.random.split(jax.random.key(0), 5)
-
-    def weight(key, shape):
-        return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
-
-    x = jax.random.normal(keys[0], (rows, args.hidden), jnp.bfloat16)
-    ct = jax.random.normal(keys[1], (rows, args.hidden), jnp.bfloat16)
-    w_gate = weight(keys[2], (args.experts, args.hidden, args.ffn))
-    w_up = weight(keys[3], (args.experts, args.hidden, args.ffn))
-    w_down = weight(keys[4], (args.experts, args.ffn, args.hidden))
-    return x, ct, sizes, (w_gate, w_up, w_down)
-
-
-def make_step(variant, matmul, x, ct, sizes, weights):
-    """`(jitted step, its arguments)`: value and gradients w.r.t. the rows and the weights."""
-    from jax_ep import moe
-
-    def loss_of(y):
-        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
-
-    if variant == "split":
-        def loss(x, w_gate, w_up, w_down):
-            return loss_of(moe.swiglu_experts(x, sizes, w_gate, w_up, w_down, matmul=matmul))
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))), (x, *weights)
-    w_gate, w_up, w_down = weights
-
-    def loss(x, w_gate_up, w_down):
-        return loss_of(moe.swiglu_experts(x, sizes, w_gate_up, None, w_down, matmul=matmul))
-    w_gate_up = jnp.concatenate([w_gate, w_up], axis=2)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (x, w_gate_up, w_down)
 
 
 def device_profile(fn, fn_args):
     """Per step: `{kernel: us}`, the timeline's span and idle (None without a device plane)."""
-    from jax.profiler import ProfileData
-
     trace_dir = tempfile.mkdtemp(prefix="jax_ep_moe_trace_")
     with jax.profiler.trace(trace_dir):
         for _ in range(TRACED_STEPS):
             out = fn(*fn_args)
         jax.block_until_ready(out)
     path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
-    kernels, events = {}, []
-    for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower():
-                continue
-            for e in line.events:
-                kernels[e.name] = kernels.get(e.name, 0.0) + e.duration_ns / 1e3 / TRACED_STEPS
-                events.append((e.start_ns, e.start_ns + e.duration_ns))
+    events = sorted(e for plane in profile_ops._gpu_kernel_events(path).values() for e in plane)
     if not events:
         return {}, None, None
-    events.sort()
-    idle_ns, end = 0, events[0][1]
-    for start, stop in events[1:]:
+    kernels = {}
+    for name, _, duration_ns in events:
+        kernels[name] = kernels.get(name, 0.0) + duration_ns / 1e3 / TRACED_STEPS
+    intervals = sorted((start, start + duration) for _, start, duration in events)
+    idle_ns, end = 0, intervals[0][1]
+    for start, stop in intervals[1:]:
         idle_ns += max(0, start - end)
         end = max(end, stop)
-    span_ms = (end - events[0][0]) / 1e6 / TRACED_STEPS
+    span_ms = (end - intervals[0][0]) / 1e6 / TRACED_STEPS
     return kernels, span_ms, idle_ns / 1e6 / TRACED_STEPS
 
 
 def run_variant(args, variant, inputs, flops):
-    x, ct, sizes, weights = inputs
+    """One step of bench_moe_layer's experts section (its inputs, its step), gate and up held as
+    `variant` says."""
     start = time.perf_counter()
-    fn, fn_args = make_step(variant, args.matmul, x, ct, sizes, weights)
+    fn = jax.jit(bml.experts_step(args.matmul, inputs.used))
+    fn_args = (bml.held_as(variant, inputs.weights), *inputs.sets[0])
     loss = float(jax.block_until_ready(fn(*fn_args))[0])
     compile_s = time.perf_counter() - start
     jax.block_until_ready(fn(*fn_args))
@@ -153,8 +113,8 @@ def main(argv=None):
     from jax_ep.moe import grouped_gemm
 
     resolved = grouped_gemm.resolve_matmul(args.matmul, jnp.bfloat16)
-    inputs = make_inputs(args)
-    flops = 18.0 * args.tokens * args.topk * args.hidden * args.ffn
+    inputs = bml.ExpertInputs(args, 1, 1)  # one rank's block: T * K rows over E experts
+    flops = 18.0 * inputs.used * args.hidden * args.ffn
     payload = dict(bc.result_header(argv), shape={k: getattr(args, k) for k in DEFAULTS},
                    resolved=resolved, flops_per_step=flops, results=[], errors=[])
     for variant in args.variants:
