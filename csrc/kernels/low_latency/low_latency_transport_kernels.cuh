@@ -106,6 +106,31 @@ __device__ __forceinline__ void finish_call(const LowLatencyTransportLaunch& l, 
   }
 }
 
+// What every warp of a launch starts from: who it is, the layout, this call's tag and parity.
+struct CallFrame {
+  Warp w;
+  const LowLatencyTransportLayout& layout;
+  const LowLatencyTransportShape& s;
+  int warps;  // per rank
+  int local;  // experts per rank
+  uint64_t tag;
+  int parity;
+  int lane;
+};
+
+__device__ __forceinline__ CallFrame frame_of(const LowLatencyTransportLaunch& l) {
+  const Warp w = this_warp(l);
+  const uint64_t tag = call_tag(l, w);
+  return CallFrame{w,
+                   l.layout,
+                   l.layout.shape,
+                   l.layout.shape.warps_per_rank,
+                   l.layout.shape.num_local(),
+                   tag,
+                   static_cast<int>(tag & 1),
+                   w.lane};
+}
+
 // A send half launched alone ends after its phases: it stores its tag as the ticket (XLA orders
 // the receive after it through that result). False when the launch runs a receive half too.
 __device__ __forceinline__ bool ends_after_send(const LowLatencyTransportLaunch& l, const Warp& w,
@@ -145,14 +170,8 @@ template <typename Transport>
 __global__ void __launch_bounds__(kWarpSize)
     low_latency_transport_dispatch_kernel(LowLatencyTransportLaunch l,
                                           LowLatencyTransportDispatch op) {
-  const Warp w = this_warp(l);
-  const LowLatencyTransportLayout& layout = l.layout;
-  const LowLatencyTransportShape& s = layout.shape;
-  const int warps = s.warps_per_rank;
-  const int local = s.num_local();
-  const uint64_t tag = call_tag(l, w);
-  const int parity = static_cast<int>(tag & 1);
-  const int lane = w.lane;
+  const CallFrame frame = frame_of(l);
+  const auto& [w, layout, s, warps, local, tag, parity, lane] = frame;
   Transport t = MakeTransport<Transport>::make(l, w, WaitPhase::kLowLatencyDispatchRecv);
   const int32_t* topk_idx = l.topk_idx[w.index];
   const size_t message_bytes = op.use_fp8 ? s.fp8_message_bytes() : s.row_bytes();
@@ -289,14 +308,8 @@ template <typename Transport>
 __global__ void __launch_bounds__(kWarpSize)
     low_latency_transport_combine_kernel(LowLatencyTransportLaunch l,
                                          LowLatencyTransportCombine op) {
-  const Warp w = this_warp(l);
-  const LowLatencyTransportLayout& layout = l.layout;
-  const LowLatencyTransportShape& s = layout.shape;
-  const int warps = s.warps_per_rank;
-  const int local = s.num_local();
-  const uint64_t tag = call_tag(l, w);
-  const int parity = static_cast<int>(tag & 1);
-  const int lane = w.lane;
+  const CallFrame frame = frame_of(l);
+  const auto& [w, layout, s, warps, local, tag, parity, lane] = frame;
   Transport t = MakeTransport<Transport>::make(l, w, WaitPhase::kLowLatencyCombineRecv);
   const int rows_per_expert = s.num_ranks * s.max_tokens;
   const int vectors_per_row = static_cast<int>(s.row_bytes() / kBytesPerVector);
