@@ -23,7 +23,8 @@ sum=()
 step() { local n=$1 l=$2; shift 2; local s; s=$(date +%s); timeout "$l" "$@" > "$OUT/$n.log" 2>&1; local rc=$?
   sum+=("$n rc=$rc $(( $(date +%s) - s ))s $(grep -E 'passed|failed' "$OUT/$n.log" | tail -1)"); }
 # BUILD_ARCHS (e.g. 90): only this GPU's architecture, a faster build (not with the ptx section)
-step build 300 env ${BUILD_ARCHS:+JAX_EP_CUDA_ARCHS=$BUILD_ARCHS} \
+# SKIP_BUILD=1: jax_ep is already installed (an earlier step of the same call built it)
+[[ ${SKIP_BUILD:-0} == 1 ]] || step build 300 env ${BUILD_ARCHS:+JAX_EP_CUDA_ARCHS=$BUILD_ARCHS} \
   python3 -m pip install --no-build-isolation --no-deps --force-reinstall .
 has suite && step gpu_suite "${SUITE_S:-330}" pytest -m gpu -q -p no:cacheprovider -rs \
   --durations=15 ${SUITE_ARGS:-}

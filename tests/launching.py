@@ -44,5 +44,7 @@ def lines_of(text, rank):
 
 
 def digest_lines(text, rank=0):
-    """The ``DIGEST name sha`` lines of tests/multiprocess_digest.py from process ``rank``."""
-    return [line for line in lines_of(text, rank) if line.startswith("DIGEST ")]
+    """The ``DIGEST name sha`` lines of tests/multiprocess_digest.py from process ``rank`` of a
+    launcher run, or (``rank=None``) from the script run alone, whose lines have no prefix."""
+    lines = text.splitlines() if rank is None else lines_of(text, rank)
+    return [line for line in lines if line.startswith("DIGEST ")]

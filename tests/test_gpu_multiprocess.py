@@ -31,7 +31,7 @@ def test_two_processes_give_the_bits_of_one():
                             env=launching.child_env("gpu"), capture_output=True, text=True,
         errors="replace",
                             timeout=300)
-    want = [line for line in single.stdout.splitlines() if line.startswith("DIGEST ")]
+    want = digest_lines(single.stdout, rank=None)
     assert single.returncode == 0 and len(want) == 9, single.stdout + single.stderr[-4000:]
     proc, _ = launching.run_launcher("-n", "2", "--", sys.executable,
                                      str(launching.DIGEST_SCRIPT), "cuda", platform="gpu")
@@ -57,7 +57,7 @@ def test_nvshmem_transport_gives_the_bits_of_one_process():
                             env=launching.child_env("gpu"), capture_output=True, text=True,
         errors="replace",
                             timeout=300)
-    want = [line for line in single.stdout.splitlines() if line.startswith("DIGEST ")]
+    want = digest_lines(single.stdout, rank=None)
     assert single.returncode == 0 and len(want) == 9, single.stdout + single.stderr[-4000:]
     # Every process sees both GPUs (--share-gpus): NVSHMEM's peer-to-peer transport looks for
     # the peer's GPU among the visible ones.
@@ -103,7 +103,7 @@ def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
         errors="replace",
         timeout=300, env=launching.child_env(
             "cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
-    want = _by_name(line for line in reference.stdout.splitlines() if line.startswith("DIGEST "))
+    want = _by_name(digest_lines(reference.stdout, rank=None))
     assert reference.returncode == 0 and len(want) == 9, reference.stderr[-4000:]
     shared = ("-n", "2", "--processes-per-gpu", "2")
     ipc = _digests(launching.run_launcher(*shared, "--", sys.executable,
