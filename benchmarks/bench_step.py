@@ -58,6 +58,13 @@ QUICK = {"tokens": 64, "ll_tokens": 8, "hidden": 256, "experts": 16, "repeats": 
          "layers": (1, 2)}
 
 
+def _layer_pair(text):
+    short, long = (int(v) for v in text.split(","))
+    if not 1 <= short < long:
+        raise argparse.ArgumentTypeError(f"--layers needs 1 <= short < long, got {text!r}")
+    return short, long
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", type=lambda s: tuple(s.split(",")), default=OPS)
@@ -82,11 +89,13 @@ def parse_args(argv):
     p.add_argument("--no-kernel-trace", action="store_true", help="skip the CUPTI trace")
     p.add_argument("--host-trace", action="store_true",
                    help="print where jax_ep's host time goes (host events of a profiler trace)")
+    p.add_argument("--layers", type=_layer_pair, default=LAYERS,
+                   help="the short and the long program's layers, e.g. 4,14 (each step is "
+                        "their wall-time difference over the layers between them)")
     p.add_argument("--quick", action="store_true", help="small shapes, for CPU tests")
     p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
     p.add_argument("--tag")
     args = p.parse_args(argv)
-    args.layers = LAYERS
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)

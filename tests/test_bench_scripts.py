@@ -114,3 +114,15 @@ def test_profile_moe_experts_quick(tmp_path):
     assert abs(losses["split"] - losses["fused"]) <= 1e-3 * abs(losses["split"]), losses
     for r in payload["results"]:
         assert positive(r["wall_ms"]) and r["span_ms"] is None  # no device plane on CPU
+
+
+def test_bench_step_layers_are_a_pair_short_then_long():
+    """``--layers SHORT,LONG`` picks the two programs (e.g. both large enough for XLA to run
+    them as command buffers); anything but 1 <= short < long is refused, naming the flag."""
+    import bench_step
+
+    assert bench_step.parse_args([]).layers == bench_step.LAYERS
+    assert bench_step.parse_args(["--layers", "4,14"]).layers == (4, 14)
+    for bad in ("12,2", "0,4", "3,3"):
+        with pytest.raises(SystemExit):
+            bench_step.parse_args(["--layers", bad])
