@@ -17,6 +17,10 @@
 #   SAN_TAG   a name for this run's logs and summary lines (runs split into chunks: shared mode,
 #             where the tool dies ~70 s into a run)
 #   SAN_K     pytest -k expression (default: all but the Buffer-cycle test)
+#   SAN_FILTER 0: instrument every kernel (XLA's too). initcheck needs it to see XLA's writes:
+#             with the filter, reads of an XLA-written operand are reported as uninitialised.
+#             Use it on tests whose XLA work reads no unspecified row, e.g.
+#             SAN_TESTS=tests/test_split_chains.py SAN_K=every_slot_written
 #   SAN_EACH  1: one run per selected test id (logs and summary lines named by it). The tool
 #             itself dies (SIGSEGV) 15-25 s into a run, with our kernels alone instrumented too
 #             (2026-12-02): a run that ends before that gets its summary
@@ -40,7 +44,7 @@ filter=()
 # Not `--help | grep -q`: under pipefail grep's early exit kills the writer with SIGPIPE and the
 # test fails, which left every kernel (XLA's too) instrumented until 2026-12-02.
 help=$(compute-sanitizer --help 2>&1)
-[[ $help == *--kernel-name* ]] && filter=(--kernel-name kns=_kernel)
+[[ $help == *--kernel-name* && ${SAN_FILTER:-1} != 0 ]] && filter=(--kernel-name kns=_kernel)
 summary="$LOGS/summary.txt"  # appended to: several calls may each run some of the tools
 # What each run selects: the whole selection, or with SAN_EACH=1 one test id per run (the tool
 # crashes 15-25 s into a run: a short run ends with its summary).

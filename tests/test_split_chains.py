@@ -98,13 +98,13 @@ def inputs(rng, R, n):
     return x, idx, w
 
 
-def assert_chain_equal(got, want, x, idx, n):
+def assert_chain_equal(got, want, x, idx, n, num_experts=E):
     """Combined rows bit for bit; received rows bit for bit up to each expert's count (the
     oracle's: the programs do not keep recv_count)."""
     for i in range(n):
         np.testing.assert_array_equal(np.asarray(got[i][1]).view(np.uint32),
                                       np.asarray(want[i][1]).view(np.uint32), err_msg=f"pair {i}")
-        for r, exp in enumerate(oracle.low_latency_dispatch(x[:, i], idx[:, i], E, T)):
+        for r, exp in enumerate(oracle.low_latency_dispatch(x[:, i], idx[:, i], num_experts, T)):
             for e, count in enumerate(exp["recv_count"]):
                 a = np.asarray(got[i][0][r, e, :count]).view(np.uint8)
                 b = np.asarray(want[i][0][r, e, :count]).view(np.uint8)
@@ -130,6 +130,29 @@ def test_chain_of_split_pairs_equals_fused(backend, rng, n, pattern):
     got = run_sharded(mesh, chain(buf, n, pattern, split=True), x, idx, w)
     want = run_sharded(mesh, chain(buf, n, pattern, split=False), x, idx, w)
     assert_chain_equal(got, want, x, idx, n)
+
+
+@pytest.mark.parametrize(("backend", "n"), per_backend([(8,), (16,)], [(3,)]),
+                         indirect=["backend"])
+def test_chain_with_every_slot_written(backend, rng, n):
+    """Every token picks every expert (top-k = E), so each expert receives R * T_max rows and no
+    row of recv_x is left unspecified: the stand-in expert (XLA) reads written rows only. The
+    chain that compute-sanitizer's initcheck can run with every kernel instrumented, XLA's too
+    (scripts/sanitize.sh SAN_FILTER=0): any report there is a read of unwritten memory."""
+    mesh = ep_mesh(backend)
+    R = mesh.shape["ep"]
+    num_experts = max(4, R)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=num_experts, hidden=H, max_tokens_per_rank=T,
+                        num_topk=num_experts, low_latency=True, backend=backend)
+    idx = np.broadcast_to(np.arange(num_experts, dtype=np.int32), (R, n, T, num_experts)).copy()
+    w = rng.random((R, n, T, num_experts)).astype(np.float32)
+    x = rng.standard_normal((R, n, T, H)).astype(ml_dtypes.bfloat16)
+    got = run_sharded(mesh, chain(buf, n, "alone", split=True), x, idx, w)
+    want = run_sharded(mesh, chain(buf, n, "alone", split=False), x, idx, w)
+    assert_chain_equal(got, want, x, idx, n, num_experts)
+    for i in range(n):
+        for exp in oracle.low_latency_dispatch(x[:, i], idx[:, i], num_experts, T):
+            assert (np.asarray(exp["recv_count"]) == R * T).all()  # every slot written
 
 
 @pytest.mark.parametrize("n", (2, 16))
