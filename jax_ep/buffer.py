@@ -260,13 +260,19 @@ class Buffer:
         """This Buffer as the C++ ``BufferConfig``, grids from the settings (0: the device's)."""
         grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
                  for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks")}
-        return cuda.buffer_config(
+        config = cuda.buffer_config(
             module, num_ranks=self.num_ranks, num_experts=self.num_experts, hidden=self.hidden,
             max_tokens_per_rank=self.max_tokens_per_rank, num_topk=self.num_topk,
             capacity=self.capacity, dtype_bytes=self.dtype.itemsize,
             low_latency=self.low_latency, timeout_s=self.timeout_s,
             device_transport=DEVICE_TRANSPORTS.index(self.device_transport),
             emulator_seed=settings.value("JAX_EP_EMULATOR_SEED"), **grids)
+        mutant = settings.value("JAX_EP_TRANSPORT_MUTANT")
+        try:  # the names are the C++ side's (transport/mutant.h)
+            config.transport_mutant = mutant
+        except ValueError as error:
+            raise ValueError(f"JAX_EP_TRANSPORT_MUTANT={mutant!r}: {error}") from None
+        return config
 
     def _allocate(self):
         if self.backend == "cuda":

@@ -88,6 +88,11 @@ SETTINGS = {s.name: s for s in (
             "(nvshmem, with JAX_EP_TRANSPORT=nvshmem; docs/transport.md)"),
     Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,
             "the emulated transport's seed (reordering, tearing, delays); rank r uses seed + r"),
+    Setting("JAX_EP_TRANSPORT_MUTANT", "runtime", "none", _text,
+            "tests only: the put-protocol kernels under the ops break one rule of the protocol "
+            "(no_fence, signal_before_data, reuse_before_quiet, unregistered_source, "
+            "no_final_quiet; docs/transport.md), so that a test shows the emulated transport "
+            "catches it"),
     Setting("JAX_EP_MOE_MATMUL", "runtime", None,
             _choice("tiled", "ragged_dot", "tokamax", "tokamax+mosaic", "mosaic"),
             "the expert matmul that jax_ep.moe's matmul=\"auto\" uses (default: by machine)"),

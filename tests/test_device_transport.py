@@ -3,8 +3,9 @@ put-protocol kernels written for peers without a peer mapping, under the FFI ops
 
 On CPU: the setting reaches the Buffer, and the workspace grows by the transport's area. On a
 GPU: the low-latency op suite (fused ops, split halves and their chains, adversarial routings)
-passes over both transports, and two processes on one GPU faked as two hosts give the same bits
-under every seed of the emulator (and the reference's, where only data moves).
+passes over each transport, two processes on one GPU faked as two hosts give the same bits
+under every seed of the emulator (and the reference's, where only data moves), and the
+emulator catches every protocol mutant of the ops' kernels there.
 """
 
 import os
@@ -75,6 +76,28 @@ def test_the_workspace_holds_the_transports_area():
     assert workspace(False, 1) == workspace(False, 0)  # normal-only Buffers have no area
 
 
+def test_a_protocol_mutant_is_named_and_needs_a_device_transport(monkeypatch):
+    """JAX_EP_TRANSPORT_MUTANT (tests only) reaches the C++ configuration by name; an unknown
+    name is an error naming the variable and the known names, and a mutant without a device
+    transport is refused before any device is touched."""
+    module, reason = cuda.load_extension()
+    if module is None:
+        pytest.skip(f"the CUDA extension is not built here: {reason}")
+    config = module.BufferConfig()
+    assert config.transport_mutant == "none"
+    config.transport_mutant = "no_final_quiet"
+    assert config.transport_mutant == "no_final_quiet"
+    buf = make_buffer("xla")
+    monkeypatch.setenv("JAX_EP_TRANSPORT_MUTANT", "no_quiet")
+    with pytest.raises(ValueError, match=r"JAX_EP_TRANSPORT_MUTANT='no_quiet'.*no_final_quiet"):
+        buf._runtime_config(module)
+    monkeypatch.setenv("JAX_EP_TRANSPORT_MUTANT", "no_fence")
+    stores = buf._runtime_config(module)  # JAX_EP_DEVICE_TRANSPORT unset: stores
+    assert stores.transport_mutant == "no_fence"
+    with pytest.raises(RuntimeError, match="set JAX_EP_DEVICE_TRANSPORT too"):
+        module.create_buffer(2**40, [[0, 1, 2, 3, 4, 5, 6, 7]], stores)
+
+
 def _run_suite_over(transport, *pytest_args, **extra_env):
     """SUITE's GPU cases in a child process with the transport set."""
     env = dict(os.environ, JAX_EP_DEVICE_TRANSPORT=transport, JAX_EP_EMULATOR_SEED="7",
@@ -116,37 +139,70 @@ def _low_latency_digests(proc, rank=0):
     return dict(line.split()[1:] for line in lines)
 
 
+def _two_processes_digest(transport, seed=0, mutant="none"):
+    """tests/multiprocess_digest.py's low-latency ops in two processes on one GPU: as two
+    hosts (launcher --fake-hosts 2) over the emulated transport; the mapped transport needs a
+    peer mapping, so jax_ep keeps it within a host, and its run is the two processes as one."""
+    env = {"JAX_EP_DEVICE_TRANSPORT": transport, "JAX_EP_EMULATOR_SEED": str(seed),
+           "JAX_EP_TRANSPORT_MUTANT": mutant, "CUDA_DEVICE_MAX_CONNECTIONS": "32",
+           "JAX_EP_TIMEOUT_S": "20"}
+    hosts = ("--fake-hosts", "2") if transport == "emulated" else ()
+    with tempfile.TemporaryDirectory() as cwd:
+        proc, _ = launching.run_launcher(
+            "-n", "2", "--processes-per-gpu", "2", *hosts, "--",
+            sys.executable, str(launching.DIGEST_SCRIPT), "cuda", "low_latency",
+            platform="gpu", extra_env=env, cwd=cwd)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def mapped_digests():
+    require_gpus(1)
+    return _low_latency_digests(_two_processes_digest("mapped"))
+
+
 @pytest.mark.gpu
-def test_emulated_transport_across_fake_hosts_moves_the_bits_of_the_reference():
+def test_emulated_transport_across_fake_hosts_moves_the_bits_of_the_reference(mapped_digests):
     """Two processes on one GPU, each a host of its own (launcher --fake-hosts 2), their
     low-latency ops over the emulated transport: under every seed (JAX_EP_TRANSPORT_SEEDS,
     default 3; issue 20's bar asks for 20) the same bits, those of the mapped transport, and
     for what only moves data (bf16 dispatch) those of the reference backend."""
-    require_gpus(1)
     reference = subprocess.run(
         [sys.executable, str(launching.DIGEST_SCRIPT), "xla", "low_latency"],
         capture_output=True, text=True, errors="replace", timeout=300,
         env=launching.child_env("cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
     want = _low_latency_digests(reference, rank=None)  # the script alone: no prefix
-
-    def run(transport, seed=0):
-        env = {"JAX_EP_DEVICE_TRANSPORT": transport, "JAX_EP_EMULATOR_SEED": str(seed),
-               "CUDA_DEVICE_MAX_CONNECTIONS": "32", "JAX_EP_TIMEOUT_S": "20"}
-        with tempfile.TemporaryDirectory() as cwd:
-            # The mapped transport needs a peer mapping, so jax_ep keeps it within a host:
-            # its run (the baseline) is the same two processes as one host.
-            hosts = ("--fake-hosts", "2") if transport == "emulated" else ()
-            proc, _ = launching.run_launcher(
-                "-n", "2", "--processes-per-gpu", "2", *hosts, "--",
-                sys.executable, str(launching.DIGEST_SCRIPT), "cuda", "low_latency",
-                platform="gpu", extra_env=env, cwd=cwd)
-        return _low_latency_digests(proc)
-
-    mapped = run("mapped")
-    assert mapped["low_latency_dispatch_bf16"] == want["low_latency_dispatch_bf16"]
-    for seed in range(settings.value("JAX_EP_TRANSPORT_SEEDS")):  # default 3, ~30 s each
-        assert run("emulated", seed) == mapped, f"seed {seed}"
+    assert mapped_digests["low_latency_dispatch_bf16"] == want["low_latency_dispatch_bf16"]
+    for seed in range(settings.value("JAX_EP_TRANSPORT_SEEDS")):  # ~7 s each
+        proc = _two_processes_digest("emulated", seed)
+        assert _low_latency_digests(proc) == mapped_digests, f"seed {seed}"
         print(f"emulator seed {seed}: the mapped transport's digests", flush=True)  # with -s
+
+
+# What shows that the emulated transport caught a mutant: a proxy's report through check(), a
+# wait that timed out (the kernel traps), or bits other than the mapped transport's.
+CAUGHT_SIGNS = ("the emulated transport:", "longer than the timeout", "CUDA_ERROR_LAUNCH_FAILED",
+                "unspecified launch failure")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutant", ["no_fence", "signal_before_data", "unregistered_source",
+                                    "no_final_quiet"])
+def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
+    """Each protocol mutant (transport/mutant.h) in the ops' kernels, one process per rank as
+    two hosts: the emulated transport must catch it under every seed (a surviving mutant means
+    the emulator is too weak). no_final_quiet shows only here: with a launch per rank, the
+    second dispatch of the digest program restages rows the proxy may still be reading.
+    (reuse_before_quiet needs more combine rows per warp than its 8 slots, which the digest
+    program does not send: tests/test_transport_gpu.py catches it.)"""
+    for seed in range(2):
+        proc = _two_processes_digest("emulated", seed, mutant)
+        output = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            assert any(sign in output for sign in CAUGHT_SIGNS), (mutant, seed, output[-4000:])
+            continue
+        digests = _low_latency_digests(proc)
+        assert digests != mapped_digests, f"{mutant} survived seed {seed}: the mapped bits"
 
 
 def test_the_nvshmem_device_transport_loads_where_it_is_built():

@@ -106,7 +106,15 @@ void add_runtime_functions(nb::module_& m) {
           [](BufferConfig& c, int value) {
             c.device_transport = static_cast<DeviceTransport>(value);
           })
-      .def_rw("emulator_seed", &BufferConfig::emulator_seed);
+      .def_rw("emulator_seed", &BufferConfig::emulator_seed)
+      // Tests only: a protocol mutant by name (transport/mutant.h; an unknown name is a
+      // ValueError naming the known ones).
+      .def_prop_rw(
+          "transport_mutant",
+          [](const BufferConfig& c) { return transport::mutant_name(c.transport_mutant); },
+          [](BufferConfig& c, const std::string& name) {
+            c.transport_mutant = transport::mutant_named(name);
+          });
 
   m.def(
       "take_transport_errors",

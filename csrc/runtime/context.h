@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "transport/command_ring.h"
+#include "transport/mutant.h"
 
 namespace jax_ep {
 
@@ -44,6 +45,9 @@ struct BufferConfig {
   int low_latency_blocks = 0;  // low-latency launches (default: all SMs but 8)
   DeviceTransport device_transport = DeviceTransport::kStores;  // with low_latency only
   uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
+  // Tests only: the ops' put-protocol kernels break one rule (transport/mutant.h), so that a
+  // test with one process per rank shows the emulated transport catches it.
+  transport::Mutant transport_mutant = transport::Mutant::kNone;
 
   int num_local_experts() const { return num_experts / num_ranks; }
 };

@@ -152,6 +152,11 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
             << "(nvshmem), got " << transport;
     return message.str();
   }
+  if (config.transport_mutant != transport::Mutant::kNone &&
+      config.device_transport == DeviceTransport::kStores) {
+    return "jax_ep: a protocol mutant (JAX_EP_TRANSPORT_MUTANT) breaks the put-protocol kernels "
+           "of a device transport: set JAX_EP_DEVICE_TRANSPORT too";
+  }
   if (config.device_transport != DeviceTransport::kStores && !config.low_latency) {
     return "jax_ep: a device transport (JAX_EP_DEVICE_TRANSPORT) carries the low-latency ops "
            "only: create the Buffer with low_latency=True";

@@ -20,26 +20,38 @@ enum class Mutant : int32_t {
   kSignalBeforeData = 2,    // a signal is sent before its puts (rule 2)
   kReuseBeforeQuiet = 3,    // a send slot is rewritten before the quiet that covers it (rule 3)
   kUnregisteredSource = 4,  // puts name a source region nobody registered (rule 1)
+  kNoFinalQuiet = 5,        // a send half ends without the quiet that covers its puts (rule 3)
 };
-// (A kernel that ends without its last quiet is no mutant here: the GPU tests run every rank in
-// one launch, which ends only once every rank has received everything, so its puts have landed.
-// The dropped quiet they catch is the one before a send slot is reused: kReuseBeforeQuiet.)
+// kNoFinalQuiet shows only with a launch per rank (the ops under JAX_EP_DEVICE_TRANSPORT, one
+// process per rank): a launch of every rank ends only once every rank has received everything,
+// so its puts have landed. With a launch per rank, the next call restages a source that the
+// transport may still be reading.
 
 #if !defined(__CUDA_ARCH__)
+namespace detail {
+inline const std::pair<const char*, Mutant> kMutantNames[] = {
+    {"none", Mutant::kNone},
+    {"no_fence", Mutant::kNoFence},
+    {"signal_before_data", Mutant::kSignalBeforeData},
+    {"reuse_before_quiet", Mutant::kReuseBeforeQuiet},
+    {"unregistered_source", Mutant::kUnregisteredSource},
+    {"no_final_quiet", Mutant::kNoFinalQuiet}};
+}  // namespace detail
+
 inline Mutant mutant_named(const std::string& name) {
-  static const std::pair<const char*, Mutant> kNames[] = {
-      {"none", Mutant::kNone},
-      {"no_fence", Mutant::kNoFence},
-      {"signal_before_data", Mutant::kSignalBeforeData},
-      {"reuse_before_quiet", Mutant::kReuseBeforeQuiet},
-      {"unregistered_source", Mutant::kUnregisteredSource}};
-  for (const auto& [mutant_name, mutant] : kNames) {
+  std::string known;
+  for (const auto& [mutant_name, mutant] : detail::kMutantNames) {
     if (name == mutant_name) return mutant;
+    known += known.empty() ? mutant_name : std::string(", ") + mutant_name;
   }
-  throw std::invalid_argument(
-      "mutant must be none, no_fence, signal_before_data, "
-      "reuse_before_quiet or unregistered_source, not '" +
-      name + "'");
+  throw std::invalid_argument("mutant must be one of " + known + ", not '" + name + "'");
+}
+
+inline std::string mutant_name(Mutant mutant) {
+  for (const auto& [name, value] : detail::kMutantNames) {
+    if (value == mutant) return name;
+  }
+  return "mutant " + std::to_string(static_cast<int32_t>(mutant));
 }
 #endif
 

@@ -160,8 +160,8 @@ struct LowLatencyTransportLaunch {
   int pe_of_rank[kTransportMaxRanksPerLaunch] = {};  // kNvshmem: every rank's NVSHMEM PE
   int32_t* ticket = nullptr;  // [1] a send half alone stores its call's tag there (XLA orders
                               // the receive after it through this result)
-  // Tests only: one protocol rule broken. Dispatch: no_fence, unregistered_source; combine:
-  // no_fence, signal_before_data, reuse_before_quiet.
+  // Tests only: one protocol rule broken. Dispatch: no_fence, unregistered_source,
+  // no_final_quiet; combine: no_fence, signal_before_data, reuse_before_quiet, no_final_quiet.
   transport::Mutant mutant = transport::Mutant::kNone;
 };
 

@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kWarpSize)
                pack_tagged_count(tag, static_cast<uint32_t>(sent)), SignalOp::kSet, lane);
     }
     // D. Every put of this warp has landed: the next call may restage.
-    t.quiet(lane);
+    if (l.mutant != transport::Mutant::kNoFinalQuiet) t.quiet(lane);
     ErrorCounters* counters = l.error_counters[w.index];
     if (counters != nullptr) {
       for (int delta = kWarpSize / 2; delta > 0; delta /= 2) {
@@ -357,7 +357,8 @@ __global__ void __launch_bounds__(kWarpSize)
         t.signal(dst, word, tag, SignalOp::kSet, lane);
       }
     }
-    t.quiet(lane);
+    // Every slot's put has landed: the next call may rewrite the slots.
+    if (l.mutant != transport::Mutant::kNoFinalQuiet) t.quiet(lane);
   }
   if (ends_after_send(l, w, tag)) return;
 
