@@ -139,7 +139,12 @@ def test_auto_falls_back_to_tiled_where_the_kernels_do_not_tile(monkeypatch, ref
         x = jnp.ones((8, hidden), jnp.bfloat16)
         y = moe.swiglu_experts(x, sizes, *weights)  # auto -> mosaic (environment) or tiled
         assert y.shape == (8, hidden) and len(calls) == want_calls, (hidden, calls)
+        # expert_matmul names what swiglu_experts ran (the Flax example prints it)
+        want = "mosaic" if want_calls else "tiled"
+        assert moe.expert_matmul("auto", jnp.bfloat16, (hidden, ffn), (ffn, hidden)) == want
         calls.clear()
+    assert moe.expert_matmul("auto", jnp.float32, (512, 512), (512, 512)) == "tiled"
+    assert moe.expert_matmul("mosaic", jnp.bfloat16, (128, 64), (64, 128)) == "mosaic"
     with pytest.raises(ValueError, match="multiples of 128"):  # asked for explicitly: an error
         moe.swiglu_experts(jnp.ones((8, 128), jnp.bfloat16), sizes, *(
             jnp.zeros(s, jnp.bfloat16) for s in ((2, 128, 64), (2, 128, 64), (2, 64, 128))),

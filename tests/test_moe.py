@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -485,10 +486,19 @@ def test_flax_example_loss_decreases(tmp_path):
     spec.loader.exec_module(train)  # puts examples/flax_moe on sys.path for data.py, model.py
     cfg = train.Config(steps=40, batch=16, seq=16, experts=8, topk=2, hidden=128, ffn=64,
                        layers=1, heads=2, symbols=12, lr=1e-2, backend="xla", log_every=10,
-                       plot=str(tmp_path / "loss.png"), progress=False)
+                       plot=str(tmp_path / "loss.png"), save_losses=str(tmp_path / "run.json"),
+                       progress=False)
     result = train.train(cfg)
     losses = result["losses"]
+    assert result["matmul"] == "tiled"  # float32 rows: never the library kernels
     assert losses.shape == (40,) and np.isfinite(losses).all()
     print("first 5 steps", losses[:5].mean(), "last 10 steps", losses[-10:].mean())
     assert losses[-10:].mean() < losses[:5].mean() - 0.3, losses
     assert (tmp_path / "loss.png").stat().st_size > 0
+    run = json.loads((tmp_path / "run.json").read_text())
+    np.testing.assert_array_equal(np.asarray(run["losses"], np.float32), losses)
+    assert run["matmul"] == "tiled" and run["config"]["steps"] == 40
+    plot = importlib.import_module("plot")  # examples/flax_moe/plot.py, on sys.path now
+    plot.main([str(tmp_path / "run.json"), str(tmp_path / "run.json"),
+               "--out", str(tmp_path / "both.png")])
+    assert (tmp_path / "both.png").stat().st_size > 0

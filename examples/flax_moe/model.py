@@ -6,7 +6,7 @@ each device holds its own tokens; attention, norms, embeddings and the router ar
 `[num_experts, ...]` are split over "ep": each device holds `num_experts // R` experts (and the
 "data" axis, if any, replicates them). The MoE feed-forward runs inside `jax.shard_map`: each
 device routes its tokens, `jax_ep.dispatch` sends them to the devices that hold their experts,
-the experts run as grouped matmuls (`jax_ep.moe.grouped_matmul`, tiled), and `jax_ep.combine`
+the experts run as grouped matmuls (`jax_ep.moe.expert_matmul` says which), and `jax_ep.combine`
 brings the results back — see `jax_ep.moe.moe_ffn`.
 """
 

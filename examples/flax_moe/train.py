@@ -19,6 +19,7 @@ if _HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,6 +42,9 @@ except ImportError:  # running from a source checkout without installing
 
 from data import TASKS, SyntheticLanguage  # noqa: E402
 from model import MoETransformer, shard_model  # noqa: E402
+from plot import plot_runs  # noqa: E402
+
+from jax_ep import moe  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Config:
     seed: int = 0
     log_every: int = 25
     plot: str = "loss.png"
+    save_losses: str = ""
     progress: bool = True
 
 
@@ -128,8 +133,12 @@ def train(cfg: Config) -> dict:
                                                             batch.mask)]
 
     rng = np.random.default_rng(cfg.seed + 1)
-    print(f"devices: {num_devices} x {jax.devices()[0].platform}, mesh {dict(mesh.shape)}, "
-          f"jax_ep backend {buf.backend}, {cfg.experts // mesh.shape['ep']} experts per device; "
+    devices = f"{num_devices} x {jax.devices()[0].device_kind}"
+    # What the MoE layer's swiglu_experts(matmul="auto") runs for these widths and dtype.
+    matmul = moe.expert_matmul("auto", jnp.dtype(cfg.dtype), (cfg.hidden, 2 * cfg.ffn),
+                               (cfg.ffn, cfg.hidden))
+    print(f"devices: {devices}, mesh {dict(mesh.shape)}, jax_ep backend {buf.backend}, "
+          f"{cfg.experts // mesh.shape['ep']} experts per device, expert matmuls {matmul}; "
           f"loss floor (lower bound) {lang.entropy_floor():.3f}")
     ce_hist, aux_hist = [], []
     start = time.perf_counter()
@@ -152,12 +161,19 @@ def train(cfg: Config) -> dict:
     for name, (loss, acc) in per_task.items():
         print(f"  {name:12s} loss {loss:.4f} (floor {lang.entropy_floor(name):.3f}), "
               f"accuracy {acc:.3f}")
+    run = {"config": dataclasses.asdict(cfg), "backend": buf.backend, "matmul": matmul,
+           "devices": devices, "floor": lang.entropy_floor(), "losses": losses.tolist(),
+           "eval_loss": float(eval_loss), "eval_accuracy": float(eval_acc), "seconds": seconds}
+    if cfg.save_losses:
+        Path(cfg.save_losses).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.save_losses).write_text(json.dumps(run))
+        print(f"losses written to {cfg.save_losses}")
     if cfg.plot:
-        plot_losses(losses, lang.entropy_floor(), cfg.plot)
+        plot_runs([run], cfg.plot)
         print(f"loss plot written to {cfg.plot}")
     return {"losses": losses, "aux": np.asarray(jax.device_get(aux_hist)),
             "eval_loss": eval_loss, "eval_accuracy": eval_acc, "per_task": per_task,
-            "seconds": seconds}
+            "seconds": seconds, "matmul": matmul}
 
 
 def evaluate(eval_fn, lang: SyntheticLanguage, batch_size: int, rng, num_batches: int = 4):
@@ -174,30 +190,6 @@ def evaluate(eval_fn, lang: SyntheticLanguage, batch_size: int, rng, num_batches
     per_task = {name: (sums[i, 0] / sums[i, 2], sums[i, 1] / sums[i, 2])
                 for i, name in enumerate(TASKS) if sums[i, 2]}
     return total[0] / total[2], total[1] / total[2], per_task
-
-
-def plot_losses(losses: np.ndarray, floor: float, path: str) -> None:
-    """Writes the per-step loss, a moving average and the loss floor to a PNG at `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = np.arange(1, len(losses) + 1)
-    window = max(1, len(losses) // 30)
-    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, losses, alpha=0.3, label="loss per step")
-    ax.plot(steps[window - 1:], smooth, label=f"moving average ({window})")
-    ax.axhline(floor, color="gray", linestyle="--", label="floor (lower bound)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats)")
-    ax.set_title("Flax NNX MoE transformer trained with jax_ep")
-    ax.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def parse_args(argv=None) -> Config:
@@ -231,6 +223,9 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps per loss line")
     p.add_argument("--plot", default=d.plot,
                    help="write the PNG loss plot here ('' for none)")
+    p.add_argument("--save-losses", default=d.save_losses,
+                   help="write the run (config, expert matmul, per-step losses, eval) as JSON "
+                        "here, for plot.py to compare runs ('' for none)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide the tqdm progress bar")
     return Config(**vars(p.parse_args(argv)))

@@ -1,7 +1,8 @@
 """`jax_ep.moe`: Mixture-of-Experts building blocks around `jax_ep.dispatch` / `jax_ep.combine`.
 
-  - `layer`: `router`, `permute` / `unpermute`, `swiglu_experts`, `moe_ffn` (re-exported here;
-    the module docstring describes the layer and its sharding model);
+  - `layer`: `router`, `permute` / `unpermute`, `swiglu_experts` (`expert_matmul`: the matmul
+    it runs), `moe_ffn` (re-exported here; the module docstring describes the layer and its
+    sharding model);
   - `tiled_matmul`: `grouped_matmul`, the portable tiled grouped matmul;
   - `grouped_gemm`: library grouped GEMMs on Hopper GPUs and the `matmul="auto"` choice.
 
@@ -14,6 +15,7 @@ from jax_ep.moe.layer import (
     Permuted,
     PermuteState,
     Routing,
+    expert_matmul,
     grouped_matmul,
     moe_ffn,
     permute,
@@ -28,6 +30,7 @@ __all__ = [
     "PermuteState",
     "Permuted",
     "Routing",
+    "expert_matmul",
     "grouped_matmul",
     "moe_ffn",
     "permute",

@@ -48,6 +48,7 @@ __all__ = [
     "PermuteState",
     "Permuted",
     "Routing",
+    "expert_matmul",
     "grouped_matmul",
     "moe_ffn",
     "permute",
@@ -402,21 +403,30 @@ def swiglu_experts(
         raise ValueError(f"swiglu_experts: matmul must be one of {MATMULS}, got {matmul!r}")
     _check_gate_up("swiglu_experts", w_gate, w_up, w_down)
     dtype = x_sorted.dtype
-    requested, matmul = matmul, grouped_gemm.resolve_matmul(matmul, dtype)
-    widths = (w_gate.shape[1:], w_down.shape[1:])
-    if requested == "auto" and matmul in grouped_gemm.LIBRARY_MATMULS and not all(
-            grouped_gemm.supports(matmul, k, m) for k, m in widths):
-        matmul = "tiled"  # auto never picks kernels that cannot tile these widths
+    matmul = expert_matmul(matmul, dtype, w_gate.shape[1:], w_down.shape[1:])
     if matmul in grouped_gemm.LIBRARY_MATMULS:
         return _swiglu_library(x_sorted, group_sizes, w_gate, w_up, w_down, activation, matmul)
     gmm = grouped_matmul if matmul == "tiled" else jax.lax.ragged_dot
 
-    def expert_matmul(lhs, rhs):
+    def run_matmul(lhs, rhs):
         return gmm(lhs, rhs.astype(dtype), group_sizes, precision=precision,
                    preferred_element_type=jnp.float32)
 
-    gate, up = _gate_and_up(expert_matmul, x_sorted, w_gate, w_up)
-    return expert_matmul((activation(gate) * up).astype(dtype), w_down)
+    gate, up = _gate_and_up(run_matmul, x_sorted, w_gate, w_up)
+    return run_matmul((activation(gate) * up).astype(dtype), w_down)
+
+
+def expert_matmul(matmul: str, dtype, gate_up_width: tuple[int, int],
+                  down_width: tuple[int, int]) -> str:
+    """The matmul `swiglu_experts(..., matmul=matmul)` runs for rows of `dtype` and expert
+    weights `[E_loc, H, F']` (gate and up; `gate_up_width = (H, F')`) and `[E_loc, F, H_out]`
+    (`down_width = (F, H_out)`): `"auto"` resolved, and never library kernels that cannot tile
+    these widths."""
+    requested, matmul = matmul, grouped_gemm.resolve_matmul(matmul, dtype)
+    if requested == "auto" and matmul in grouped_gemm.LIBRARY_MATMULS and not all(
+            grouped_gemm.supports(matmul, k, m) for k, m in (gate_up_width, down_width)):
+        return "tiled"
+    return matmul
 
 
 def _check_gate_up(caller, w_gate, w_up, w_down):
