@@ -131,6 +131,7 @@ def result_header(argv: Sequence[str]) -> dict[str, Any]:
         "jax_version": jax.__version__,
         "platform": jax.default_backend(),
         "processes": jax.process_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 
