@@ -99,6 +99,7 @@ def low_latency_bytes(num_ranks, t_max):
         2 * e_loc * num_ranks * t_max * 8,           # dispatch_meta (int2)
         2 * e_loc * num_ranks * t_max * 8,           # dispatch_row_flags
         2 * e_loc * (num_ranks - 1) * t_max * 2 * H,  # dispatch_rows (2H bytes per slot)
+        t_max * 2 * H,                               # dispatch_own_rows (one copy)
         2 * t_max * K * 2 * H,                       # combine_rows
     ):
         offset = align_up(offset + nbytes, LL_ALIGN)

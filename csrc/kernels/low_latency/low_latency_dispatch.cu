@@ -11,7 +11,8 @@
 //               the last block of s at the very start of its launch (counts need only topk_idx),
 //               so receivers know every output row position before any data arrives.
 //   meta        [parity][e][s][slot] (token, k) of each row; a rank's own rows carry meta only:
-//               its receiver reads them from x directly (no round trip through the region).
+//               its receiver reads them from x (bf16) or from the token's one fp8 cast
+//               (dispatch_own_rows), not through a row of the region.
 //   row flag    [parity][e][s][slot] (s remote) tag once that row, its scales and its meta landed.
 //
 // Phases of every block (W = all warps of the grid):
@@ -23,11 +24,14 @@
 //      t with the same id. It writes the local meta of
 //      own-rank pairs and remembers the destination row, meta and flag of remote pairs. Slots
 //      >= T_max (only possible with duplicate ids) are dropped and counted in
-//      ErrorCounters::dropped_low_latency_rows. After the block barrier, warp 0
-//      alone fences (local stores only: cheap) and arrives on the local "meta written" counter.
+//      ErrorCounters::dropped_low_latency_rows. bf16: after the block barrier, warp 0 alone
+//      fences (local stores only: cheap) and arrives on the local "own rows ready" counter.
 //   3. Send: the block's threads cast their pieces to e4m3 (scale per 128 channels via 8-lane
 //      shuffles; bf16: plain 16-byte vectors, lane-contiguous so every warp store is 512
-//      contiguous bytes) and store them to every remote destination row.
+//      contiguous bytes) and store them to every remote destination row; fp8 also to the
+//      token's own row (dispatch_own_rows: one cast per token, where the receive half cast
+//      each own copy of it from x until 2026-12-02, at EP=1 up to K times), then after the
+//      block barrier thread 0 fences and arrives on the counter.
 //   4. Release: block barrier; the thread of each remote pair stores its meta at the peer, fences
 //      (.sys: every store of the block, ordered before it by the barrier, is then visible at the
 //      peer) and stores the pair's row flag = tag there. No grid-wide counter, no last block.
@@ -36,7 +40,8 @@
 //      numbering of all receive rows, own rows first, then sources rank+1, rank+2, ... (mod R).
 //      Units (row, chunk) go round-robin to all warps of the grid, whatever expert they belong
 //      to (a skewed routing no longer piles one expert's rows onto its few warps): own rows
-//      (after the meta counter reaches the grid size, copied from x and cast), then peer rows:
+//      (after the counter reaches the grid size: bf16 copied from x, fp8 from the token's own
+//      row), then peer rows:
 //      per row, wait for its flag, then copy rows, scales and meta from the region to the
 //      outputs — so a row is copied out as soon as it lands, overlapping the transfer.
 //      Then recv_count and the -1 fill of recv_src/recv_k past it, over all threads.
@@ -48,12 +53,12 @@
 // split call of this op on this Buffer in between on this rank; fused calls may run in between:
 // they use the other channel of the workspace, see low_latency_layout.cuh): both launches read
 // the split channel's sequence word at their start and only phase 6 advances it, so both use the
-// same tag and parity. The send launch never waits. Its blocks still arrive on the meta counter
-// (phase 2), but the receive launch does not wait for it: the kernel boundary already orders the
-// send launch's own-meta stores before every load of the receive launch; its phase 6 clears the
-// counter as the fused launch does. Peer rows, meta, flags and count words are waited for exactly
-// as in the fused launch (same bounded waits, phase "low-latency dispatch receive"). Phase 5 reads
-// x for the own rows: the receive half takes x as an operand again.
+// same tag and parity. The send launch never waits. Its blocks still arrive on the counter
+// (phase 2 or 3), but the receive launch does not wait for it: the kernel boundary already orders
+// the send launch's own meta and own fp8 rows before every load of the receive launch; its phase 6
+// clears the counter as the fused launch does. Peer rows, meta, flags and count words are waited
+// for exactly as in the fused launch (same bounded waits, phase "low-latency dispatch receive").
+// Phase 5 reads x for the bf16 own rows: the receive half takes x as an operand again.
 //
 // Memory ordering of a remote row: data stores (weak, every thread of the sending block) ->
 // bar.sync -> the releasing thread's meta store -> fence.acq_rel.sys -> st.relaxed.sys flag
@@ -175,13 +180,16 @@ __device__ __forceinline__ void load_send_inputs(const int4* x_block, int total,
 }
 
 // Phase 3: writes this block's tokens to every remote destination row (pairs[t * K + k].row,
-// nullptr = not sent to a peer). (a, b): this thread's inputs of the first iteration, loaded in
-// phase 0. fp8: thread f of the flattened (token, piece) space handles 16 channels; the 8 lanes of
-// a scale group hold the same token (H/16 % 8 == 0). bf16: thread f handles vector f (and f +
-// blockDim) of the flattened (token, vector) space, so lanes store consecutive 16-byte vectors.
+// nullptr = not sent to a peer); fp8 also to this rank's own rows (own_block: the block's first
+// token's row of dispatch_own_rows), so each token is cast once, however many of its copies stay
+// here. (a, b): this thread's inputs of the first iteration, loaded in phase 0. fp8: thread f of
+// the flattened (token, piece) space handles 16 channels; the 8 lanes of a scale group hold the
+// same token (H/16 % 8 == 0). bf16: thread f handles vector f (and f + blockDim) of the
+// flattened (token, vector) space, so lanes store consecutive 16-byte vectors.
 template <bool kUseFp8>
 __device__ __forceinline__ void send_rows(const DispatchArgs& args, const RemotePair* pairs,
-                                          const int4* x_block, int n_tok, int4 a, int4 b) {
+                                          const int4* x_block, char* own_block, int n_tok, int4 a,
+                                          int4 b) {
   const int hidden = args.rank.layout.hidden;
   const int num_topk = args.rank.layout.num_topk;
   const int tid = static_cast<int>(threadIdx.x);
@@ -199,8 +207,9 @@ __device__ __forceinline__ void send_rows(const DispatchArgs& args, const Remote
       const int4 packed = bf16_piece_to_e4m3(a, b, 1.0f / scale);
       if (!active) continue;
       const RemotePair* token_pairs = pairs + local_token * num_topk;
-      for (int k = 0; k < num_topk; ++k) {
-        char* row = token_pairs[k].row;
+      char* own_row = own_block + local_token * args.rank.layout.dispatch_row_bytes();
+      for (int k = -1; k < num_topk; ++k) {  // k = -1: the own row
+        char* row = k < 0 ? own_row : token_pairs[k].row;
         if (row == nullptr) continue;
         st_v4(reinterpret_cast<int4*>(row) + piece, packed);
         if (piece % kFp8PiecesPerScale == 0) {
@@ -268,52 +277,25 @@ __device__ __forceinline__ void copy_unit_vectors(int4* dst, const int4* src, in
   }
 }
 
-// Own row: read token `token` of x and write it (cast) to output row `row_index`, pieces
-// [piece0, piece_end) — at most kRecvPiecesPerUnit. Whole warp, uniform arguments.
-template <bool kUseFp8>
-__device__ __forceinline__ void copy_own_row(const DispatchArgs& args, int token, size_t row_index,
-                                             int piece0, int piece_end, int lane) {
+// Own row, bf16: copy token `token` of x to output row `row_index`, pieces [piece0, piece_end)
+// (at most kRecvPiecesPerUnit). Whole warp, uniform arguments.
+__device__ __forceinline__ void copy_own_bf16_row(const DispatchArgs& args, int token,
+                                                  size_t row_index, int piece0, int piece_end,
+                                                  int lane) {
   const int hidden = args.rank.layout.hidden;
   const int4* src = reinterpret_cast<const int4*>(args.x + static_cast<size_t>(token) * hidden);
-  if constexpr (kUseFp8) {
-    int4 lo[kRecvPiecesPerLane], hi[kRecvPiecesPerLane];
-#pragma unroll
-    for (int m = 0; m < kRecvPiecesPerLane; ++m) {
-      const int piece = piece0 + m * kWarpSize + lane;
-      lo[m] = hi[m] = make_int4(0, 0, 0, 0);
-      if (piece < piece_end) {
-        lo[m] = ld_nc_v4(src + 2 * piece);
-        hi[m] = ld_nc_v4(src + 2 * piece + 1);
-      }
-    }
-    auto* dst = reinterpret_cast<int4*>(static_cast<uint8_t*>(args.recv_x) + row_index * hidden);
-    float* dst_scales = args.recv_scales + row_index * (hidden / kChannelsPerScale);
-#pragma unroll
-    for (int m = 0; m < kRecvPiecesPerLane; ++m) {
-      if (piece0 + m * kWarpSize >= piece_end) break;  // warp-uniform
-      const int piece = piece0 + m * kWarpSize + lane;
-      const bool active = piece < piece_end;
-      const float amax = fp8_group_amax(active ? bf16_piece_amax(lo[m], hi[m]) : 0.0f);
-      const float scale = fp8_scale_from_amax(amax, args.round_scale);
-      const int4 packed = bf16_piece_to_e4m3(lo[m], hi[m], 1.0f / scale);
-      if (active) {
-        st_v4(dst + piece, packed);
-        if (piece % kFp8PiecesPerScale == 0) dst_scales[piece / kFp8PiecesPerScale] = scale;
-      }
-    }
-  } else {
-    auto* dst =
-        reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(args.recv_x) + row_index * hidden);
-    copy_unit_vectors<true>(dst, src, 2 * piece0, 2 * piece_end, lane);
-  }
+  auto* dst =
+      reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(args.recv_x) + row_index * hidden);
+  copy_unit_vectors<true>(dst, src, 2 * piece0, 2 * piece_end, lane);
 }
 
-// Peer row: copy pieces [piece0, piece_end) of a received region row (and its scales) to output
-// row `row_index`. The data was written by a peer during this launch: L2 loads (ld.cg).
+// Region row: copy pieces [piece0, piece_end) of a row of the region (and its scales) to output
+// row `row_index`: a row a peer sent, or (fp8) this rank's own token cast by the send half. The
+// data was written during this launch or the send launch, by other SMs: L2 loads (ld.cg).
 template <bool kUseFp8>
-__device__ __forceinline__ void copy_peer_row(const DispatchArgs& args, const char* src_row,
-                                              size_t row_index, int piece0, int piece_end,
-                                              int lane) {
+__device__ __forceinline__ void copy_region_row(const DispatchArgs& args, const char* src_row,
+                                                size_t row_index, int piece0, int piece_end,
+                                                int lane) {
   const int hidden = args.rank.layout.hidden;
   if constexpr (kUseFp8) {
     const int4* src = reinterpret_cast<const int4*>(src_row);
@@ -377,7 +359,7 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
   const int piece_end = min(chunks.pieces, piece0 + chunks.chunk_pieces);
   if (src == me) {
     if constexpr (kOwnMetaInLaunch) {
-      if (!own_meta_ready) {  // own meta: written by every block of this launch in phase 2
+      if (!own_meta_ready) {  // own meta (fp8: own rows): every block of this launch writes them
         if (lane == 0) {
           wait_flag_at_least(reinterpret_cast<const uint64_t*>(&control->dispatch_blocks_meta),
                              gridDim.x, rk.timeout_ns, rk.timeout_record, me, me,
@@ -394,7 +376,12 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
       args.recv_k[row_index] = k;
     }
     if (token < 0 || token >= args.num_tokens) return;  // guards x; not for well-formed meta
-    copy_own_row<kUseFp8>(args, token, row_index, piece0, piece_end, lane);
+    if constexpr (kUseFp8) {
+      copy_region_row<true>(args, rk.local + layout.dispatch_own_row_offset(token), row_index,
+                            piece0, piece_end, lane);
+    } else {
+      copy_own_bf16_row(args, token, row_index, piece0, piece_end, lane);
+    }
   } else {
     if (lane == 0) {
       wait_flag_at_least(flag_base + meta_index, tag, rk.timeout_ns, rk.timeout_record, me, src,
@@ -407,7 +394,7 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
       k = ld_cg_s32(&meta->y);
     }
     const char* src_row = rk.local + layout.dispatch_row_offset(parity, expert, src, me, slot);
-    copy_peer_row<kUseFp8>(args, src_row, row_index, piece0, piece_end, lane);
+    copy_region_row<kUseFp8>(args, src_row, row_index, piece0, piece_end, lane);
     if (chunk == 0 && lane == 0) {
       args.recv_src[row_index] = src * max_tokens + token;
       args.recv_k[row_index] = k;
@@ -786,19 +773,31 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
     }
   }
   __syncthreads();
-  // Own meta visible before the block's arrival. Only warp 0 wrote any, and only locally (remote
-  // meta waits for phase 4), so this fence is short and stalls warp 0 alone. (The send half
-  // alone arrives too: its counter is cleared by the receive half's finish_launch.)
-  if (tid < kWarpSize) {
-    __threadfence();
-    if (tid == 0) atomicAdd(&control->dispatch_blocks_meta, 1ull);
+  // The block's arrival on the meta counter, after which the receive half copies its own rows
+  // (the send half alone arrives too: its counter is cleared by the receive half's
+  // finish_launch). bf16: own meta visible before it; only warp 0 wrote any, and only locally
+  // (remote meta waits for phase 4), so this fence is short and stalls warp 0 alone.
+  if constexpr (!kUseFp8) {
+    if (tid < kWarpSize) {
+      __threadfence();
+      if (tid == 0) atomicAdd(&control->dispatch_blocks_meta, 1ull);
+    }
   }
 
-  // Phase 3: send remote rows.
-  send_rows<kUseFp8>(args, pairs, x_block, n_tok, send_a, send_b);
+  // Phase 3: send remote rows (fp8: and cast own rows).
+  char* own_block = kUseFp8 ? rk.local + layout.dispatch_own_row_offset(t0) : nullptr;
+  send_rows<kUseFp8>(args, pairs, x_block, own_block, n_tok, send_a, send_b);
 
   // Phase 4: publish this block's remote rows.
   __syncthreads();
+  // fp8: the arrival waits for the own rows cast in phase 3 (every thread's stores, ordered
+  // before thread 0's fence by the barrier, as a grid barrier does), and covers the meta too.
+  if constexpr (kUseFp8) {
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(&control->dispatch_blocks_meta, 1ull);
+    }
+  }
   release_remote_pairs(pairs, n_tok * num_topk, tag);
 }
 

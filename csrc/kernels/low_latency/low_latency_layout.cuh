@@ -17,8 +17,12 @@
 //   dispatch_row_flags u64 [2][E_loc][R][T_max]  tag once row (and meta) of slot j from remote
 //                    source s landed (entries of s == rank unused: same index as dispatch_meta)
 //   dispatch_rows    [2][E_loc][R-1][T_max] rows of 2H bytes, remote sources only (a rank never
-//                    sends rows to itself: its receiver reads x directly). fp8 rows hold H bytes of
-//                    e4m3 then H/128 float scales; bf16 rows hold H bf16.
+//                    sends rows to itself). fp8 rows hold H bytes of e4m3 then H/128 float
+//                    scales; bf16 rows hold H bf16.
+//   dispatch_own_rows [T_max] rows of 2H bytes: this rank's tokens cast to fp8 (same row format),
+//                    once per token by the send half, for the receive half's own rows (fp8 only:
+//                    bf16 own rows are read from x). Local use only, one copy: the send half of
+//                    call n+1 starts after the receive half of call n ends (one stream).
 //   combine_rows     bf16 [2][T_max][K][H]  expert output of (token, k), remote experts only
 //
 // Include from .cu and .cc files alike (no device-only syntax outside __CUDACC__ blocks).
@@ -52,7 +56,7 @@ constexpr int kLowLatencyNumChannels = 2;
 struct LowLatencyControl {
   uint64_t dispatch_seq;                    // completed low-latency dispatch calls
   uint64_t combine_seq;                     // completed low-latency combine calls
-  unsigned long long dispatch_blocks_meta;  // dispatch blocks whose self-destined meta is written
+  unsigned long long dispatch_blocks_meta;  // blocks whose own meta (fp8: own rows too) is written
   unsigned long long dispatch_blocks_done;  // dispatch blocks that finished
   unsigned long long combine_blocks_sent;   // combine blocks whose remote rows are all written
   unsigned long long combine_blocks_done;   // combine blocks that finished
@@ -73,6 +77,7 @@ struct LowLatencyLayout {
   size_t dispatch_meta = 0;
   size_t dispatch_row_flags = 0;
   size_t dispatch_rows = 0;
+  size_t dispatch_own_rows = 0;
   size_t combine_rows = 0;
   size_t total_bytes = 0;
 
@@ -98,6 +103,10 @@ struct LowLatencyLayout {
     const size_t expert_block = static_cast<size_t>(parity) * num_local_experts + expert;
     const size_t block = expert_block * (num_ranks - 1) + remote_idx;
     return dispatch_rows + (block * max_tokens + slot) * dispatch_row_bytes();
+  }
+  // This rank's token `token` cast to fp8 (dispatch_own_rows).
+  JAX_EP_HOST_DEVICE size_t dispatch_own_row_offset(int token) const {
+    return dispatch_own_rows + static_cast<size_t>(token) * dispatch_row_bytes();
   }
   JAX_EP_HOST_DEVICE size_t combine_row_offset(int parity, int token, int k) const {
     const size_t row = (static_cast<size_t>(parity) * max_tokens + token) * num_topk + k;
@@ -132,6 +141,7 @@ inline LowLatencyLayout make_low_latency_layout(const BufferConfig& config) {
   layout.dispatch_row_flags = carve(num_parities * experts * ranks * tokens * sizeof(uint64_t));
   layout.dispatch_rows =
       carve(num_parities * experts * remote_ranks * tokens * layout.dispatch_row_bytes());
+  layout.dispatch_own_rows = carve(tokens * layout.dispatch_row_bytes());
   layout.combine_rows = carve(num_parities * tokens * static_cast<size_t>(layout.num_topk) *
                               layout.combine_row_bytes());
   layout.total_bytes = offset;
