@@ -14,8 +14,11 @@ The peers run the same step with ``jax.lax.all_to_all`` (capacity-padded) and
 
 Each program chains ``N`` steps like the layers of a model (step i+1 takes step i's output as
 its tokens, each layer its own routing), and only the last output leaves the program. The
-measures per step are each the difference of N=12 and N=2 programs divided by 10 (so the fixed
-cost of a call cancels; N=3 and 1 with ``--quick``):
+measures per step are each the slope of a least-squares line through the programs of N = 4, 8,
+12 and 16 layers (``--layers``; 1 and 2 with ``--quick``), so the fixed cost of a call cancels
+and no single program's noise decides. Every one of these programs has at least 5 custom calls,
+so XLA runs each as one command buffer (CUDA graph), as it runs a model's many layers; a
+2-layer program of 4 calls would run thunk by thunk (``xla_gpu_graph_min_graph_size``):
 - ``time_us``: wall time, from the call to its results being ready (what the program pays);
   each call is waited for before the next. (Calls made back to back do not work with the
   difference: the host's fixed cost per call, larger than a short program's GPU work, bounds
@@ -51,18 +54,19 @@ import jax.numpy as jnp
 
 IMPLS = ("jax_ep", "all_to_all", "ragged_all_to_all")
 OPS = ("decode_step", "normal_step", "normal_train_step")
-LAYERS = (2, 12)  # the short and the long program's layers
-# --quick: CPU tests; 1 and 2 layers exercise the same code as 2 and 12 (a layer that takes the
-# previous one's output included) at a fraction of the compile time.
+LAYERS = (4, 8, 12, 16)  # the programs' layer counts; each step is their line's slope
+# --quick: CPU tests; 1 and 2 layers exercise the same code (a layer that takes the previous
+# one's output included) at a fraction of the compile time.
 QUICK = {"tokens": 64, "ll_tokens": 8, "hidden": 256, "experts": 16, "repeats": 3,
          "layers": (1, 2)}
 
 
-def _layer_pair(text):
-    short, long = (int(v) for v in text.split(","))
-    if not 1 <= short < long:
-        raise argparse.ArgumentTypeError(f"--layers needs 1 <= short < long, got {text!r}")
-    return short, long
+def _layer_counts(text):
+    counts = tuple(int(v) for v in text.split(","))
+    if len(counts) < 2 or counts[0] < 1 or list(counts) != sorted(set(counts)):
+        raise argparse.ArgumentTypeError(
+            f"--layers needs two or more ascending layer counts >= 1, got {text!r}")
+    return counts
 
 
 def parse_args(argv):
@@ -89,9 +93,9 @@ def parse_args(argv):
     p.add_argument("--no-kernel-trace", action="store_true", help="skip the CUPTI trace")
     p.add_argument("--host-trace", action="store_true",
                    help="print where jax_ep's host time goes (host events of a profiler trace)")
-    p.add_argument("--layers", type=_layer_pair, default=LAYERS,
-                   help="the short and the long program's layers, e.g. 4,14 (each step is "
-                        "their wall-time difference over the layers between them)")
+    p.add_argument("--layers", type=_layer_counts, default=LAYERS,
+                   help="the programs' layer counts, ascending, e.g. 4,8,12,16 (each step is "
+                        "the slope of their wall times' least-squares line)")
     p.add_argument("--quick", action="store_true", help="small shapes, for CPU tests")
     p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
     p.add_argument("--tag")
@@ -345,24 +349,30 @@ def host_events(fn, args, calls=10, top=30):
     return rows[:top]
 
 
+def slope(xs, ys):
+    """The least-squares slope of ``ys`` over ``xs``."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    return (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+            / sum((x - mean_x) ** 2 for x in xs))
+
+
 def measure(programs, args, repeats, trace):
-    """Per step: (time_us, kernel_us, ep_kernel_us, device_span_us, enqueue_us, walls) from the
-    short and the long program (``programs`` by their layer counts)."""
-    short, long = sorted(programs)
+    """Per step: (time_us, kernel_us, ep_kernel_us, device_span_us, enqueue_us, walls), each
+    the slope over the programs' layer counts (``programs`` by their layer counts); walls: the
+    median wall time of each program."""
+    counts = sorted(programs)
     clocks = {}
-    for _ in range(2):  # interleave: drift hits both programs
-        for n, fn in programs.items():
-            clocks.setdefault(n, []).append(host_clocks(fn, args, repeats // 2 or 1))
-    enq = {n: statistics.median(c[0] for c in v) for n, v in clocks.items()}
-    wall = {n: statistics.median(c[1] for c in v) for n, v in clocks.items()}
-    layers = long - short
+    for _ in range(2):  # interleave: drift hits every program
+        for n in counts:
+            clocks.setdefault(n, []).append(host_clocks(programs[n], args, repeats // 2 or 1))
+    enq = [statistics.median(c[0] for c in clocks[n]) for n in counts]
+    wall = [statistics.median(c[1] for c in clocks[n]) for n in counts]
     per_layer = [None, None, None]  # kernel_us, ep_kernel_us, device_span_us
     if trace:
-        busy = {n: device_busy_us(fn, args) for n, fn in programs.items()}
-        if busy[long][0] is not None:
-            per_layer = [(busy[long][j] - busy[short][j]) / layers for j in range(3)]
-    return ((wall[long] - wall[short]) / layers, *per_layer,
-            (enq[long] - enq[short]) / layers, wall)
+        busy = [device_busy_us(programs[n], args) for n in counts]
+        if busy[0][0] is not None:
+            per_layer = [slope(counts, [b[j] for b in busy]) for j in range(3)]
+    return slope(counts, wall), *per_layer, slope(counts, enq), wall
 
 
 def build_programs(mesh, step, backward, make_carry, donate, residual, layers):
@@ -372,14 +382,14 @@ def build_programs(mesh, step, backward, make_carry, donate, residual, layers):
 
 
 def step_inputs(mesh, tokens, args, seed):
-    """Tokens ``[R*T, H]`` and, per layer of the long program, a routing ``([R*T, K], [R*T,
+    """Tokens ``[R*T, H]`` and, per layer of the longest program, a routing ``([R*T, K], [R*T,
     K])``, each its own argument (sharded along the tokens like everything else): a routing
     is then a buffer of its own, as a model's router makes it, where slicing one stacked array
     cost two copy kernels per layer (~2 us each at T=4096 on an H200) that no model runs."""
     R = mesh.shape[bc.AXIS]
     x = bc.random_rows(mesh, seed, (R * tokens, args.hidden))
     routings = [bc.random_routing(mesh, seed + 1 + i, tokens, args.experts, args.topk)
-                for i in range(args.layers[1])]
+                for i in range(args.layers[-1])]
     idx = tuple(r[0] for r in routings)
     w = tuple(r[1] for r in routings)
     return x, idx, w
@@ -411,22 +421,22 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     # Called as a user calls a jitted step (its C++ fast path), compiled by the warm-up calls.
     programs = build_programs(mesh, step, backward, make_carry, args.carry == "donated",
                               residual=not args.bare, layers=args.layers)
-    short, long = args.layers
+    longest = args.layers[-1]
     call_args = step_inputs(mesh, tokens, args, seed=7)
     counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
     time_us, kernel_us, ep_kernel_us, span_us, enqueue_us, wall = measure(
         programs, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
     if args.host_trace and impl == "jax_ep" and bc.on_gpu():
         kernels, gaps = {}, {}
-        device_busy_us(programs[long], call_args, by_kernel=kernels, gaps=gaps)
-        print(f"kernels of one {op} ({dtype}) program of {long} steps, us per call:")
+        device_busy_us(programs[longest], call_args, by_kernel=kernels, gaps=gaps)
+        print(f"kernels of one {op} ({dtype}) program of {longest} steps, us per call:")
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
             print(f"  {us:9.1f} us  {name}")
-        print(f"device idle between kernels, one program of {long} steps, us per call:")
+        print(f"device idle between kernels, one program of {longest} steps, us per call:")
         for name, us in sorted(gaps.items(), key=lambda kv: -kv[1])[:10]:
             print(f"  {us:9.1f} us  {name}")
-        record_host = host_events(programs[long], call_args)
-        print(f"host events of one {op} ({dtype}) program of {long} steps, "
+        record_host = host_events(programs[longest], call_args)
+        print(f"host events of one {op} ({dtype}) program of {longest} steps, "
               "us and count per call:")
         for name, us, count in record_host:
             print(f"  {us:9.1f} us  x{count:6.1f}  {name}")
@@ -436,8 +446,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
               "time_us": time_us, "kernel_us": kernel_us,
               "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
               "device_span_us": span_us,
-              "enqueue_us": enqueue_us, "wall_short_us": wall[short],
-              "wall_long_us": wall[long], "layers": list(args.layers)}
+              "enqueue_us": enqueue_us, "layers": list(args.layers), "wall_us": wall}
     if counts_before is not None:
         calls, captured = (a - b for a, b in zip(_handler_counts(jax_ep), counts_before,
                                                  strict=True))

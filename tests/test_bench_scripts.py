@@ -96,11 +96,11 @@ def test_bench_step_bare_runs_the_op_pair(tmp_path):
     assert len(records) == 4, records  # normal (bf16) and decode (fp8), for both impls
     for record in records:
         assert "error" not in record, record
-        # Per-layer figures are differences of two short CPU programs (noise may flip their
+        # Per-layer figures are slopes over two short CPU programs (noise may flip their
         # sign); the programs' own wall times are not.
         assert record["bare"] is True and isinstance(record["time_us"], float), record
-        assert positive(record["wall_short_us"]) and positive(record["wall_long_us"]), record
-        assert record["layers"] == [1, 2], record
+        assert record["layers"] == [1, 2] and len(record["wall_us"]) == 2, record
+        assert all(positive(w) for w in record["wall_us"]), record
 
 
 def test_profile_moe_experts_quick(tmp_path):
@@ -116,13 +116,19 @@ def test_profile_moe_experts_quick(tmp_path):
         assert positive(r["wall_ms"]) and r["span_ms"] is None  # no device plane on CPU
 
 
-def test_bench_step_layers_are_a_pair_short_then_long():
-    """``--layers SHORT,LONG`` picks the two programs (e.g. both large enough for XLA to run
-    them as command buffers); anything but 1 <= short < long is refused, naming the flag."""
+def test_bench_step_layers_are_ascending_counts_and_the_step_is_their_slope():
+    """``--layers`` picks the programs (by default all large enough for XLA to run them as
+    command buffers); anything but two or more ascending counts >= 1 is refused, naming the
+    flag. The step is the least-squares slope of the programs' times over their layers."""
     import bench_step
 
     assert bench_step.parse_args([]).layers == bench_step.LAYERS
     assert bench_step.parse_args(["--layers", "4,14"]).layers == (4, 14)
-    for bad in ("12,2", "0,4", "3,3"):
+    assert bench_step.parse_args(["--layers", "2,6,9"]).layers == (2, 6, 9)
+    for bad in ("12,2", "0,4", "3,3", "5"):
         with pytest.raises(SystemExit):
             bench_step.parse_args(["--layers", bad])
+    assert bench_step.slope([4, 8, 12], [10.0, 30.0, 50.0]) == pytest.approx(5.0)
+    # one noisy program moves the fitted slope less than it moves a two-point difference
+    walls = [100.0, 140.0, 200.0, 220.0]  # 10 us per layer, the third program 20 us slow
+    assert abs(bench_step.slope([4, 8, 12, 16], walls) - 10.0) < abs((200 - 100) / 8 - 10.0)
