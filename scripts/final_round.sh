@@ -11,6 +11,8 @@
 #   devtransport  tests/test_device_transport.py alone (the ops over every device transport,
 #           in child processes: several minutes; SUITE_ARGS
 #           "--ignore=tests/test_device_transport.py" keeps it out of the suite)
+#   cublaslt  scripts/cublaslt_probe.sh: cuBLASLt's grouped matmul on the expert GEMMs' products
+#           (issue 21; ~1 min)
 #   ptx     scripts/ptx_check.sh: a PTX-only compute_80 build (the A100 code path, JIT-compiled
 #           on this GPU), the image the driver loaded, the GPU suite (last: it replaces the build)
 set -uo pipefail
@@ -48,6 +50,7 @@ if has step; then
      --bare --ops decode_step,normal_step --tag bare ${STEP_ARGS:-}
    printf '%s\n' "${sum[@]}" > "$OUT/step_summary.txt")
 fi
+has cublaslt && step cublaslt "${CUBLASLT_S:-150}" bash "$R/scripts/cublaslt_probe.sh"
 if has ptx; then  # the whole GPU suite by default (PTX_TESTS narrows it)
   step ptx "${PTX_S:-300}" bash "$R/scripts/ptx_check.sh"
   tail -1 "$OUT/ptx.log"
