@@ -510,8 +510,8 @@ __device__ __forceinline__ int plan_pair_of_row(const ReceivePlan& plan, int num
 // unit u to warp u % W, consecutive units to the warps of one block, blocks counted from the
 // first one that had no tokens to send. So own rows (ready once the meta counter completes)
 // come first everywhere, and no warp holds more than ceil(units / W), whatever the skew of the
-// routing (EP=1 on one H200, T=128 fp8: 17.0 us; 19.1 with consecutive units on different
-// blocks).
+// routing (EP=1 on one H200, T=128 fp8, before the own fp8 rows: 17.0 us; 19.1 with
+// consecutive units on different blocks).
 // kOwnMetaInLaunch: the own meta is written by this launch's blocks (fused op), so wait for the
 // meta counter; otherwise the send launch wrote it and the kernel boundary orders it before this
 // launch. Then recv_count and the -1 fill of recv_src / recv_k past it, spread the same way.
@@ -568,10 +568,10 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
 
 // Phase 5 for few rows (T * K <= grid size, e.g. T=1): warps w = e (mod E_loc) share local
 // expert e, wait only for e's R count words and need no block barrier, which the plan's
-// construction costs (EP=1 on one H200, T=1 fp8: 5.4 us this way, 6.7 us by plan). With more rows
-// the plan wins (T=16: 8.4 vs 9.3 us; T=128: 17.0 vs 21.2): here the busiest expert's few warps
-// would do all its rows. This warp is number `sharer` of `num_sharers` on `expert`; units in
-// the order own rows first, then sources rank+1, rank+2, ... (mod R).
+// construction costs (EP=1 on one H200, T=1 fp8, before the own fp8 rows: 5.4 us this way, 6.7 us
+// by plan). With more rows the plan wins (T=16: 8.4 vs 9.3 us; T=128: 17.0 vs 21.2): here the
+// busiest expert's few warps would do all its rows. This warp is number `sharer` of `num_sharers`
+// on `expert`; units in the order own rows first, then sources rank+1, rank+2, ... (mod R).
 template <bool kUseFp8, bool kOwnMetaInLaunch>
 __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int expert, int sharer,
                                                int num_sharers, uint64_t tag, int parity,
