@@ -85,6 +85,25 @@ def test_buffer_config_is_one_struct_filled_by_name():
     assert len(set(sizes.values())) == 3, sizes
 
 
+@pytest.mark.parametrize(("ranks", "experts", "tokens", "hidden", "topk"), [
+    (1, 4, 1, 128, 1), (2, 8, 64, 1024, 2), (8, 256, 128, 7168, 8), (3, 6, 5, 384, 3)])
+def test_low_latency_regions_neither_overlap_nor_overrun(ranks, experts, tokens, hidden, topk):
+    """Each region of the low-latency layout starts after the last element of the one before
+    (as the kernels' index helpers place it), 256-aligned, and the last one ends inside
+    total_bytes: an accessor or a carve size off by one element fails."""
+    config = cuda.buffer_config(_C, num_ranks=ranks, num_experts=experts, hidden=hidden,
+                                max_tokens_per_rank=tokens, num_topk=topk, capacity=ranks * tokens,
+                                dtype_bytes=2, low_latency=True, timeout_s=10.0)
+    layout = _C.low_latency_layout(config)
+    names, starts, ends = layout["names"], layout["starts"], [*layout["ends"]]
+    assert starts[0] == 0 and all(s % 256 == 0 for s in starts), starts
+    bounds = [*starts[1:], layout["total_bytes"]]
+    for name, start, end, bound in zip(names, starts, ends, bounds, strict=True):
+        empty = name == "dispatch_rows" and ranks == 1  # no remote sources
+        assert (start == end) if empty else (start < end), (name, start, end)
+        assert end <= bound and bound - end < 256, (name, end, bound)
+
+
 def test_topk_limit_and_error_counters_agree_with_the_kernels():
     """Both backends need the top-k limit and the error counters' names (the keys of
     ``errors()``), so Python keeps them; the kernels' must be the same."""
