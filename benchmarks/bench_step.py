@@ -19,7 +19,8 @@ measures per step are each the slope of a least-squares line through the program
 and no single program's noise decides. Every one of these programs has at least 5 custom calls,
 so XLA runs each as one command buffer (CUDA graph), as it runs a model's many layers; a
 2-layer program of 4 calls would run thunk by thunk (``xla_gpu_graph_min_graph_size``):
-- ``time_us``: wall time, from the call to its results being ready (what the program pays);
+- ``time_us``: wall time, from the call to its results being ready (what the program pays;
+  ``time_us_stderr``: the slope's standard error, from how far the programs stray from a line);
   each call is waited for before the next. (Calls made back to back do not work with the
   difference: the host's fixed cost per call, larger than a short program's GPU work, bounds
   both programs and cancels out.)
@@ -356,6 +357,18 @@ def slope(xs, ys):
             / sum((x - mean_x) ** 2 for x in xs))
 
 
+def slope_stderr(xs, ys):
+    """The standard error of that slope (None with fewer than 3 points): how far the programs'
+    wall times stray from one line, in the slope's units."""
+    if len(xs) < 3:
+        return None
+    b = slope(xs, ys)
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    residuals = [y - mean_y - b * (x - mean_x) for x, y in zip(xs, ys, strict=True)]
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    return (sum(r * r for r in residuals) / (len(xs) - 2) / sxx) ** 0.5
+
+
 def measure(programs, args, repeats, trace):
     """Per step: (time_us, kernel_us, ep_kernel_us, device_span_us, enqueue_us, walls), each
     the slope over the programs' layer counts (``programs`` by their layer counts); walls: the
@@ -446,7 +459,8 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
               "time_us": time_us, "kernel_us": kernel_us,
               "ep_kernel_us": ep_kernel_us if impl == "jax_ep" else None,
               "device_span_us": span_us,
-              "enqueue_us": enqueue_us, "layers": list(args.layers), "wall_us": wall}
+              "enqueue_us": enqueue_us, "layers": list(args.layers), "wall_us": wall,
+              "time_us_stderr": slope_stderr(args.layers, wall)}
     if counts_before is not None:
         calls, captured = (a - b for a, b in zip(_handler_counts(jax_ep), counts_before,
                                                  strict=True))

@@ -129,6 +129,9 @@ def test_bench_step_layers_are_ascending_counts_and_the_step_is_their_slope():
         with pytest.raises(SystemExit):
             bench_step.parse_args(["--layers", bad])
     assert bench_step.slope([4, 8, 12], [10.0, 30.0, 50.0]) == pytest.approx(5.0)
+    assert bench_step.slope_stderr([4, 8, 12], [10.0, 30.0, 50.0]) == pytest.approx(0.0)
+    assert bench_step.slope_stderr([1, 2], [1.0, 5.0]) is None  # two points fit any line
+    assert bench_step.slope_stderr([4, 8, 12, 16], [100.0, 140.0, 200.0, 220.0]) > 1.0
     # one noisy program moves the fitted slope less than it moves a two-point difference
     walls = [100.0, 140.0, 200.0, 220.0]  # 10 us per layer, the third program 20 us slow
     assert abs(bench_step.slope([4, 8, 12, 16], walls) - 10.0) < abs((200 - 100) / 8 - 10.0)
