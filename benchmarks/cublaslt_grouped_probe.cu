@@ -80,6 +80,13 @@ struct Grouped {
   std::vector<const void*> pointers;
   cublasLtMatrixLayout_t layout = nullptr;
   const void** device_pointers = nullptr;
+
+  void add(int num_rows, int num_cols, int lead, const void* pointer) {
+    rows.push_back(num_rows);
+    cols.push_back(num_cols);
+    ld.push_back(lead);
+    pointers.push_back(pointer);
+  }
 };
 
 cublasStatus_t make_layout(Grouped& g) {
@@ -149,18 +156,13 @@ int main() {
     for (int g = 0; g < kGroups; ++g) {
       // A: W_g as stored: row-major [K, M] = column-major (M x K), ld M; transposed: row-major
       // [M, K] = column-major (K x M), ld K, read with op T.
-      p.a.rows.push_back(transpose_w ? k : m);
-      p.a.cols.push_back(transpose_w ? m : k);
-      p.a.ld.push_back(transpose_w ? k : m);
-      p.a.pointers.push_back(weight_of(w, g, transpose_w ? m : k));
-      p.b.rows.push_back(k);
-      p.b.cols.push_back(sizes[g]);
-      p.b.ld.push_back(k);
-      p.b.pointers.push_back(rows_of(xm, g));
-      p.d.rows.push_back(m);
-      p.d.cols.push_back(sizes[g]);
-      p.d.ld.push_back(m);
-      p.d.pointers.push_back(out + starts[g] * m);
+      if (transpose_w) {
+        p.a.add(k, m, k, weight_of(w, g, m));
+      } else {
+        p.a.add(m, k, m, weight_of(w, g, k));
+      }
+      p.b.add(k, sizes[g], k, rows_of(xm, g));
+      p.d.add(m, sizes[g], m, out + starts[g] * m);
     }
     const Matrix* xp = &xm;
     const Matrix* wp = &w;
@@ -186,18 +188,9 @@ int main() {
     p.trans_a = CUBLAS_OP_N;
     p.trans_b = CUBLAS_OP_T;
     for (int g = 0; g < kGroups; ++g) {
-      p.a.rows.push_back(m);
-      p.a.cols.push_back(sizes[g]);
-      p.a.ld.push_back(m);
-      p.a.pointers.push_back(rows_of(dym, g));
-      p.b.rows.push_back(k);
-      p.b.cols.push_back(sizes[g]);
-      p.b.ld.push_back(k);
-      p.b.pointers.push_back(rows_of(xm, g));
-      p.d.rows.push_back(m);
-      p.d.cols.push_back(k);
-      p.d.ld.push_back(m);
-      p.d.pointers.push_back(out + static_cast<size_t>(g) * k * m);
+      p.a.add(m, sizes[g], m, rows_of(dym, g));
+      p.b.add(k, sizes[g], k, rows_of(xm, g));
+      p.d.add(m, k, m, out + static_cast<size_t>(g) * k * m);
     }
     const Matrix* xp = &xm;
     const Matrix* dp = &dym;
