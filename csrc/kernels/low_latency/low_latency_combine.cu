@@ -65,9 +65,9 @@ constexpr int kBf16PerVector = kBytesPerVector / 2;
 // Send unit: one warp moves at most kWarpSize * kSendVecsPerLane vectors of one row.
 constexpr int kSendVecsPerLane = 4;
 // Owner: vectors (8 channels) per thread per pass (a pass covers 8192 channels), and rows whose
-// loads are in flight together.
+// loads are in flight together (8: all rows of a top-8 token in one round trip).
 constexpr int kOwnerVecsPerThread = 2;
-constexpr int kOwnerRowsInFlight = 4;
+constexpr int kOwnerRowsInFlight = 8;
 
 struct CombineArgs {
   LowLatencyRank rank;
@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     // Phases 2-4.
     reduce_tokens<runs_send_half(kHalves)>(args, control, tag, parity, num_ranks, me);
     // Phase 5.
-    finish_launch(&control->combine_blocks_done, &control->combine_seq, seq, nullptr);
+    finish_launch(&control->combine_blocks_done, &control->combine_seq, seq);
   } else {
     // Phase 3, send half: publish this call's rows now; the receive launch waits for them.
     arrive_and_release_flags(args, control, tag, parity, num_ranks, me);

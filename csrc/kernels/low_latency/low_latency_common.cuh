@@ -94,9 +94,11 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t value) {
 // the counter, so the next launch finds it at 0. Must be reached by every thread of every block.
 __device__ __forceinline__ bool arrive_and_check_last(unsigned long long* counter) {
   __shared__ int last_block;
-  fence_acq_rel_sys();  // every thread: its own remote stores are complete before the arrival
   __syncthreads();
   if (threadIdx.x == 0) {
+    // Release: cumulative over every store of the block, ordered before this fence by the
+    // barrier (one fence per block, as the dispatch's row flags; not one per thread).
+    fence_acq_rel_sys();
     const unsigned long long arrived_before = atomicAdd(counter, 1ull);
     const bool last = arrived_before + 1 == gridDim.x;
     if (last) {
@@ -111,16 +113,14 @@ __device__ __forceinline__ bool arrive_and_check_last(unsigned long long* counte
 
 // Called once by every block of the launch that runs the receive half, as its last action: the
 // last block to finish advances the sequence word (every block read it at its start, so none can
-// see the new value in this launch) and clears the call's counters (`waited_counter`: one that
-// this launch's, or the preceding send launch's, blocks arrived on).
+// see the new value in this launch) and clears the done counter.
 __device__ __forceinline__ void finish_launch(unsigned long long* done_counter, uint64_t* seq_word,
-                                              uint64_t seq, unsigned long long* waited_counter) {
+                                              uint64_t seq) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned long long finished_before = atomicAdd(done_counter, 1ull);
     if (finished_before + 1 == gridDim.x) {
       *done_counter = 0;
-      if (waited_counter != nullptr) *waited_counter = 0;
       *seq_word = seq + 1;
     }
   }

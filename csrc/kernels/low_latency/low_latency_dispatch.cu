@@ -10,9 +10,8 @@
 //   count word  [parity][e][s]  (tag << 32) | rows source s sends to local expert e. Published by
 //               the last block of s at the very start of its launch (counts need only topk_idx),
 //               so receivers know every output row position before any data arrives.
-//   meta        [parity][e][s][slot] (token, k) of each row; a rank's own rows carry meta only:
-//               its receiver reads them from x (bf16) or from the token's one fp8 cast
-//               (dispatch_own_rows), not through a row of the region.
+//   meta        [parity][e][s][slot] (token, k) of each row; a rank's own rows carry meta only
+//               in the split pair (the fused op stores its own rows itself, phase 4b).
 //   row flag    [parity][e][s][slot] (s remote) tag once that row, its scales and its meta landed.
 //
 // Phases of every block (W = all warps of the grid):
@@ -21,44 +20,44 @@
 //      Each block with tokens (a contiguous range [t0, t1)) histograms the ids of tokens < t0.
 //   2. Warp 0 walks its tokens in order: slot of (t, k) = rows of expert g from tokens < t
 //      (histogram + running count; deterministic, no global atomics), plus the k' < k of token
-//      t with the same id. It writes the local meta of
-//      own-rank pairs and remembers the destination row, meta and flag of remote pairs. Slots
+//      t with the same id. It remembers the destination row, meta and flag of remote pairs and
+//      the (expert, slot) of own pairs (split send half: writes their local meta instead). Slots
 //      >= T_max (only possible with duplicate ids) are dropped and counted in
-//      ErrorCounters::dropped_low_latency_rows. bf16: after the block barrier, warp 0 alone
-//      fences (local stores only: cheap) and arrives on the local "own rows ready" counter.
-//   3. Send: the block's threads cast their pieces to e4m3 (scale per 128 channels via 8-lane
-//      shuffles; bf16: plain 16-byte vectors, lane-contiguous so every warp store is 512
-//      contiguous bytes) and store them to every remote destination row; fp8 also to the
-//      token's own row (dispatch_own_rows: one cast per token, where the receive half cast
-//      each own copy of it from x until 2026-12-02, at EP=1 up to K times), then after the
-//      block barrier thread 0 fences and arrives on the counter.
+//      ErrorCounters::dropped_low_latency_rows.
+//   3. Send (blocks with a remote pair): the block's threads cast their pieces to e4m3 (scale per
+//      128 channels via 8-lane shuffles; bf16: plain 16-byte vectors, lane-contiguous so every
+//      warp store is 512 contiguous bytes) and store them to every remote destination row; the
+//      split send half's fp8 also to the token's own row (dispatch_own_rows: one cast per token).
 //   4. Release: block barrier; the thread of each remote pair stores its meta at the peer, fences
 //      (.sys: every store of the block, ordered before it by the barrier, is then visible at the
 //      peer) and stores the pair's row flag = tag there. No grid-wide counter, no last block.
+//   4b. Fused op, blocks with an own pair: the block stores its own pairs' rows (cast again for
+//      fp8) straight into recv_x / recv_scales, with recv_src / recv_k, at output row
+//      (rows of lower ranks for that expert) + slot: it waits for the count words of the lower
+//      ranks only (rank 0 never waits). So no receiving warp waits for a grid-wide "own meta
+//      written" counter and loads a row's meta before its data, as the split receive half does.
 //   5. Receive: every block waits for the count words of all (local expert, source) pairs and
 //      builds the same plan in shared memory: the output rows of every source, and one
 //      numbering of all receive rows, own rows first, then sources rank+1, rank+2, ... (mod R).
 //      Units (row, chunk) go round-robin to all warps of the grid, whatever expert they belong
 //      to (a skewed routing no longer piles one expert's rows onto its few warps): own rows
-//      (after the counter reaches the grid size: bf16 copied from x, fp8 from the token's own
-//      row), then peer rows:
-//      per row, wait for its flag, then copy rows, scales and meta from the region to the
+//      (split receive half only: bf16 copied from x, fp8 from the token's own row), then peer
+//      rows: per row, wait for its flag, then copy rows, scales and meta from the region to the
 //      outputs — so a row is copied out as soon as it lands, overlapping the transfer.
 //      Then recv_count and the -1 fill of recv_src/recv_k past it, over all threads.
 //      With few rows (T * K <= grid) the plan's block barriers cost more than they balance:
 //      then warps w = e (mod E_loc) share expert e and wait only for its words (receive_expert).
-//   6. The last block to finish advances the dispatch sequence word and clears the meta counter.
+//   6. The last block to finish advances the dispatch sequence word.
 //
 // Split (send launch = phases 0-4, receive launch = phases 5-6, same grid, one stream, no other
 // split call of this op on this Buffer in between on this rank; fused calls may run in between:
 // they use the other channel of the workspace, see low_latency_layout.cuh): both launches read
 // the split channel's sequence word at their start and only phase 6 advances it, so both use the
-// same tag and parity. The send launch never waits. Its blocks still arrive on the counter
-// (phase 2 or 3), but the receive launch does not wait for it: the kernel boundary already orders
-// the send launch's own meta and own fp8 rows before every load of the receive launch; its phase 6
-// clears the counter as the fused launch does. Peer rows, meta, flags and count words are waited
-// for exactly as in the fused launch (same bounded waits, phase "low-latency dispatch receive").
-// Phase 5 reads x for the bf16 own rows: the receive half takes x as an operand again.
+// same tag and parity. The send launch never waits. The kernel boundary orders its own meta and
+// own fp8 rows before every load of the receive launch, which copies the own rows (phase 5).
+// Peer rows, meta, flags and count words are waited for exactly as in the fused launch (same
+// bounded waits, phase "low-latency dispatch receive"). Phase 5 reads x for the bf16 own rows:
+// the receive half takes x as an operand again.
 //
 // Memory ordering of a remote row: data stores (weak, every thread of the sending block) ->
 // bar.sync -> the releasing thread's meta store -> fence.acq_rel.sys -> st.relaxed.sys flag
@@ -151,13 +150,17 @@ struct DispatchArgs {
   int32_t* ticket;                 // [1] (send half alone)
 };
 
-// Where the pair (local token, k) of a block goes when its expert is on a peer (all nullptr
-// otherwise). Shared memory, written by warp 0 in phase 2.
-struct RemotePair {
-  char* row;       // destination row in the peer's region
-  int2* meta;      // its meta entry there
-  uint64_t* flag;  // its row flag there
+// Where the pair (local token, k) of a block is stored. Shared memory, written by warp 0 in phase
+// 2. `row` is the destination of the current store pass (nullptr: none): in phase 3 the pair's
+// row in a peer's region; in phase 4b (fused op) its row of this rank's output.
+struct SendPair {
+  char* row;
+  float* scales;   // fp8: the destination row's scales (region rows: row + H; outputs: recv_scales)
+  int2* meta;      // remote pair: its meta entry at the peer
+  uint64_t* flag;  // remote pair: its row flag at the peer
   int2 value;      // (token, k)
+  int own_expert;  // own pair of the fused op: its local expert and slot (else -1)
+  int own_slot;
 };
 
 // Send inputs of one iteration for this thread, from the block's rows x_block ([n_tok][H], 16-byte
@@ -179,15 +182,17 @@ __device__ __forceinline__ void load_send_inputs(const int4* x_block, int total,
   }
 }
 
-// Phase 3: writes this block's tokens to every remote destination row (pairs[t * K + k].row,
-// nullptr = not sent to a peer); fp8 also to this rank's own rows (own_block: the block's first
-// token's row of dispatch_own_rows), so each token is cast once, however many of its copies stay
-// here. (a, b): this thread's inputs of the first iteration, loaded in phase 0. fp8: thread f of
-// the flattened (token, piece) space handles 16 channels; the 8 lanes of a scale group hold the
-// same token (H/16 % 8 == 0). bf16: thread f handles vector f (and f + blockDim) of the
-// flattened (token, vector) space, so lanes store consecutive 16-byte vectors.
+// One store pass over this block's tokens (phase 3: to the peers' regions; phase 4b: to this
+// rank's output rows): every pair with a destination (pairs[t * K + k].row != nullptr) gets its
+// token's row; fp8 also the split send half's own row (own_block: the block's first token's row
+// of dispatch_own_rows, else nullptr), so each token is cast once per pass, however many of its
+// copies the pass stores. (a, b): this thread's inputs of the first iteration (loaded in phase 0
+// or just before the pass). fp8: thread f of the flattened (token, piece) space handles 16
+// channels; the 8 lanes of a scale group hold the same token (H/16 % 8 == 0). bf16: thread f
+// handles vector f (and f + blockDim) of the flattened (token, vector) space, so lanes store
+// consecutive 16-byte vectors.
 template <bool kUseFp8>
-__device__ __forceinline__ void send_rows(const DispatchArgs& args, const RemotePair* pairs,
+__device__ __forceinline__ void send_rows(const DispatchArgs& args, const SendPair* pairs,
                                           const int4* x_block, char* own_block, int n_tok, int4 a,
                                           int4 b) {
   const int hidden = args.rank.layout.hidden;
@@ -206,14 +211,18 @@ __device__ __forceinline__ void send_rows(const DispatchArgs& args, const Remote
       const float scale = fp8_scale_from_amax(amax, args.round_scale);
       const int4 packed = bf16_piece_to_e4m3(a, b, 1.0f / scale);
       if (!active) continue;
-      const RemotePair* token_pairs = pairs + local_token * num_topk;
-      char* own_row = own_block + local_token * args.rank.layout.dispatch_row_bytes();
+      const SendPair* token_pairs = pairs + local_token * num_topk;
+      char* own_row = own_block == nullptr
+                          ? nullptr
+                          : own_block + local_token * args.rank.layout.dispatch_row_bytes();
       for (int k = -1; k < num_topk; ++k) {  // k = -1: the own row
         char* row = k < 0 ? own_row : token_pairs[k].row;
         if (row == nullptr) continue;
         st_v4(reinterpret_cast<int4*>(row) + piece, packed);
         if (piece % kFp8PiecesPerScale == 0) {
-          reinterpret_cast<float*>(row + hidden)[piece / kFp8PiecesPerScale] = scale;
+          float* scales =
+              k < 0 ? reinterpret_cast<float*>(own_row + hidden) : token_pairs[k].scales;
+          scales[piece / kFp8PiecesPerScale] = scale;
         }
       }
     }
@@ -230,7 +239,7 @@ __device__ __forceinline__ void send_rows(const DispatchArgs& args, const Remote
         const int local_token = f / vecs;
         const int vec = f - local_token * vecs;
         const int4 v = half == 0 ? a : b;
-        const RemotePair* token_pairs = pairs + local_token * num_topk;
+        const SendPair* token_pairs = pairs + local_token * num_topk;
         for (int k = 0; k < num_topk; ++k) {
           char* row = token_pairs[k].row;
           if (row != nullptr) st_v4(reinterpret_cast<int4*>(row) + vec, v);
@@ -242,7 +251,7 @@ __device__ __forceinline__ void send_rows(const DispatchArgs& args, const Remote
 
 // Phase 4: after the block barrier that follows phase 3, publishes every remote pair of the
 // block: meta, then (one fence per thread) the row flag. Threads without a pair do nothing.
-__device__ __forceinline__ void release_remote_pairs(const RemotePair* pairs, int num_pairs,
+__device__ __forceinline__ void release_remote_pairs(const SendPair* pairs, int num_pairs,
                                                      uint64_t tag) {
   const int tid = static_cast<int>(threadIdx.x);
   if (tid >= num_pairs) return;
@@ -331,16 +340,15 @@ __device__ __forceinline__ void copy_region_row(const DispatchArgs& args, const 
 }
 
 // One receive work unit: pieces [chunk * chunk_pieces, +chunk_pieces) of the row of (local
-// expert, source, slot), written to output row `out_row` of the expert's block (own rows: from
-// x, cast; peer rows: from the region once their flag has the tag), and at chunk 0 its
-// recv_src / recv_k. Whole warp, uniform arguments. kOwnMetaInLaunch: the own meta is written
-// by this launch's blocks (fused op), so the first own unit of a warp waits for the meta counter
-// (`own_meta_ready` remembers it); otherwise the send launch wrote it and the kernel boundary
-// orders it before this launch.
-template <bool kUseFp8, bool kOwnMetaInLaunch>
+// expert, source, slot), written to output row `out_row` of the expert's block (own rows, split
+// receive half only: from x, or the fp8 row the send half cast; peer rows: from the region once
+// their flag has the tag), and at chunk 0 its recv_src / recv_k. Whole warp, uniform arguments.
+// The own meta and own fp8 rows were written by the send launch: the kernel boundary orders them
+// before this launch.
+template <bool kUseFp8>
 __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int expert, int src,
                                              int slot, int out_row, int chunk, uint64_t tag,
-                                             int parity, bool& own_meta_ready) {
+                                             int parity) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -348,7 +356,6 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
   const int max_tokens = layout.max_tokens;
   const int rows_per_expert = layout.num_ranks * max_tokens;
   const RowChunks& chunks = args.chunks;
-  LowLatencyControl* control = low_latency_control(rk);
   const int2* meta_base = reinterpret_cast<const int2*>(rk.local + layout.dispatch_meta);
   const uint64_t* flag_base =
       reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_row_flags);
@@ -358,17 +365,6 @@ __device__ __forceinline__ void receive_unit(const DispatchArgs& args, int exper
   const int piece0 = chunk * chunks.chunk_pieces;
   const int piece_end = min(chunks.pieces, piece0 + chunks.chunk_pieces);
   if (src == me) {
-    if constexpr (kOwnMetaInLaunch) {
-      if (!own_meta_ready) {  // own meta (fp8: own rows): every block of this launch writes them
-        if (lane == 0) {
-          wait_flag_at_least(reinterpret_cast<const uint64_t*>(&control->dispatch_blocks_meta),
-                             gridDim.x, rk.timeout_ns, rk.timeout_record, me, me,
-                             WaitPhase::kLowLatencyDispatchRecv);
-        }
-        __syncwarp();
-        own_meta_ready = true;
-      }
-    }
     const int token = ld_cg_s32(&meta->x);
     const int k = ld_cg_s32(&meta->y);
     if (chunk == 0 && lane == 0) {
@@ -508,14 +504,13 @@ __device__ __forceinline__ int plan_pair_of_row(const ReceivePlan& plan, int num
 // Phase 5, second part: the work units (row, chunk of <= kRecvPiecesPerUnit pieces) of every
 // local expert and source, in the plan's row order, go round-robin to all W warps of the grid:
 // unit u to warp u % W, consecutive units to the warps of one block, blocks counted from the
-// first one that had no tokens to send. So own rows (ready once the meta counter completes)
-// come first everywhere, and no warp holds more than ceil(units / W), whatever the skew of the
-// routing (EP=1 on one H200, T=128 fp8, before the own fp8 rows: 17.0 us; 19.1 with
-// consecutive units on different blocks).
-// kOwnMetaInLaunch: the own meta is written by this launch's blocks (fused op), so wait for the
-// meta counter; otherwise the send launch wrote it and the kernel boundary orders it before this
-// launch. Then recv_count and the -1 fill of recv_src / recv_k past it, spread the same way.
-template <bool kUseFp8, bool kOwnMetaInLaunch>
+// first one that had no tokens to send. So own rows (split receive half) come first everywhere,
+// and no warp holds more than ceil(units / W), whatever the skew of the routing (EP=1 on one
+// H200, T=128 fp8, before the own fp8 rows: 17.0 us; 19.1 with consecutive units on different
+// blocks). kOwnRowsPushed (fused op): the send half already stored the own rows (phase 4b), so
+// the units start after them. Then recv_count and the -1 fill of recv_src / recv_k past it,
+// spread the same way.
+template <bool kUseFp8, bool kOwnRowsPushed>
 __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const ReceivePlan& plan,
                                                 uint64_t tag, int parity) {
   const LowLatencyLayout& layout = args.rank.layout;
@@ -535,9 +530,9 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
   const int first_unit = block_order * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
   const int num_chunks = args.chunks.num_chunks;
   const int unit_end = plan.row_begin[num_pairs] * num_chunks;
-  bool own_meta_ready = false;
+  const int own_units = kOwnRowsPushed ? plan.row_begin[num_local] * num_chunks : 0;
 
-  for (int unit = first_unit; unit < unit_end; unit += num_warps) {
+  for (int unit = own_units + first_unit; unit < unit_end; unit += num_warps) {
     const int row = static_cast<int>(args.by_chunks.divide(static_cast<uint32_t>(unit)));
     const int chunk = unit - row * num_chunks;
     const int pair = plan_pair_of_row(plan, num_pairs, row);
@@ -546,8 +541,7 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
     const int src = me + p < num_ranks ? me + p : me + p - num_ranks;  // (me + p) % R
     const int slot = row - plan.row_begin[pair];
     const int out_row = plan.first_row[expert * num_ranks + src] + slot;
-    receive_unit<kUseFp8, kOwnMetaInLaunch>(args, expert, src, slot, out_row, chunk, tag, parity,
-                                            own_meta_ready);
+    receive_unit<kUseFp8>(args, expert, src, slot, out_row, chunk, tag, parity);
   }
 
   // recv_count, and -1 past it: entries (e, row) of [E_loc][R * T_max] over all threads.
@@ -571,11 +565,11 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
 // construction costs (EP=1 on one H200, T=1 fp8, before the own fp8 rows: 5.4 us this way, 6.7 us
 // by plan). With more rows the plan wins (T=16: 8.4 vs 9.3 us; T=128: 17.0 vs 21.2): here the
 // busiest expert's few warps would do all its rows. This warp is number `sharer` of `num_sharers`
-// on `expert`; units in the order own rows first, then sources rank+1, rank+2, ... (mod R).
-template <bool kUseFp8, bool kOwnMetaInLaunch>
+// on `expert`; units in the order own rows first (kOwnRowsPushed, fused op: none, the send half
+// stored them), then sources rank+1, rank+2, ... (mod R).
+template <bool kUseFp8, bool kOwnRowsPushed>
 __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int expert, int sharer,
-                                               int num_sharers, uint64_t tag, int parity,
-                                               bool& own_meta_ready) {
+                                               int num_sharers, uint64_t tag, int parity) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -603,15 +597,15 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
   const int order_begin = warp_inclusive_sum(order_count, lane) - order_count;
 
   const int num_chunks = args.chunks.num_chunks;
-  for (int unit = sharer; unit < total * num_chunks; unit += num_sharers) {
+  const int own_units = kOwnRowsPushed ? __shfl_sync(kFullMask, order_count, 0) * num_chunks : 0;
+  for (int unit = own_units + sharer; unit < total * num_chunks; unit += num_sharers) {
     const int order_row = static_cast<int>(args.by_chunks.divide(static_cast<uint32_t>(unit)));
     const int chunk = unit - order_row * num_chunks;
     const int pos =
         __popc(__ballot_sync(kFullMask, lane < num_ranks && order_begin <= order_row)) - 1;
     const int slot = order_row - __shfl_sync(kFullMask, order_begin, pos);
     const int out_row = __shfl_sync(kFullMask, order_first_row, pos) + slot;
-    receive_unit<kUseFp8, kOwnMetaInLaunch>(args, expert, (me + pos) % num_ranks, slot, out_row,
-                                            chunk, tag, parity, own_meta_ready);
+    receive_unit<kUseFp8>(args, expert, (me + pos) % num_ranks, slot, out_row, chunk, tag, parity);
   }
 
   if (sharer == 0 && lane == 0) args.recv_count[expert] = total;
@@ -625,22 +619,21 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
 
 // Phase 5 by expert for every expert of this warp: warps w = e (mod E_loc) share expert e; with
 // fewer warps than experts each warp takes experts w, w + W, ...
-template <bool kUseFp8, bool kOwnMetaInLaunch>
+template <bool kUseFp8, bool kOwnRowsPushed>
 __device__ __forceinline__ void receive_by_expert(const DispatchArgs& args, uint64_t tag,
                                                   int parity) {
   const int num_experts_local = args.rank.layout.num_local_experts;
   const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
   const int warp =
       static_cast<int>(blockIdx.x) * kLowLatencyWarps + static_cast<int>(threadIdx.x) / kWarpSize;
-  bool own_meta_ready = false;
   if (num_warps >= num_experts_local) {
     const int expert = warp % num_experts_local;
     const int sharers = (num_warps - 1 - expert) / num_experts_local + 1;
-    receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, warp / num_experts_local, sharers, tag,
-                                              parity, own_meta_ready);
+    receive_expert<kUseFp8, kOwnRowsPushed>(args, expert, warp / num_experts_local, sharers, tag,
+                                            parity);
   } else {
     for (int expert = warp; expert < num_experts_local; expert += num_warps) {
-      receive_expert<kUseFp8, kOwnMetaInLaunch>(args, expert, 0, 1, tag, parity, own_meta_ready);
+      receive_expert<kUseFp8, kOwnRowsPushed>(args, expert, 0, 1, tag, parity);
     }
   }
 }
@@ -648,18 +641,66 @@ __device__ __forceinline__ void receive_by_expert(const DispatchArgs& args, uint
 // Dynamic shared memory of the send half (see send_half), rounded to 16 bytes.
 __host__ __device__ constexpr size_t send_smem_bytes(int tokens_per_block, int num_topk,
                                                      int num_experts) {
-  return (static_cast<size_t>(tokens_per_block) * num_topk * (sizeof(RemotePair) + sizeof(int)) +
+  return (static_cast<size_t>(tokens_per_block) * num_topk * (sizeof(SendPair) + sizeof(int)) +
           2 * static_cast<size_t>(num_experts) * sizeof(int) + 15) /
          16 * 16;
 }
 
-// Phases 0-4 (the send half): histograms, count words, slots and own meta, rows to the peers and
-// their flags. Never waits for a peer. Dynamic shared memory: pairs [tokens_per_block][K], the
-// block's ids [tokens_per_block][K], then two int histograms of E entries.
+// Phase 4b (fused op): stores this block's own pairs straight into this rank's outputs, with
+// their recv_src / recv_k. Output row of own pair (e, slot) = rows that sources < rank send to e
+// (their count words, published at the start of their launches: the wait is short, and rank 0
+// never waits) + slot. `first_rows`: shared scratch of E_loc ints. (a, b): as for send_rows.
+// Block-wide; called after the block barrier that ends phase 4's reads of `pairs`.
 template <bool kUseFp8>
-__device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyControl* control,
-                                          uint64_t tag, int parity) {
+__device__ __forceinline__ void push_own_rows(const DispatchArgs& args, SendPair* pairs,
+                                              int* first_rows, const int4* x_block, int n_tok,
+                                              uint64_t tag, int parity, int4 a, int4 b) {
+  const LowLatencyRank& rk = args.rank;
+  const LowLatencyLayout& layout = rk.layout;
+  const int me = rk.rank;
+  const int num_local = layout.num_local_experts;
+  const int rows_per_expert = layout.num_ranks * layout.max_tokens;
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int e = tid; e < num_local; e += blockDim.x) first_rows[e] = 0;
+  __syncthreads();
+  const uint64_t* words = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_counts);
+  for (int g = tid; g < num_local * me; g += blockDim.x) {  // g = e * rank + s, sources s < rank
+    const int expert = g / me;
+    const int src = g - expert * me;
+    const uint32_t value = wait_tagged_count(
+        words + layout.dispatch_count_index(parity, expert, src), tag, rk.timeout_ns,
+        rk.timeout_record, me, src, WaitPhase::kLowLatencyDispatchRecv);
+    atomicAdd(first_rows + expert,
+              static_cast<int>(min(value, static_cast<uint32_t>(layout.max_tokens))));
+  }
+  __syncthreads();
+  const size_t out_row_bytes = kUseFp8 ? layout.hidden : 2 * static_cast<size_t>(layout.hidden);
+  for (int i = tid; i < n_tok * layout.num_topk; i += blockDim.x) {
+    SendPair& pair = pairs[i];
+    pair.row = nullptr;
+    if (pair.own_expert < 0) continue;
+    const size_t row_index = static_cast<size_t>(pair.own_expert) * rows_per_expert +
+                             first_rows[pair.own_expert] + pair.own_slot;
+    pair.row = static_cast<char*>(args.recv_x) + row_index * out_row_bytes;
+    pair.scales =
+        kUseFp8 ? args.recv_scales + row_index * (layout.hidden / kChannelsPerScale) : nullptr;
+    args.recv_src[row_index] = me * layout.max_tokens + pair.value.x;
+    args.recv_k[row_index] = pair.value.y;
+  }
+  __syncthreads();
+  send_rows<kUseFp8>(args, pairs, x_block, nullptr, n_tok, a, b);
+}
+
+// Phases 0-4 (the send half): histograms, count words, slots and own meta, rows to the peers and
+// their flags; never waits for a peer. kPushOwn (fused op): then phase 4b, the own rows stored
+// straight into the outputs (its only wait: the count words of lower ranks). Otherwise (split
+// send launch) the own rows are left to the receive launch: their meta, and fp8 rows cast once
+// per token into dispatch_own_rows. Dynamic shared memory: pairs [tokens_per_block][K], the
+// block's ids [tokens_per_block][K], then two int histograms of E entries.
+template <bool kUseFp8, bool kPushOwn>
+__device__ __forceinline__ void send_half(const DispatchArgs& args, uint64_t tag, int parity) {
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int block_pairs[2];  // this block's remote and own pairs
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int num_local = layout.num_local_experts;
@@ -670,7 +711,7 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % kWarpSize;
 
-  RemotePair* pairs = reinterpret_cast<RemotePair*>(smem);
+  SendPair* pairs = reinterpret_cast<SendPair*>(smem);
   int* block_ids = reinterpret_cast<int*>(pairs + args.tokens_per_block * num_topk);
   int* hist_before = block_ids + args.tokens_per_block * num_topk;
   int* hist_total = hist_before + num_experts;
@@ -718,12 +759,13 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
     }
   }
 
-  // Phase 2: slots, own meta and remote destinations of this block's tokens (warp 0, in order).
-  if (tid < kWarpSize && n_tok > 0) {
+  // Phase 2: slots, own pairs and remote destinations of this block's tokens (warp 0, in order).
+  if (tid < kWarpSize) {
+    int remote_pairs = 0, own_pairs = 0;
     unsigned long long invalid_ids = 0, dropped_rows = 0;
     const uint32_t topk_lanes = num_topk >= kWarpSize ? kFullMask : (1u << num_topk) - 1;
     for (int t = t0; t < t1; ++t) {
-      RemotePair pair = {nullptr, nullptr, nullptr, make_int2(t, lane)};
+      SendPair pair = {nullptr, nullptr, nullptr, nullptr, make_int2(t, lane), -1, -1};
       if (lane < num_topk) {
         const int g = block_ids[(t - t0) * num_topk + lane];
         // Lanes of this token with the same id (a token may repeat an expert): the lowest one
@@ -742,9 +784,17 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
             const int expert = g - dst * num_local;
             const size_t meta_index = layout.dispatch_meta_index(parity, expert, me, slot);
             if (dst == me) {
-              reinterpret_cast<int2*>(rk.local + layout.dispatch_meta)[meta_index] = pair.value;
+              ++own_pairs;
+              if constexpr (kPushOwn) {
+                pair.own_expert = expert;
+                pair.own_slot = slot;
+              } else {
+                reinterpret_cast<int2*>(rk.local + layout.dispatch_meta)[meta_index] = pair.value;
+              }
             } else {
+              ++remote_pairs;
               pair.row = rk.peers[dst] + layout.dispatch_row_offset(parity, expert, me, dst, slot);
+              pair.scales = reinterpret_cast<float*>(pair.row + layout.hidden);
               pair.meta =
                   reinterpret_cast<int2*>(rk.peers[dst] + layout.dispatch_meta) + meta_index;
               pair.flag = reinterpret_cast<uint64_t*>(rk.peers[dst] + layout.dispatch_row_flags) +
@@ -762,8 +812,14 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
     }
 #pragma unroll
     for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) {
+      remote_pairs += __shfl_xor_sync(kFullMask, remote_pairs, mask);
+      own_pairs += __shfl_xor_sync(kFullMask, own_pairs, mask);
       invalid_ids += __shfl_xor_sync(kFullMask, invalid_ids, mask);
       dropped_rows += __shfl_xor_sync(kFullMask, dropped_rows, mask);
+    }
+    if (lane == 0) {
+      block_pairs[0] = remote_pairs;
+      block_pairs[1] = own_pairs;
     }
     if (lane == 0 && invalid_ids > 0 && rk.errors != nullptr) {
       atomicAdd(&rk.errors->invalid_expert_ids, invalid_ids);
@@ -773,32 +829,28 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, LowLatencyCo
     }
   }
   __syncthreads();
-  // The block's arrival on the meta counter, after which the receive half copies its own rows
-  // (the send half alone arrives too: its counter is cleared by the receive half's
-  // finish_launch). bf16: own meta visible before it; only warp 0 wrote any, and only locally
-  // (remote meta waits for phase 4), so this fence is short and stalls warp 0 alone.
-  if constexpr (!kUseFp8) {
-    if (tid < kWarpSize) {
-      __threadfence();
-      if (tid == 0) atomicAdd(&control->dispatch_blocks_meta, 1ull);
-    }
-  }
+  const bool has_remote = block_pairs[0] > 0;
+  const bool has_own = block_pairs[1] > 0;
 
-  // Phase 3: send remote rows (fp8: and cast own rows).
-  char* own_block = kUseFp8 ? rk.local + layout.dispatch_own_row_offset(t0) : nullptr;
-  send_rows<kUseFp8>(args, pairs, x_block, own_block, n_tok, send_a, send_b);
+  // Phase 3: send remote rows (split fp8: and cast the own rows into dispatch_own_rows).
+  char* own_block =
+      kUseFp8 && !kPushOwn && has_own ? rk.local + layout.dispatch_own_row_offset(t0) : nullptr;
+  if (has_remote || own_block != nullptr) {
+    send_rows<kUseFp8>(args, pairs, x_block, own_block, n_tok, send_a, send_b);
+  }
 
   // Phase 4: publish this block's remote rows.
   __syncthreads();
-  // fp8: the arrival waits for the own rows cast in phase 3 (every thread's stores, ordered
-  // before thread 0's fence by the barrier, as a grid barrier does), and covers the meta too.
-  if constexpr (kUseFp8) {
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(&control->dispatch_blocks_meta, 1ull);
+  release_remote_pairs(pairs, n_tok * num_topk, tag);
+
+  // Phase 4b.
+  if constexpr (kPushOwn) {
+    if (has_own) {
+      __syncthreads();  // phase 4 has read `pairs`
+      if (has_remote) load_send_inputs<kUseFp8>(x_block, send_total, 0, send_a, send_b);
+      push_own_rows<kUseFp8>(args, pairs, hist_before, x_block, n_tok, tag, parity, send_a, send_b);
     }
   }
-  release_remote_pairs(pairs, n_tok * num_topk, tag);
 }
 
 // Grid: low_latency_grid_size blocks (cooperative, at most one per SM; by default all SMs but
@@ -815,12 +867,14 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const uint64_t tag = seq + 1;
   const int parity = static_cast<int>(seq & 1);
 
-  // Phases 0-4.
-  if constexpr (runs_send_half(kHalves)) send_half<kUseFp8>(args, control, tag, parity);
+  // Phases 0-4 (fused op: and 4b).
+  if constexpr (runs_send_half(kHalves)) {
+    send_half<kUseFp8, kHalves == LowLatencyHalves::kBoth>(args, tag, parity);
+  }
 
   if constexpr (runs_recv_half(kHalves)) {
-    // Phase 5: the plan (after the send half's shared memory), own rows, then peer rows as
-    // they land; recv_count, -1 fill.
+    // Phase 5: the plan (after the send half's shared memory), own rows (split receive half
+    // only), then peer rows as they land; recv_count, -1 fill.
     extern __shared__ __align__(16) unsigned char smem[];
     const size_t plan_offset =
         runs_send_half(kHalves)
@@ -834,8 +888,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
       receive_by_plan<kUseFp8, runs_send_half(kHalves)>(args, plan, tag, parity);
     }
     // Phase 6.
-    finish_launch(&control->dispatch_blocks_done, &control->dispatch_seq, seq,
-                  &control->dispatch_blocks_meta);
+    finish_launch(&control->dispatch_blocks_done, &control->dispatch_seq, seq);
   } else {
     store_ticket(args.ticket, tag);
   }

@@ -20,8 +20,9 @@
 //                    sends rows to itself). fp8 rows hold H bytes of e4m3 then H/128 float
 //                    scales; bf16 rows hold H bf16.
 //   dispatch_own_rows [T_max] rows of 2H bytes: this rank's tokens cast to fp8 (same row format),
-//                    once per token by the send half, for the receive half's own rows (fp8 only:
-//                    bf16 own rows are read from x). Local use only, one copy: the send half of
+//                    once per token by the split send half, for the receive half's own rows (fp8
+//                    only: bf16 own rows are read from x; the fused op stores its own rows
+//                    itself). Local use only, one copy: the send half of
 //                    call n+1 starts after the receive half of call n ends (one stream).
 //   combine_rows     bf16 [2][T_max][K][H]  expert output of (token, k), remote experts only
 //
@@ -51,12 +52,10 @@ constexpr int kLowLatencyNumParities = 2;
 constexpr int kLowLatencyNumChannels = 2;
 
 // Words private to one rank. Counters are reset to 0 by the block that sees them complete, so
-// every launch finds them at 0 (launches on one stream are serialised). The split dispatch's
-// send launch leaves dispatch_blocks_meta at the grid size; its receive launch clears it.
+// every launch finds them at 0 (launches on one stream are serialised).
 struct LowLatencyControl {
   uint64_t dispatch_seq;                    // completed low-latency dispatch calls
   uint64_t combine_seq;                     // completed low-latency combine calls
-  unsigned long long dispatch_blocks_meta;  // blocks whose own meta (fp8: own rows too) is written
   unsigned long long dispatch_blocks_done;  // dispatch blocks that finished
   unsigned long long combine_blocks_sent;   // combine blocks whose remote rows are all written
   unsigned long long combine_blocks_done;   // combine blocks that finished
