@@ -13,6 +13,11 @@ import numpy as np
 import pytest
 from conftest import ep_mesh, require_gpus
 from harness import run_sharded
+from test_low_latency import E as LL_E
+from test_low_latency import K as LL_K
+from test_low_latency import check_low_latency_dispatch, weighted_copies
+from test_low_latency import make_buffer as ll_buffer
+from test_low_latency_split import assert_dispatch_equal
 
 import jax_ep
 from jax_ep import testing as oracle
@@ -81,6 +86,41 @@ def test_model_hidden_sizes(hidden):
     buf.close()
 
 
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 7168), (128, 7168), (1024, 16384)])
+def test_low_latency_ops_at_model_sizes(tokens, hidden, use_fp8):
+    """The low-latency ops, fused and split, against the oracle at the shapes that pick each
+    split of the kernels' work: T=1 (a pair per block, the owner's rows over several blocks),
+    T=128 (pairs spanning tokens, the receive plan), T=1024 at H=16384 (x staged in shared
+    memory in several passes, owner passes over several tokens)."""
+    require_gpus(1)
+    mesh = ep_mesh("cuda")
+    R = mesh.shape["ep"]
+    buf = ll_buffer("cuda", mesh, hidden, tokens)
+    rng = np.random.default_rng(tokens)
+    idx, w = oracle.make_routing("with_minus_one", rng, R, tokens, LL_E, LL_K)
+    x = rng.standard_normal((R, tokens, hidden)).astype(ml_dtypes.bfloat16)
+    x[..., :128] *= 100.0
+
+    def step(x, idx, w):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=use_fp8)
+        split = jax_ep.low_latency_dispatch_recv(
+            buf, jax_ep.low_latency_dispatch_send(buf, x, idx, use_fp8=use_fp8))
+        rows = d if not use_fp8 else jax_ep.low_latency_dispatch(buf, x, idx)
+        out = jax_ep.low_latency_combine(buf, rows.recv_x, idx, w, rows.handle)
+        out_split = jax_ep.low_latency_combine_recv(
+            buf, jax_ep.low_latency_combine_send(buf, rows.recv_x, idx, w, rows.handle))
+        return d, split, out, out_split
+
+    d, split, out, out_split = run_sharded(mesh, step, x, idx, w)
+    check_low_latency_dispatch(d, x, idx, tokens, use_fp8, False, "cuda")
+    assert_dispatch_equal(split, d, use_fp8)
+    oracle.assert_sums_close(out, *weighted_copies(x, idx, w), term_rtol=oracle.BF16_OUT_RTOL)
+    assert np.array_equal(out_split.view(np.uint16), out.view(np.uint16))
+    buf.check()
+    buf.close()
 
 
 @pytest.mark.parametrize("ops", ["fused", "split", "normal"])

@@ -48,6 +48,19 @@ __device__ __forceinline__ float ld_cg_f32(const float* ptr) {
   return __int_as_float(ld_cg_s32(reinterpret_cast<const int*>(ptr)));
 }
 
+// Asynchronous 16-byte copy of a read-only input to shared memory (L2 only, no register): the
+// thread goes on; cp_async_wait_all() waits for all of its copies.
+__device__ __forceinline__ void cp_async_v4(void* smem_dst, const void* src) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // Copies `num_vectors` 16-byte vectors from src to dst with the whole warp. kSourceIsInput: src
 // is a read-only XLA operand (else it is memory a peer wrote during this kernel).
 template <bool kSourceIsInput>

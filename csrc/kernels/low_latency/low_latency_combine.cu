@@ -16,14 +16,16 @@
 //      loaded together (no grid-wide prefix, no barrier before the first store); rows whose
 //      source rank is a peer are copied from y to the peer's region (16-byte loads,
 //      kSendVecsPerLane in flight per lane). Rows of this rank's own tokens are skipped.
-//   2. Owner, first token of the block (t = block, block + grid, ...; with K <= 8 the block
-//      resolves two tokens at once, half the warps each): one warp per k resolves (t, k) to a
-//      row of y (own expert) or of the local region (peer expert); the block sums the own rows
-//      into float32 registers while the pushed rows are still in flight.
-//   3. Every thread fences, the block arrives on the "sent" counter; the last block
-//      release-stores the combine flag word [parity][me] = tag at every peer. Then the block
-//      waits for the flag word of every peer (every block, even without tokens: see below).
-//   4. The block adds the peer rows, rounds to bf16 and stores out[t]; further tokens likewise.
+//   2. Owner, first pass of the block's range of the flattened (token, vector) space of out (an
+//      even share per block; a pass covers at most 1024 vectors of at most 4 tokens): one warp
+//      per (t, k) of the pass's tokens resolves it to a row of y (own expert) or of the local
+//      region (peer expert); the block sums the own rows into float32 registers while the
+//      pushed rows are still in flight.
+//   3. The block barrier, then one fence and the block's arrival on the "sent" counter; the last
+//      block release-stores the combine flag word [parity][me] = tag at every peer. Then the
+//      block waits for the flag word of every peer (every block, even without a range).
+//   4. The block adds the peer rows, rounds to bf16 and stores its part of out; further passes
+//      likewise.
 //   5. The last block to finish advances the combine sequence word.
 //
 // Split (send launch, then receive launch, same grid, one stream, no other split call of this op
@@ -212,32 +214,34 @@ __device__ __forceinline__ void send_rows(const CombineArgs& args, int parity) {
   }
 }
 
-// Tokens whose rows one block resolves at once: the block's warps split into that many groups
-// when each group still has a warp per k (K <= 8), so a block with two tokens pays the latency
-// of one resolution (T=128 on 124 blocks: 4 blocks have two).
-constexpr int kTokensResolvedTogether = 2;
+// Owner work split: the flattened (token, vector) space of out is cut into one contiguous range
+// per block (at least kOwnerMinVecs vectors, so that few tokens still spread over several
+// blocks), processed in passes of at most kOwnerPassVecs vectors and kOwnerPassTokens tokens.
+// So every block reads about the same bytes whatever T is (before 2026-12-02 a block owned whole
+// tokens: at T=128 on 124 blocks, 4 blocks summed two tokens' 16 rows, and at T=1 one block read
+// all 8 rows).
+constexpr int kOwnerPassVecs = kLowLatencyThreads * kOwnerVecsPerThread;
+constexpr int kOwnerPassTokens = 4;
+constexpr int kOwnerMinVecs = 256;
 
-// Phase 2 setup: where the K rows of tokens first + i * stride (i < num_tokens_here, at most
-// kTokensResolvedTogether) are read from. The warps form num_tokens_here groups; warp w of
-// group i resolves k = w, w + group size, ... of its token, then the group's first warp compacts
-// them into sources[i]'s own / peer lists (k order kept). Block-wide, ends synchronised.
-__device__ __forceinline__ void find_token_sources(const CombineArgs& args, int first, int stride,
-                                                   int num_tokens_here, int parity,
-                                                   TokenSources* all_sources) {
+// Phase 2 setup: where the K rows of tokens t0 .. t0 + n - 1 (n <= kOwnerPassTokens) are read
+// from. Warp w resolves the (token, k) pairs w, w + W_block, ... (i = token * K + k), then warp i
+// compacts token i's entries into sources[i]'s own / peer lists (k order kept). Block-wide, ends
+// synchronised.
+__device__ __forceinline__ void find_token_sources(const CombineArgs& args, int t0, int n,
+                                                   int parity, TokenSources* sources) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int group_warps = kLowLatencyWarps / num_tokens_here;
-  const int group = static_cast<int>(threadIdx.x) / kWarpSize / group_warps;
-  const int warp = static_cast<int>(threadIdx.x) / kWarpSize % group_warps;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int num_topk = layout.num_topk;
   const int num_local = layout.num_local_experts;
   const int rows_per_expert = layout.num_ranks * layout.max_tokens;
-  const bool in_group = group < num_tokens_here;  // kLowLatencyWarps % num_tokens_here == 0
-  const int token = first + (in_group ? group : 0) * stride;
-  TokenSources& sources = all_sources[in_group ? group : 0];
 
-  for (int k = warp; in_group && k < num_topk; k += group_warps) {
+  for (int i = warp; i < n * num_topk; i += kLowLatencyWarps) {
+    const int token = t0 + i / num_topk;
+    const int k = i % num_topk;
+    TokenSources& src = sources[i / num_topk];
     const size_t idx = static_cast<size_t>(token) * num_topk + k;
     const int g = __ldg(args.topk_idx + idx);
     int kind = 0;
@@ -248,11 +252,11 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, int 
       if (owner == rk.rank) {
         const size_t expert_row0 = static_cast<size_t>(expert) * rows_per_expert;
         const int count = min(max(__ldg(args.recv_count + expert), 0), rows_per_expert);
-        const int i = warp_find_row(args.recv_src + expert_row0, args.recv_k + expert_row0, count,
+        const int r = warp_find_row(args.recv_src + expert_row0, args.recv_k + expert_row0, count,
                                     rk.rank * layout.max_tokens + token, k, lane);
-        if (i >= 0) {
+        if (r >= 0) {
           kind = 1;
-          row = args.y + (expert_row0 + i) * layout.hidden;
+          row = args.y + (expert_row0 + r) * layout.hidden;
         }
       } else {
         kind = 2;
@@ -261,57 +265,62 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, int 
       }
     }
     if (lane == 0) {
-      sources.entry_row[k] = row;
-      sources.entry_weight[k] = __ldg(args.topk_weights + idx);
-      sources.entry_kind[k] = kind;
+      src.entry_row[k] = row;
+      src.entry_weight[k] = __ldg(args.topk_weights + idx);
+      src.entry_kind[k] = kind;
     }
   }
   __syncthreads();
-  if (in_group && warp == 0) {
-    const int kind = lane < num_topk ? sources.entry_kind[lane] : 0;
+  if (warp < n) {
+    TokenSources& src = sources[warp];
+    const int kind = lane < num_topk ? src.entry_kind[lane] : 0;
     const uint32_t lanes_below = (1u << lane) - 1;
 #pragma unroll
     for (int list = 0; list < 2; ++list) {
       const uint32_t members = __ballot_sync(kFullMask, kind == list + 1);
       if (kind == list + 1) {
         const int pos = __popc(members & lanes_below);
-        sources.rows[list][pos] = sources.entry_row[lane];
-        sources.weights[list][pos] = sources.entry_weight[lane];
+        src.rows[list][pos] = src.entry_row[lane];
+        src.weights[list][pos] = src.entry_weight[lane];
       }
-      if (lane == 0) sources.count[list] = __popc(members);
+      if (lane == 0) src.count[list] = __popc(members);
     }
   }
   __syncthreads();
 }
 
-// acc[j][c] += w * row[vec0 + j * kLowLatencyThreads][c] over `num_rows` rows, with
-// kOwnerRowsInFlight rows' loads issued together. kInput: rows are XLA operands (y), else rows a
-// peer wrote during this launch.
+// acc[j] += w * row[vec[j]] over the rows of list `list` of sources[j] (j < kOwnerVecsPerThread;
+// sources[j] == nullptr: nothing), with kOwnerRowsInFlight rows' loads issued together for all j.
+// kInput: rows are XLA operands (y), else rows a peer wrote during this launch.
 template <bool kInput>
-__device__ __forceinline__ void accumulate_rows(float (&acc)[kOwnerVecsPerThread][kBf16PerVector],
-                                                const __nv_bfloat16* const* rows,
-                                                const float* weights, int num_rows, int vec0,
-                                                int vecs) {
+__device__ __forceinline__ void accumulate_rows(
+    float (&acc)[kOwnerVecsPerThread][kBf16PerVector],
+    const TokenSources* const (&sources)[kOwnerVecsPerThread],
+    const int (&vec)[kOwnerVecsPerThread], int list) {
+  int num_rows = 0;
+#pragma unroll
+  for (int j = 0; j < kOwnerVecsPerThread; ++j) {
+    if (sources[j] != nullptr) num_rows = max(num_rows, sources[j]->count[list]);
+  }
   for (int r0 = 0; r0 < num_rows; r0 += kOwnerRowsInFlight) {
     int4 v[kOwnerRowsInFlight][kOwnerVecsPerThread];
 #pragma unroll
     for (int a = 0; a < kOwnerRowsInFlight; ++a) {
 #pragma unroll
       for (int j = 0; j < kOwnerVecsPerThread; ++j) {
-        const int vec = vec0 + j * kLowLatencyThreads;
         v[a][j] = make_int4(0, 0, 0, 0);
-        if (r0 + a < num_rows && vec < vecs) {
-          const int4* ptr = reinterpret_cast<const int4*>(rows[r0 + a]) + vec;
+        if (sources[j] != nullptr && r0 + a < sources[j]->count[list]) {
+          const int4* ptr = reinterpret_cast<const int4*>(sources[j]->rows[list][r0 + a]) + vec[j];
           v[a][j] = kInput ? ld_nc_v4(ptr) : ld_cg_v4(ptr);
         }
       }
     }
 #pragma unroll
     for (int a = 0; a < kOwnerRowsInFlight; ++a) {
-      if (r0 + a >= num_rows) break;
-      const float w = weights[r0 + a];
 #pragma unroll
       for (int j = 0; j < kOwnerVecsPerThread; ++j) {
+        if (sources[j] == nullptr || r0 + a >= sources[j]->count[list]) continue;
+        const float w = sources[j]->weights[list][r0 + a];
         const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v[a][j]);
 #pragma unroll
         for (int c = 0; c < kBf16PerVector / 2; ++c) {
@@ -358,16 +367,17 @@ __device__ __forceinline__ void wait_peer_flags(const CombineArgs& args, uint64_
   __syncthreads();
 }
 
-// Phases 2-4 (the owner's reduction). kArriveHere: this launch also ran phase 1 (fused op), so
-// the block arrives on the "sent" counter inside the first owner pass, after its own rows are
-// summed; otherwise the send launch already arrived and released the flags.
+// Phases 2-4 (the owner's reduction) over this block's range of the (token, vector) space.
+// kArriveHere: this launch also ran phase 1 (fused op), so the block arrives on the "sent"
+// counter inside the first pass, after its own rows are summed; otherwise the send launch already
+// arrived and released the flags.
 template <bool kArriveHere>
 __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatencyControl* control,
                                               uint64_t tag, int parity, int num_ranks, int me) {
-  __shared__ TokenSources sources[kTokensResolvedTogether];
+  __shared__ TokenSources sources[kOwnerPassTokens];
   const int tid = static_cast<int>(threadIdx.x);
 
-  // Phase 3 (run inside the first owner pass, after the own rows are summed).
+  // Phase 3 (run inside the first pass, after the own rows are summed).
   auto arrive_and_wait_peers = [&]() {
     if constexpr (kArriveHere) {
       arrive_and_release_flags(args, control, tag, parity, num_ranks, me);
@@ -376,46 +386,45 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatenc
   };
 
   // Phases 2 and 4.
-  const int hidden = args.rank.layout.hidden;
-  const int vecs = hidden / kBf16PerVector;
+  const int vecs = args.rank.layout.hidden / kBf16PerVector;
+  const int total = args.num_tokens * vecs;
+  const int share = max(ceil_div(total, static_cast<int>(gridDim.x)), kOwnerMinVecs);
+  const int begin = min(total, static_cast<int>(blockIdx.x) * share);
+  const int end = min(total, begin + share);
   bool peers_arrived = false;
-  const int grid = static_cast<int>(gridDim.x);
-  const int together = kTokensResolvedTogether * args.rank.layout.num_topk <= kLowLatencyWarps
-                           ? kTokensResolvedTogether
-                           : 1;
-  static_assert(kLowLatencyWarps % kTokensResolvedTogether == 0, "warp groups of equal size");
-  for (int first = blockIdx.x; first < args.num_tokens; first += together * grid) {
-    const int num_tokens_here = first + grid < args.num_tokens ? together : 1;
-    find_token_sources(args, first, grid, num_tokens_here, parity, sources);
-    for (int i = 0; i < num_tokens_here; ++i) {
-      const TokenSources& src = sources[i];
-      for (int vec_base = 0; vec_base < vecs;
-           vec_base += kLowLatencyThreads * kOwnerVecsPerThread) {
-        float acc[kOwnerVecsPerThread][kBf16PerVector] = {};
-        accumulate_rows<true>(acc, src.rows[0], src.weights[0], src.count[0], vec_base + tid, vecs);
-        if (!peers_arrived) {  // block-uniform
-          arrive_and_wait_peers();
-          peers_arrived = true;
-        }
-        accumulate_rows<false>(acc, src.rows[1], src.weights[1], src.count[1], vec_base + tid,
-                               vecs);
-        int4* out_row =
-            reinterpret_cast<int4*>(args.out + static_cast<size_t>(first + i * grid) * hidden);
+  for (int v0 = begin; v0 < end;) {
+    const int t0 = v0 / vecs;
+    const int v1 = min(min(end, v0 + kOwnerPassVecs), (t0 + kOwnerPassTokens) * vecs);
+    find_token_sources(args, t0, (v1 - 1) / vecs - t0 + 1, parity, sources);
+    const TokenSources* src[kOwnerVecsPerThread];
+    int vec[kOwnerVecsPerThread];
 #pragma unroll
-        for (int j = 0; j < kOwnerVecsPerThread; ++j) {
-          const int vec = vec_base + tid + j * kLowLatencyThreads;
-          if (vec >= vecs) continue;
-          int4 packed;
-          __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-          for (int c = 0; c < kBf16PerVector / 2; ++c) {
-            pairs[c] = __floats2bfloat162_rn(acc[j][2 * c], acc[j][2 * c + 1]);
-          }
-          st_v4(out_row + vec, packed);
-        }
-      }
+    for (int j = 0; j < kOwnerVecsPerThread; ++j) {
+      const int v = v0 + tid + j * kLowLatencyThreads;
+      src[j] = v < v1 ? &sources[v / vecs - t0] : nullptr;
+      vec[j] = v - (v / vecs) * vecs;
     }
-    __syncthreads();  // `sources` is rebuilt for the next tokens
+    float acc[kOwnerVecsPerThread][kBf16PerVector] = {};
+    accumulate_rows<true>(acc, src, vec, 0);
+    if (!peers_arrived) {  // block-uniform
+      arrive_and_wait_peers();
+      peers_arrived = true;
+    }
+    accumulate_rows<false>(acc, src, vec, 1);
+#pragma unroll
+    for (int j = 0; j < kOwnerVecsPerThread; ++j) {
+      const int v = v0 + tid + j * kLowLatencyThreads;
+      if (v >= v1) continue;
+      int4 packed;
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int c = 0; c < kBf16PerVector / 2; ++c) {
+        pairs[c] = __floats2bfloat162_rn(acc[j][2 * c], acc[j][2 * c + 1]);
+      }
+      st_v4(reinterpret_cast<int4*>(args.out) + v, packed);
+    }
+    __syncthreads();  // `sources` is rebuilt for the next pass
+    v0 = v1;
   }
   // Every block waits for every peer, also without tokens: the parity argument needs every call
   // to observe every peer's flag before it ends.

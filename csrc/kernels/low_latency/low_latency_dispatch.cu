@@ -97,174 +97,14 @@
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
 #include "kernels/low_latency/low_latency_common.cuh"
+#include "kernels/low_latency/low_latency_dispatch_args.cuh"
+#include "kernels/low_latency/low_latency_dispatch_send.cuh"
 #include "kernels/low_latency/low_latency_launch.h"
 #include "kernels/low_latency/low_latency_layout.cuh"
 #include "kernels/low_latency/low_latency_over_transport.h"
 
-namespace jax_ep {
+namespace jax_ep::ll_dispatch {
 namespace {
-
-// A receive work unit is one warp moving at most kRecvPiecesPerLane 16-channel pieces per lane
-// of one row (bf16: 2 vectors per piece, all 2 * kRecvPiecesPerLane loads in flight per lane).
-constexpr int kRecvPiecesPerLane = 4;
-constexpr int kRecvPiecesPerUnit = kWarpSize * kRecvPiecesPerLane;
-constexpr int kBf16PerVector = kBytesPerVector / 2;
-
-constexpr uint32_t kFullMask = 0xffffffffu;
-
-// How a row splits into receive units: chunks of at most kRecvPiecesPerUnit pieces, whole scale
-// groups each.
-struct RowChunks {
-  int pieces;        // 16-channel pieces of a row
-  int num_chunks;    // units per row
-  int chunk_pieces;  // pieces per unit (the last one may have fewer)
-};
-
-__host__ __device__ inline RowChunks row_chunks(int hidden) {
-  RowChunks c;
-  c.pieces = hidden / kFp8ChannelsPerPiece;
-  c.num_chunks = ceil_div(c.pieces, kRecvPiecesPerUnit);
-  c.chunk_pieces =
-      ceil_div(ceil_div(c.pieces, c.num_chunks), kFp8PiecesPerScale) * kFp8PiecesPerScale;
-  return c;
-}
-
-struct DispatchArgs {
-  LowLatencyRank rank;
-  const __nv_bfloat16* x;   // [T, H]
-  const int32_t* topk_idx;  // [T, K]
-  void* recv_x;             // [E_loc, R*T_max, H] e4m3 or bf16
-  float* recv_scales;       // [E_loc, R*T_max, H/128] (fp8 only)
-  int32_t* recv_count;      // [E_loc]
-  int32_t* recv_src;        // [E_loc, R*T_max]
-  int32_t* recv_k;          // [E_loc, R*T_max]
-  int num_tokens;           // T
-  int num_experts;          // E
-  int tokens_per_block;     // ceil(T / grid)
-  bool round_scale;
-  // Facts of the launch computed once on the host (the receive loop would divide per unit).
-  RowChunks chunks;                // row_chunks(H)
-  FastDivisor by_chunks;           // num_chunks
-  FastDivisor by_local_experts;    // E_loc
-  FastDivisor by_rows_per_expert;  // R * T_max
-  int32_t* ticket;                 // [1] (send half alone)
-};
-
-// Where the pair (local token, k) of a block is stored. Shared memory, written by warp 0 in phase
-// 2. `row` is the destination of the current store pass (nullptr: none): in phase 3 the pair's
-// row in a peer's region; in phase 4b (fused op) its row of this rank's output.
-struct SendPair {
-  char* row;
-  float* scales;   // fp8: the destination row's scales (region rows: row + H; outputs: recv_scales)
-  int2* meta;      // remote pair: its meta entry at the peer
-  uint64_t* flag;  // remote pair: its row flag at the peer
-  int2 value;      // (token, k)
-  int own_expert;  // own pair of the fused op: its local expert and slot (else -1)
-  int own_slot;
-};
-
-// Send inputs of one iteration for this thread, from the block's rows x_block ([n_tok][H], 16-byte
-// vectors). fp8: the two vectors of piece `base + tid`; bf16: vectors `base + tid` and
-// `base + tid + blockDim`. Zeros past `total` (pieces resp. vectors of the block).
-template <bool kUseFp8>
-__device__ __forceinline__ void load_send_inputs(const int4* x_block, int total, int base, int4& a,
-                                                 int4& b) {
-  const int f = base + static_cast<int>(threadIdx.x);
-  a = b = make_int4(0, 0, 0, 0);
-  if constexpr (kUseFp8) {
-    if (f < total) {
-      a = ld_nc_v4(x_block + 2 * f);
-      b = ld_nc_v4(x_block + 2 * f + 1);
-    }
-  } else {
-    if (f < total) a = ld_nc_v4(x_block + f);
-    if (f + static_cast<int>(blockDim.x) < total) b = ld_nc_v4(x_block + f + blockDim.x);
-  }
-}
-
-// One store pass over this block's tokens (phase 3: to the peers' regions; phase 4b: to this
-// rank's output rows): every pair with a destination (pairs[t * K + k].row != nullptr) gets its
-// token's row; fp8 also the split send half's own row (own_block: the block's first token's row
-// of dispatch_own_rows, else nullptr), so each token is cast once per pass, however many of its
-// copies the pass stores. (a, b): this thread's inputs of the first iteration (loaded in phase 0
-// or just before the pass). fp8: thread f of the flattened (token, piece) space handles 16
-// channels; the 8 lanes of a scale group hold the same token (H/16 % 8 == 0). bf16: thread f
-// handles vector f (and f + blockDim) of the flattened (token, vector) space, so lanes store
-// consecutive 16-byte vectors.
-template <bool kUseFp8>
-__device__ __forceinline__ void send_rows(const DispatchArgs& args, const SendPair* pairs,
-                                          const int4* x_block, char* own_block, int n_tok, int4 a,
-                                          int4 b) {
-  const int hidden = args.rank.layout.hidden;
-  const int num_topk = args.rank.layout.num_topk;
-  const int tid = static_cast<int>(threadIdx.x);
-  if constexpr (kUseFp8) {
-    const int pieces = hidden / kFp8ChannelsPerPiece;
-    const int total = n_tok * pieces;
-    for (int base = 0; base < total; base += blockDim.x) {  // uniform trip count: shuffles below
-      if (base > 0) load_send_inputs<true>(x_block, total, base, a, b);
-      const int f = base + tid;
-      const bool active = f < total;
-      const int local_token = active ? f / pieces : 0;
-      const int piece = f - local_token * pieces;
-      const float amax = fp8_group_amax(active ? bf16_piece_amax(a, b) : 0.0f);
-      const float scale = fp8_scale_from_amax(amax, args.round_scale);
-      const int4 packed = bf16_piece_to_e4m3(a, b, 1.0f / scale);
-      if (!active) continue;
-      const SendPair* token_pairs = pairs + local_token * num_topk;
-      char* own_row = own_block == nullptr
-                          ? nullptr
-                          : own_block + local_token * args.rank.layout.dispatch_row_bytes();
-      for (int k = -1; k < num_topk; ++k) {  // k = -1: the own row
-        char* row = k < 0 ? own_row : token_pairs[k].row;
-        if (row == nullptr) continue;
-        st_v4(reinterpret_cast<int4*>(row) + piece, packed);
-        if (piece % kFp8PiecesPerScale == 0) {
-          float* scales =
-              k < 0 ? reinterpret_cast<float*>(own_row + hidden) : token_pairs[k].scales;
-          scales[piece / kFp8PiecesPerScale] = scale;
-        }
-      }
-    }
-  } else {
-    const int vecs = hidden / kBf16PerVector;
-    const int total = n_tok * vecs;
-    const int step = 2 * static_cast<int>(blockDim.x);
-    for (int base = 0; base < total; base += step) {
-      if (base > 0) load_send_inputs<false>(x_block, total, base, a, b);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int f = base + tid + half * static_cast<int>(blockDim.x);
-        if (f >= total) break;
-        const int local_token = f / vecs;
-        const int vec = f - local_token * vecs;
-        const int4 v = half == 0 ? a : b;
-        const SendPair* token_pairs = pairs + local_token * num_topk;
-        for (int k = 0; k < num_topk; ++k) {
-          char* row = token_pairs[k].row;
-          if (row != nullptr) st_v4(reinterpret_cast<int4*>(row) + vec, v);
-        }
-      }
-    }
-  }
-}
-
-// Phase 4: after the block barrier that follows phase 3, publishes every remote pair of the
-// block: meta, then (one fence per thread) the row flag. Threads without a pair do nothing.
-__device__ __forceinline__ void release_remote_pairs(const SendPair* pairs, int num_pairs,
-                                                     uint64_t tag) {
-  const int tid = static_cast<int>(threadIdx.x);
-  if (tid >= num_pairs) return;
-  for (int i = tid; i < num_pairs; i += blockDim.x) {
-    if (pairs[i].row != nullptr) *pairs[i].meta = pairs[i].value;
-  }
-  // Release: every data store of the block precedes this fence (bar.sync before the call), and
-  // so do this thread's meta stores; the flag stores below come after it.
-  fence_acq_rel_sys();
-  for (int i = tid; i < num_pairs; i += blockDim.x) {
-    if (pairs[i].row != nullptr) st_relaxed_sys(pairs[i].flag, tag);
-  }
-}
 
 // Moves vectors [v0, v_end) (lane-strided, at most 2 * kRecvPiecesPerLane per lane) from src to
 // dst. kSourceIsInput: src is an XLA operand (x), else the region a peer wrote (ld.cg).
@@ -520,10 +360,11 @@ __device__ __forceinline__ void receive_by_plan(const DispatchArgs& args, const 
   const int me = args.rank.rank;
   const int rows_per_expert = num_ranks * layout.max_tokens;
   const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
-  // Blocks are counted from the first one without tokens (blocks [0, that) spent the send
-  // half on their tokens), so the first units go to blocks that are idle by then.
+  // Blocks are counted from the first one without pairs (blocks [0, that) spent the send half
+  // on their pairs), so the first units go to blocks that are idle by then.
   const int first_idle_block =
-      min(static_cast<int>(gridDim.x), ceil_div(args.num_tokens, max(args.tokens_per_block, 1)));
+      min(static_cast<int>(gridDim.x),
+          ceil_div(args.num_tokens * layout.num_topk, args.pairs_per_block));
   const int block_order =
       (static_cast<int>(blockIdx.x) - first_idle_block + static_cast<int>(gridDim.x)) %
       static_cast<int>(gridDim.x);
@@ -638,227 +479,12 @@ __device__ __forceinline__ void receive_by_expert(const DispatchArgs& args, uint
   }
 }
 
-// Dynamic shared memory of the send half (see send_half), rounded to 16 bytes.
-__host__ __device__ constexpr size_t send_smem_bytes(int tokens_per_block, int num_topk,
-                                                     int num_experts) {
-  return (static_cast<size_t>(tokens_per_block) * num_topk * (sizeof(SendPair) + sizeof(int)) +
-          2 * static_cast<size_t>(num_experts) * sizeof(int) + 15) /
-         16 * 16;
-}
-
-// Phase 4b (fused op): stores this block's own pairs straight into this rank's outputs, with
-// their recv_src / recv_k. Output row of own pair (e, slot) = rows that sources < rank send to e
-// (their count words, published at the start of their launches: the wait is short, and rank 0
-// never waits) + slot. `first_rows`: shared scratch of E_loc ints. (a, b): as for send_rows.
-// Block-wide; called after the block barrier that ends phase 4's reads of `pairs`.
-template <bool kUseFp8>
-__device__ __forceinline__ void push_own_rows(const DispatchArgs& args, SendPair* pairs,
-                                              int* first_rows, const int4* x_block, int n_tok,
-                                              uint64_t tag, int parity, int4 a, int4 b) {
-  const LowLatencyRank& rk = args.rank;
-  const LowLatencyLayout& layout = rk.layout;
-  const int me = rk.rank;
-  const int num_local = layout.num_local_experts;
-  const int rows_per_expert = layout.num_ranks * layout.max_tokens;
-  const int tid = static_cast<int>(threadIdx.x);
-  for (int e = tid; e < num_local; e += blockDim.x) first_rows[e] = 0;
-  __syncthreads();
-  const uint64_t* words = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_counts);
-  for (int g = tid; g < num_local * me; g += blockDim.x) {  // g = e * rank + s, sources s < rank
-    const int expert = g / me;
-    const int src = g - expert * me;
-    const uint32_t value = wait_tagged_count(
-        words + layout.dispatch_count_index(parity, expert, src), tag, rk.timeout_ns,
-        rk.timeout_record, me, src, WaitPhase::kLowLatencyDispatchRecv);
-    atomicAdd(first_rows + expert,
-              static_cast<int>(min(value, static_cast<uint32_t>(layout.max_tokens))));
-  }
-  __syncthreads();
-  const size_t out_row_bytes = kUseFp8 ? layout.hidden : 2 * static_cast<size_t>(layout.hidden);
-  for (int i = tid; i < n_tok * layout.num_topk; i += blockDim.x) {
-    SendPair& pair = pairs[i];
-    pair.row = nullptr;
-    if (pair.own_expert < 0) continue;
-    const size_t row_index = static_cast<size_t>(pair.own_expert) * rows_per_expert +
-                             first_rows[pair.own_expert] + pair.own_slot;
-    pair.row = static_cast<char*>(args.recv_x) + row_index * out_row_bytes;
-    pair.scales =
-        kUseFp8 ? args.recv_scales + row_index * (layout.hidden / kChannelsPerScale) : nullptr;
-    args.recv_src[row_index] = me * layout.max_tokens + pair.value.x;
-    args.recv_k[row_index] = pair.value.y;
-  }
-  __syncthreads();
-  send_rows<kUseFp8>(args, pairs, x_block, nullptr, n_tok, a, b);
-}
-
-// Phases 0-4 (the send half): histograms, count words, slots and own meta, rows to the peers and
-// their flags; never waits for a peer. kPushOwn (fused op): then phase 4b, the own rows stored
-// straight into the outputs (its only wait: the count words of lower ranks). Otherwise (split
-// send launch) the own rows are left to the receive launch: their meta, and fp8 rows cast once
-// per token into dispatch_own_rows. Dynamic shared memory: pairs [tokens_per_block][K], the
-// block's ids [tokens_per_block][K], then two int histograms of E entries.
-template <bool kUseFp8, bool kPushOwn>
-__device__ __forceinline__ void send_half(const DispatchArgs& args, uint64_t tag, int parity) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int block_pairs[2];  // this block's remote and own pairs
-  const LowLatencyRank& rk = args.rank;
-  const LowLatencyLayout& layout = rk.layout;
-  const int num_local = layout.num_local_experts;
-  const int max_tokens = layout.max_tokens;
-  const int num_topk = layout.num_topk;
-  const int num_experts = args.num_experts;
-  const int me = rk.rank;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int lane = tid % kWarpSize;
-
-  SendPair* pairs = reinterpret_cast<SendPair*>(smem);
-  int* block_ids = reinterpret_cast<int*>(pairs + args.tokens_per_block * num_topk);
-  int* hist_before = block_ids + args.tokens_per_block * num_topk;
-  int* hist_total = hist_before + num_experts;
-
-  const int t0 = min(args.num_tokens, static_cast<int>(blockIdx.x) * args.tokens_per_block);
-  const int t1 = min(args.num_tokens, t0 + args.tokens_per_block);
-  const int n_tok = t1 - t0;
-  const bool is_publisher = blockIdx.x == gridDim.x - 1;
-
-  // Phase 0: this thread's first send inputs (x does not depend on the routing).
-  const int4* x_block =
-      reinterpret_cast<const int4*>(args.x + static_cast<size_t>(t0) * layout.hidden);
-  const int send_total = n_tok * layout.hidden / (kUseFp8 ? kFp8ChannelsPerPiece : kBf16PerVector);
-  int4 send_a, send_b;
-  load_send_inputs<kUseFp8>(x_block, send_total, 0, send_a, send_b);
-
-  // Phase 1: histograms; the publisher releases the count words at every rank.
-  if (n_tok > 0 || is_publisher) {
-    for (int g = tid; g < num_experts; g += blockDim.x) {
-      hist_before[g] = 0;
-      hist_total[g] = 0;
-    }
-    for (int p = tid; p < n_tok * num_topk; p += blockDim.x) {
-      block_ids[p] = __ldg(args.topk_idx + static_cast<size_t>(t0) * num_topk + p);
-    }
-    __syncthreads();
-    const int before_end = t0 * num_topk;
-    const int scan_end = is_publisher ? args.num_tokens * num_topk : before_end;
-    for (int p = tid; p < scan_end; p += blockDim.x) {
-      const int g = __ldg(args.topk_idx + p);
-      if (g < 0 || g >= num_experts) continue;
-      if (n_tok > 0 && p < before_end) atomicAdd(hist_before + g, 1);
-      if (is_publisher) atomicAdd(hist_total + g, 1);
-    }
-    __syncthreads();
-    if (is_publisher) {
-      for (int g = tid; g < num_experts; g += blockDim.x) {
-        const int dst = g / num_local;
-        const int expert = g - dst * num_local;
-        const uint32_t count = static_cast<uint32_t>(min(hist_total[g], max_tokens));
-        uint64_t* word = reinterpret_cast<uint64_t*>(rk.peers[dst] + layout.dispatch_counts) +
-                         layout.dispatch_count_index(parity, expert, me);
-        st_relaxed_sys(word, pack_tagged_count(tag, count));
-      }
-    }
-  }
-
-  // Phase 2: slots, own pairs and remote destinations of this block's tokens (warp 0, in order).
-  if (tid < kWarpSize) {
-    int remote_pairs = 0, own_pairs = 0;
-    unsigned long long invalid_ids = 0, dropped_rows = 0;
-    const uint32_t topk_lanes = num_topk >= kWarpSize ? kFullMask : (1u << num_topk) - 1;
-    for (int t = t0; t < t1; ++t) {
-      SendPair pair = {nullptr, nullptr, nullptr, nullptr, make_int2(t, lane), -1, -1};
-      if (lane < num_topk) {
-        const int g = block_ids[(t - t0) * num_topk + lane];
-        // Lanes of this token with the same id (a token may repeat an expert): the lowest one
-        // takes their slots at once, in k order, so rows stay ordered by (token, k).
-        const uint32_t same = __match_any_sync(topk_lanes, g);
-        const int leader = __ffs(same) - 1;
-        int first_slot = 0;
-        if (lane == leader && g >= 0 && g < num_experts) {
-          first_slot = atomicAdd(hist_before + g, __popc(same));
-        }
-        first_slot = __shfl_sync(topk_lanes, first_slot, leader);
-        if (g >= 0 && g < num_experts) {
-          const int slot = first_slot + __popc(same & ((1u << lane) - 1));
-          if (slot < max_tokens) {
-            const int dst = g / num_local;
-            const int expert = g - dst * num_local;
-            const size_t meta_index = layout.dispatch_meta_index(parity, expert, me, slot);
-            if (dst == me) {
-              ++own_pairs;
-              if constexpr (kPushOwn) {
-                pair.own_expert = expert;
-                pair.own_slot = slot;
-              } else {
-                reinterpret_cast<int2*>(rk.local + layout.dispatch_meta)[meta_index] = pair.value;
-              }
-            } else {
-              ++remote_pairs;
-              pair.row = rk.peers[dst] + layout.dispatch_row_offset(parity, expert, me, dst, slot);
-              pair.scales = reinterpret_cast<float*>(pair.row + layout.hidden);
-              pair.meta =
-                  reinterpret_cast<int2*>(rk.peers[dst] + layout.dispatch_meta) + meta_index;
-              pair.flag = reinterpret_cast<uint64_t*>(rk.peers[dst] + layout.dispatch_row_flags) +
-                          meta_index;
-            }
-          } else {
-            ++dropped_rows;
-          }
-        } else if (g != -1) {
-          ++invalid_ids;
-        }
-        pairs[(t - t0) * num_topk + lane] = pair;
-      }
-      __syncwarp();  // token t's slots are taken before token t + 1's
-    }
-#pragma unroll
-    for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) {
-      remote_pairs += __shfl_xor_sync(kFullMask, remote_pairs, mask);
-      own_pairs += __shfl_xor_sync(kFullMask, own_pairs, mask);
-      invalid_ids += __shfl_xor_sync(kFullMask, invalid_ids, mask);
-      dropped_rows += __shfl_xor_sync(kFullMask, dropped_rows, mask);
-    }
-    if (lane == 0) {
-      block_pairs[0] = remote_pairs;
-      block_pairs[1] = own_pairs;
-    }
-    if (lane == 0 && invalid_ids > 0 && rk.errors != nullptr) {
-      atomicAdd(&rk.errors->invalid_expert_ids, invalid_ids);
-    }
-    if (lane == 0 && dropped_rows > 0 && rk.errors != nullptr) {
-      atomicAdd(&rk.errors->dropped_low_latency_rows, dropped_rows);
-    }
-  }
-  __syncthreads();
-  const bool has_remote = block_pairs[0] > 0;
-  const bool has_own = block_pairs[1] > 0;
-
-  // Phase 3: send remote rows (split fp8: and cast the own rows into dispatch_own_rows).
-  char* own_block =
-      kUseFp8 && !kPushOwn && has_own ? rk.local + layout.dispatch_own_row_offset(t0) : nullptr;
-  if (has_remote || own_block != nullptr) {
-    send_rows<kUseFp8>(args, pairs, x_block, own_block, n_tok, send_a, send_b);
-  }
-
-  // Phase 4: publish this block's remote rows.
-  __syncthreads();
-  release_remote_pairs(pairs, n_tok * num_topk, tag);
-
-  // Phase 4b.
-  if constexpr (kPushOwn) {
-    if (has_own) {
-      __syncthreads();  // phase 4 has read `pairs`
-      if (has_remote) load_send_inputs<kUseFp8>(x_block, send_total, 0, send_a, send_b);
-      push_own_rows<kUseFp8>(args, pairs, hist_before, x_block, n_tok, tag, parity, send_a, send_b);
-    }
-  }
-}
-
 // Grid: low_latency_grid_size blocks (cooperative, at most one per SM; by default all SMs but
 // kLowLatencyFreeSms), kLowLatencyThreads threads. kHalves picks the phases:
 // kBoth (fused op) runs 0-6; kSend runs 0-4 and stores the ticket; kRecv runs 5-6. The send
 // launch and the receive launch of one call read the same sequence word (only phase 6
-// advances it), hence the same tag and parity. Dynamic shared memory: the send half's (see
-// send_half; not for kRecv), then phase 5's ReceivePlan (not for kSend).
+// advances it), hence the same tag and parity. Dynamic shared memory: the send half's
+// (carve_send_smem; not for kRecv), then phase 5's ReceivePlan (not for kSend).
 template <bool kUseFp8, LowLatencyHalves kHalves>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     low_latency_dispatch_kernel(const __grid_constant__ DispatchArgs args) {
@@ -867,18 +493,20 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const uint64_t tag = seq + 1;
   const int parity = static_cast<int>(seq & 1);
 
+  extern __shared__ __align__(16) unsigned char smem[];
   // Phases 0-4 (fused op: and 4b).
   if constexpr (runs_send_half(kHalves)) {
-    send_half<kUseFp8, kHalves == LowLatencyHalves::kBoth>(args, tag, parity);
+    send_half<kUseFp8, kHalves == LowLatencyHalves::kBoth>(args, smem, tag, parity);
   }
 
   if constexpr (runs_recv_half(kHalves)) {
     // Phase 5: the plan (after the send half's shared memory), own rows (split receive half
     // only), then peer rows as they land; recv_count, -1 fill.
-    extern __shared__ __align__(16) unsigned char smem[];
     const size_t plan_offset =
         runs_send_half(kHalves)
-            ? send_smem_bytes(args.tokens_per_block, args.rank.layout.num_topk, args.num_experts)
+            ? carve_send_smem(nullptr, args.pairs_per_block, args.rank.layout.num_topk,
+                              args.num_experts, args.stage_tokens, args.rank.layout.hidden, kUseFp8)
+                  .bytes
             : 0;
     if (args.num_tokens * args.rank.layout.num_topk <= static_cast<int>(gridDim.x)) {
       receive_by_expert<kUseFp8, runs_send_half(kHalves)>(args, tag, parity);
@@ -913,7 +541,10 @@ cudaError_t launch_dispatch_halves(const RankContext& ctx, const LowLatencyDispa
   args.recv_k = params.recv_k;
   args.num_tokens = params.num_tokens;
   args.num_experts = ctx.config.num_experts;
-  args.tokens_per_block = (params.num_tokens + num_blocks - 1) / num_blocks;
+  const int num_pairs = params.num_tokens * ctx.config.num_topk;
+  args.pairs_per_block = num_pairs > 0 ? ceil_div(num_pairs, num_blocks) : 1;
+  args.stage_tokens =
+      send_stage_tokens(args.pairs_per_block, ctx.config.num_topk, ctx.config.hidden);
   args.round_scale = params.round_scale;
   args.ticket = params.ticket;
   args.chunks = row_chunks(ctx.config.hidden);
@@ -924,7 +555,9 @@ cudaError_t launch_dispatch_halves(const RankContext& ctx, const LowLatencyDispa
 
   const size_t smem_bytes =
       (runs_send_half(kHalves)
-           ? send_smem_bytes(args.tokens_per_block, ctx.config.num_topk, args.num_experts)
+           ? carve_send_smem(nullptr, args.pairs_per_block, ctx.config.num_topk, args.num_experts,
+                             args.stage_tokens, ctx.config.hidden, params.use_fp8)
+                 .bytes
            : 0) +
       (runs_recv_half(kHalves) ? receive_plan_bytes(args.num_experts) : 0);
   return params.use_fp8 ? launch_low_latency_kernel(low_latency_dispatch_kernel<true, kHalves>,
@@ -943,6 +576,12 @@ cudaError_t preload_dispatch_halves() {
 }
 
 }  // namespace
+}  // namespace jax_ep::ll_dispatch
+
+namespace jax_ep {
+
+using ll_dispatch::launch_dispatch_halves;
+using ll_dispatch::preload_dispatch_halves;
 
 size_t low_latency_workspace_bytes(const BufferConfig& config) {
   return config.low_latency ? kLowLatencyNumChannels * make_low_latency_layout(config).total_bytes
