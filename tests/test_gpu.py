@@ -108,7 +108,7 @@ def test_low_latency_ops_at_model_sizes(tokens, hidden, use_fp8):
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=use_fp8)
         split = jax_ep.low_latency_dispatch_recv(
             buf, jax_ep.low_latency_dispatch_send(buf, x, idx, use_fp8=use_fp8))
-        rows = d if not use_fp8 else jax_ep.low_latency_dispatch(buf, x, idx)
+        rows = d if not use_fp8 else jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=False)
         out = jax_ep.low_latency_combine(buf, rows.recv_x, idx, w, rows.handle)
         out_split = jax_ep.low_latency_combine_recv(
             buf, jax_ep.low_latency_combine_send(buf, rows.recv_x, idx, w, rows.handle))

@@ -8,7 +8,8 @@
 // Expert outputs of rows that came from a peer are pushed into that peer's combine region at
 // [parity][token][k]; rows of this rank's own tokens are not moved at all: the owner reads them
 // straight from y, finding the row of (t, k) in the dispatch handle (rows of an expert are sorted
-// by (recv_src, recv_k), so a warp-wide search over recv_src/recv_k finds it in two rounds).
+// by (recv_src, recv_k), so 16 lanes searching recv_src/recv_k together find it in one round up
+// to 16 rows, two up to 256).
 //
 // Phases of every block (W = all warps of the grid):
 //   1. Send: warps w = e (mod E_loc) share local expert e; its units (valid row, chunk of <= 1024
@@ -95,20 +96,28 @@ struct TokenSources {
   int count[2];
 };
 
-// Row of expert `expert` in y holding (source key, k), or -1. Valid rows [0, count) are sorted by
-// (recv_src, recv_k) (dispatch order); each round probes 32 evenly spaced rows, so two rounds
-// cover 1024 rows. Whole warp, uniform arguments; in bounds whatever the handle holds.
-__device__ __forceinline__ int warp_find_row(const int32_t* src_col, const int32_t* k_col,
-                                             int count, int src_key, int k, int lane) {
+// Lanes that search for one (token, k) row: a warp resolves two at once, so a block resolves
+// all K rows of up to 4 top-8 tokens in one round.
+constexpr int kFindLanes = 16;
+constexpr int kFindersPerWarp = kWarpSize / kFindLanes;
+
+// Row of an expert's block of y holding (source key, k), or -1. Valid rows [0, count) are sorted
+// by (recv_src, recv_k) (dispatch order); each round probes kFindLanes evenly spaced rows (two
+// rounds cover 256 rows), and the last round's probe of the answer is reused, not loaded again.
+// The kFindLanes lanes of `group` (lane `g_lane` of it), uniform arguments; in bounds whatever
+// the handle holds.
+__device__ __forceinline__ int group_find_row(const int32_t* src_col, const int32_t* k_col,
+                                              int count, int src_key, int k, int g_lane,
+                                              uint32_t group) {
   auto key = [&](int i) {
     return static_cast<int64_t>(__ldg(src_col + i)) * kMaxTopk + __ldg(k_col + i);
   };
   const int64_t target = static_cast<int64_t>(src_key) * kMaxTopk + k;
   int lo = 0, hi = count;  // rows < lo are below target, rows >= hi are not
-  while (hi - lo > kWarpSize) {
-    const int step = ceil_div(hi - lo, kWarpSize);
-    const int probe = lo + lane * step;
-    const int num_below = __popc(__ballot_sync(kFullMask, probe < hi && key(probe) < target));
+  while (hi - lo > kFindLanes) {
+    const int step = ceil_div(hi - lo, kFindLanes);
+    const int probe = lo + g_lane * step;
+    const int num_below = __popc(__ballot_sync(group, probe < hi && key(probe) < target) & group);
     if (num_below == 0) {
       hi = lo;
       break;
@@ -116,8 +125,14 @@ __device__ __forceinline__ int warp_find_row(const int32_t* src_col, const int32
     hi = min(hi, lo + num_below * step);
     lo += (num_below - 1) * step + 1;
   }
-  const int probe = lo + lane;
-  const int found = lo + __popc(__ballot_sync(kFullMask, probe < hi && key(probe) < target));
+  const int probe = lo + g_lane;
+  const int64_t probe_key = probe < hi ? key(probe) : INT64_MAX;
+  const int num_below = __popc(__ballot_sync(group, probe_key < target) & group);
+  const int found = lo + num_below;
+  const int first_lane = __ffs(group) - 1;
+  const int64_t found_key =
+      __shfl_sync(group, probe_key, first_lane + min(num_below, kFindLanes - 1));
+  if (found < hi) return found_key == target ? found : -1;  // lane num_below probed `found`
   return found < count && key(found) == target ? found : -1;
 }
 
@@ -225,11 +240,13 @@ constexpr int kOwnerPassTokens = 4;
 constexpr int kOwnerMinVecs = 256;
 
 // Phase 2 setup: where the K rows of tokens t0 .. t0 + n - 1 (n <= kOwnerPassTokens) are read
-// from. Warp w resolves the (token, k) pairs w, w + W_block, ... (i = token * K + k), then warp i
-// compacts token i's entries into sources[i]'s own / peer lists (k order kept). Block-wide, ends
+// from. Finder f (kFindLanes lanes) resolves the (token, k) pairs f, f + finders, ...
+// (i = token * K + k), then warp i compacts token i's entries into sources[i]'s own / peer
+// lists (k order kept). `recv_counts`: the handle's counts, in shared memory. Block-wide, ends
 // synchronised.
-__device__ __forceinline__ void find_token_sources(const CombineArgs& args, int t0, int n,
-                                                   int parity, TokenSources* sources) {
+__device__ __forceinline__ void find_token_sources(const CombineArgs& args, const int* recv_counts,
+                                                   int t0, int n, int parity,
+                                                   TokenSources* sources) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -237,8 +254,11 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, int 
   const int num_topk = layout.num_topk;
   const int num_local = layout.num_local_experts;
   const int rows_per_expert = layout.num_ranks * layout.max_tokens;
+  const int g_lane = lane % kFindLanes;
+  const uint32_t group = ((1u << kFindLanes) - 1) << (lane - g_lane);
+  constexpr int kFinders = kLowLatencyWarps * kFindersPerWarp;
 
-  for (int i = warp; i < n * num_topk; i += kLowLatencyWarps) {
+  for (int i = warp * kFindersPerWarp + lane / kFindLanes; i < n * num_topk; i += kFinders) {
     const int token = t0 + i / num_topk;
     const int k = i % num_topk;
     TokenSources& src = sources[i / num_topk];
@@ -251,9 +271,9 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, int 
       const int expert = g - owner * num_local;
       if (owner == rk.rank) {
         const size_t expert_row0 = static_cast<size_t>(expert) * rows_per_expert;
-        const int count = min(max(__ldg(args.recv_count + expert), 0), rows_per_expert);
-        const int r = warp_find_row(args.recv_src + expert_row0, args.recv_k + expert_row0, count,
-                                    rk.rank * layout.max_tokens + token, k, lane);
+        const int r = group_find_row(args.recv_src + expert_row0, args.recv_k + expert_row0,
+                                     recv_counts[expert], rk.rank * layout.max_tokens + token, k,
+                                     g_lane, group);
         if (r >= 0) {
           kind = 1;
           row = args.y + (expert_row0 + r) * layout.hidden;
@@ -264,7 +284,7 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, int 
                                                      layout.combine_row_offset(parity, token, k));
       }
     }
-    if (lane == 0) {
+    if (g_lane == 0) {
       src.entry_row[k] = row;
       src.entry_weight[k] = __ldg(args.topk_weights + idx);
       src.entry_kind[k] = kind;
@@ -372,8 +392,9 @@ __device__ __forceinline__ void wait_peer_flags(const CombineArgs& args, uint64_
 // counter inside the first pass, after its own rows are summed; otherwise the send launch already
 // arrived and released the flags.
 template <bool kArriveHere>
-__device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatencyControl* control,
-                                              uint64_t tag, int parity, int num_ranks, int me) {
+__device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int* recv_counts,
+                                              LowLatencyControl* control, uint64_t tag, int parity,
+                                              int num_ranks, int me) {
   __shared__ TokenSources sources[kOwnerPassTokens];
   const int tid = static_cast<int>(threadIdx.x);
 
@@ -395,7 +416,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatenc
   for (int v0 = begin; v0 < end;) {
     const int t0 = v0 / vecs;
     const int v1 = min(min(end, v0 + kOwnerPassVecs), (t0 + kOwnerPassTokens) * vecs);
-    find_token_sources(args, t0, (v1 - 1) / vecs - t0 + 1, parity, sources);
+    find_token_sources(args, recv_counts, t0, (v1 - 1) / vecs - t0 + 1, parity, sources);
     const TokenSources* src[kOwnerVecsPerThread];
     int vec[kOwnerVecsPerThread];
 #pragma unroll
@@ -432,7 +453,8 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, LowLatenc
 }
 
 // Grid: low_latency_grid_size blocks (cooperative, at most one per SM; by default all SMs but
-// kLowLatencyFreeSms), kLowLatencyThreads threads. No dynamic shared memory.
+// kLowLatencyFreeSms), kLowLatencyThreads threads. Dynamic shared memory (receive half): the
+// handle's recv_count, E_loc ints.
 // kHalves picks the phases: kBoth (fused op) runs 1-5; kSend runs 1 and the arrival/flag release
 // of 3, then stores the ticket; kRecv runs 2, the wait of 3, 4 and 5. The send launch and the
 // receive launch of one call read the same sequence word (only phase 5 advances it).
@@ -447,12 +469,23 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const uint64_t tag = seq + 1;
   const int parity = static_cast<int>(seq & 1);
 
+  // The handle's counts for phase 2, loaded first so that they fly during phase 1.
+  extern __shared__ int recv_counts[];  // [E_loc] (receive half)
+  if constexpr (runs_recv_half(kHalves)) {
+    const LowLatencyLayout& layout = args.rank.layout;
+    const int rows_per_expert = layout.num_ranks * layout.max_tokens;
+    for (int e = static_cast<int>(threadIdx.x); e < layout.num_local_experts; e += blockDim.x) {
+      recv_counts[e] = min(max(__ldg(args.recv_count + e), 0), rows_per_expert);
+    }
+  }
+
   // Phase 1.
   if constexpr (runs_send_half(kHalves)) send_rows(args, parity);
 
   if constexpr (runs_recv_half(kHalves)) {
     // Phases 2-4.
-    reduce_tokens<runs_send_half(kHalves)>(args, control, tag, parity, num_ranks, me);
+    __syncthreads();  // recv_counts
+    reduce_tokens<runs_send_half(kHalves)>(args, recv_counts, control, tag, parity, num_ranks, me);
     // Phase 5.
     finish_launch(&control->combine_blocks_done, &control->combine_seq, seq);
   } else {
@@ -483,8 +516,10 @@ cudaError_t launch_combine_halves(const RankContext& ctx, const LowLatencyCombin
   args.num_experts = ctx.config.num_experts;
   args.ticket = params.ticket;
 
-  return launch_low_latency_kernel(low_latency_combine_kernel<kHalves>, num_blocks, 0, stream,
-                                   args);
+  const size_t smem_bytes =
+      runs_recv_half(kHalves) ? ctx.config.num_local_experts() * sizeof(int) : 0;
+  return launch_low_latency_kernel(low_latency_combine_kernel<kHalves>, num_blocks, smem_bytes,
+                                   stream, args);
 }
 
 }  // namespace
