@@ -15,24 +15,26 @@
 //   row flag    [parity][e][s][slot] (s remote) tag once that row, its scales and its meta landed.
 //
 // Phases of every block (W = all warps of the grid):
-//   0. Every thread issues the loads of its first send piece of x (they fly during phases 1-2).
+//   0. Each block owns an even share of the call's (token, k) pairs, [p0, p1) in (token, k)
+//      order (low_latency_dispatch_send.cuh), and issues the asynchronous loads of its tokens'
+//      x rows into shared memory (they fly during phases 1-2).
 //   1. Block grid-1 histograms all of topk_idx and stores the count words at every rank.
-//      Each block with tokens (a contiguous range [t0, t1)) histograms the ids of tokens < t0.
-//   2. Warp 0 walks its tokens in order: slot of (t, k) = rows of expert g from tokens < t
-//      (histogram + running count; deterministic, no global atomics), plus the k' < k of token
-//      t with the same id. It remembers the destination row, meta and flag of remote pairs and
-//      the (expert, slot) of own pairs (split send half: writes their local meta instead). Slots
-//      >= T_max (only possible with duplicate ids) are dropped and counted in
-//      ErrorCounters::dropped_low_latency_rows.
-//   3. Send (blocks with a remote pair): the block's threads cast their pieces to e4m3 (scale per
-//      128 channels via 8-lane shuffles; bf16: plain 16-byte vectors, lane-contiguous so every
-//      warp store is 512 contiguous bytes) and store them to every remote destination row; the
-//      split send half's fp8 also to the token's own row (dispatch_own_rows: one cast per token).
+//      Each block with pairs histograms the ids of the pairs before p0.
+//   2. Warp 0 walks its pairs in order, 32 at a time: slot of (t, k) = rows of expert g from
+//      pairs before it (histogram + running count; deterministic, no global atomics). It
+//      remembers the destination row, meta and flag of remote pairs and the (expert, slot) of
+//      own pairs (split send half: writes their local meta instead). Slots >= T_max (only
+//      possible with duplicate ids) are dropped and counted in
+//      ErrorCounters::dropped_low_latency_rows. Then the staged rows are complete (fp8: cast
+//      to e4m3 in shared memory, scale per 128 channels, once per block and token).
+//   3. Send (blocks with a remote pair): every remote pair's row is stored from shared memory
+//      to its destination row, lanes on consecutive 16-byte vectors; the split send half's fp8
+//      also stores each token's cast row to dispatch_own_rows (by the token's first own pair).
 //   4. Release: block barrier; the thread of each remote pair stores its meta at the peer, fences
 //      (.sys: every store of the block, ordered before it by the barrier, is then visible at the
 //      peer) and stores the pair's row flag = tag there. No grid-wide counter, no last block.
-//   4b. Fused op, blocks with an own pair: the block stores its own pairs' rows (cast again for
-//      fp8) straight into recv_x / recv_scales, with recv_src / recv_k, at output row
+//   4b. Fused op, blocks with an own pair: the block stores its own pairs' rows (from the same
+//      staged rows) straight into recv_x / recv_scales, with recv_src / recv_k, at output row
 //      (rows of lower ranks for that expert) + slot: it waits for the count words of the lower
 //      ranks only (rank 0 never waits). So no receiving warp waits for a grid-wide "own meta
 //      written" counter and loads a row's meta before its data, as the split receive half does.
