@@ -203,3 +203,31 @@ def test_byte_counts_follow_deepep():
     assert bc.bytes_per_rank("low_latency_dispatch", "fp8", hidden, stats,
                              peer=True)[0] == 2.5 * (1024 + 32)
 
+
+
+def test_phase_timeline_groups_launches_and_finds_the_last_block():
+    """benchmarks/phase_timeline.py's reading of the kernels' printf lines: lines of one launch
+    (starts microseconds apart) grouped however they are ordered, the warm-up launch dropped,
+    marks not reached left out, and the block that ended last named."""
+    import phase_timeline as pt
+
+    lines = []
+    for launch in range(3):
+        base = launch * 5_000_000
+        for block in range(4):
+            ends = base + 9_000 + 1_000 * (block == 2)
+            reached = f"{base + 2_000 + block}" if block != 3 else "0"
+            lines.append(f"jax_ep-timeline ll_combine 3 {block} {base + block} {reached} 0 0 0 0 "
+                         f"0 {ends}")
+    lines.append("unrelated output")
+    launches = pt.parse("\n".join(reversed(lines)))
+    assert list(launches) == [("ll_combine", 3)]
+    runs = launches[("ll_combine", 3)]
+    assert len(runs) == 2 and all(sorted(run) == [0, 1, 2, 3] for run in runs)
+    rows, last = pt.summarise(runs)
+    by_mark = {row[0]: row[1:] for row in rows}
+    assert sorted(by_mark) == [0, 1, 7]
+    assert by_mark[1][0] == 3  # block 3 never reached mark 1
+    assert by_mark[1][1] == 2.0 and by_mark[1][3] == 2.002
+    assert by_mark[7][3] == 10.0
+    assert all(block == 2 for block, _ in last)

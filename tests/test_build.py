@@ -63,3 +63,41 @@ def test_the_driver_runs_the_code_the_report_names():
         else:
             assert image == {"binary_version": cc[0] * 10 + cc[1], "ptx_version": arch}, (
                 gpu, code, image)
+
+
+def _nvcc():
+    import os
+    import shutil
+
+    found = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return found if os.path.exists(found) else None
+
+
+def test_kernels_compile_for_the_oldest_architecture_we_promise():
+    """Every kernel source compiles for the oldest GPU the README supports with this toolkit
+    (sm_70 with CUDA 12, sm_75 with CUDA 13, which dropped sm_70): the default build starts at
+    sm_80, so an instruction newer than the oldest target (cp.async needs sm_80) would pass
+    CI's build and fail a user's JAX_EP_CUDA_ARCHS=75 build."""
+    import glob
+    import os
+    import subprocess
+
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    major = int(re.search(r"release (\d+)\.", version).group(1))
+    arch = "sm_70" if major <= 12 else "sm_75"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sources = sorted(glob.glob(os.path.join(root, "csrc", "kernels", "*", "*.cu")))
+    sources += sorted(glob.glob(os.path.join(root, "csrc", "transport", "*.cu")))
+    assert len(sources) > 5, sources
+    failed = []
+    for source in sources:
+        result = subprocess.run(
+            [nvcc, "-std=c++17", "-O1", "--expt-relaxed-constexpr", f"-arch={arch}",
+             "-I", os.path.join(root, "csrc"), "-c", source, "-o", os.devnull],
+            capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            failed.append(f"{os.path.relpath(source, root)}:\n{result.stderr[-1500:]}")
+    assert not failed, f"not compilable for {arch}:\n" + "\n".join(failed)

@@ -49,16 +49,27 @@ __device__ __forceinline__ float ld_cg_f32(const float* ptr) {
 }
 
 // Asynchronous 16-byte copy of a read-only input to shared memory (L2 only, no register): the
-// thread goes on; cp_async_wait_all() waits for all of its copies.
+// thread goes on; cp_async_wait_all() waits for all of its copies. Before sm_80 (no cp.async)
+// a plain load and store.
 __device__ __forceinline__ void cp_async_v4(void* smem_dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else
+  *static_cast<int4*>(smem_dst) = ld_nc_v4(static_cast<const int4*>(src));
+#endif
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;");
+#endif
+}
 
 __device__ __forceinline__ void cp_async_wait_all() {
+#if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
 }
 
 // Copies `num_vectors` 16-byte vectors from src to dst with the whole warp. kSourceIsInput: src

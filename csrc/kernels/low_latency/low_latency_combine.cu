@@ -54,6 +54,7 @@
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
+#include "kernels/common/phase_timeline.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/low_latency/low_latency_common.cuh"
 #include "kernels/low_latency/low_latency_launch.h"
@@ -417,6 +418,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int
     const int t0 = v0 / vecs;
     const int v1 = min(min(end, v0 + kOwnerPassVecs), (t0 + kOwnerPassTokens) * vecs);
     find_token_sources(args, recv_counts, t0, (v1 - 1) / vecs - t0 + 1, parity, sources);
+    if (v0 == begin) timeline_mark(2);
     const TokenSources* src[kOwnerVecsPerThread];
     int vec[kOwnerVecsPerThread];
 #pragma unroll
@@ -428,7 +430,9 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int
     float acc[kOwnerVecsPerThread][kBf16PerVector] = {};
     accumulate_rows<true>(acc, src, vec, 0);
     if (!peers_arrived) {  // block-uniform
+      timeline_mark(3);
       arrive_and_wait_peers();
+      timeline_mark(4);
       peers_arrived = true;
     }
     accumulate_rows<false>(acc, src, vec, 1);
@@ -450,6 +454,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int
   // Every block waits for every peer, also without tokens: the parity argument needs every call
   // to observe every peer's flag before it ends.
   if (!peers_arrived) arrive_and_wait_peers();
+  timeline_mark(5);
 }
 
 // Grid: low_latency_grid_size blocks (cooperative, at most one per SM; by default all SMs but
@@ -479,13 +484,16 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     }
   }
 
+  timeline_begin();
   // Phase 1.
   if constexpr (runs_send_half(kHalves)) send_rows(args, parity);
+  timeline_mark(1);
 
   if constexpr (runs_recv_half(kHalves)) {
     // Phases 2-4.
     __syncthreads();  // recv_counts
     reduce_tokens<runs_send_half(kHalves)>(args, recv_counts, control, tag, parity, num_ranks, me);
+    timeline_mark(6);
     // Phase 5.
     finish_launch(&control->combine_blocks_done, &control->combine_seq, seq);
   } else {
@@ -493,6 +501,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     arrive_and_release_flags(args, control, tag, parity, num_ranks, me);
     store_ticket(args.ticket, tag);
   }
+  timeline_mark(7);
+  timeline_print("ll_combine", static_cast<int>(kHalves));
 }
 
 // Launches the phases kHalves of one combine call.

@@ -97,6 +97,7 @@
 #include "kernels/common/fp8_cast.cuh"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
+#include "kernels/common/phase_timeline.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/low_latency/low_latency_common.cuh"
 #include "kernels/low_latency/low_latency_dispatch_args.cuh"
@@ -494,6 +495,7 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const uint64_t seq = ld_volatile_u64(&control->dispatch_seq);
   const uint64_t tag = seq + 1;
   const int parity = static_cast<int>(seq & 1);
+  timeline_begin();
 
   extern __shared__ __align__(16) unsigned char smem[];
   // Phases 0-4 (fused op: and 4b).
@@ -515,13 +517,17 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
     } else {
       const ReceivePlan plan = receive_plan_at(smem + plan_offset, args.num_experts);
       build_receive_plan(args, plan, tag, parity);
+      timeline_mark(5);
       receive_by_plan<kUseFp8, runs_send_half(kHalves)>(args, plan, tag, parity);
     }
+    timeline_mark(6);
     // Phase 6.
     finish_launch(&control->dispatch_blocks_done, &control->dispatch_seq, seq);
   } else {
     store_ticket(args.ticket, tag);
   }
+  timeline_mark(7);
+  timeline_print(kUseFp8 ? "ll_dispatch_fp8" : "ll_dispatch_bf16", static_cast<int>(kHalves));
 }
 
 // Launches the phases kHalves of one dispatch call.

@@ -18,6 +18,7 @@
 #include "kernels/common/fp8_cast.cuh"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
+#include "kernels/common/phase_timeline.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/low_latency/low_latency_common.cuh"
 #include "kernels/low_latency/low_latency_dispatch_args.cuh"
@@ -444,6 +445,7 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, unsigned cha
       }
     }
   }
+  timeline_mark(1);
   if (!has_pairs) return;
 
   // Phase 2.
@@ -452,6 +454,7 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, unsigned cha
   const int remote_length = sm.list_lengths[0];
   const int own_length = sm.list_lengths[1];
   int resident = 0;
+  timeline_mark(2);
 
   // Phase 3 (pass 1): remote rows (split fp8: and the own rows' casts).
   if (remote_length > 0) {
@@ -461,6 +464,7 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, unsigned cha
   // Phase 4: publish this block's remote rows.
   __syncthreads();
   release_remote_pairs(sm, remote_length, tag);
+  timeline_mark(3);
 
   // Phase 4b (pass 2).
   if constexpr (kPushOwn) {
@@ -469,6 +473,7 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, unsigned cha
       store_pass<kUseFp8>(args, sm, bp, sm.own_list, own_length, resident, num_stages);
     }
   }
+  timeline_mark(4);
 }
 
 }  // namespace jax_ep::ll_dispatch
