@@ -22,9 +22,10 @@ from jax_ep.transports import ipc, nvshmem
 
 BACKENDS = ("auto", "cuda", "xla")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
-# Both backends need these two, so they live here; tests/test_facts.py checks them against the
-# kernels' (_C.max_topk(), _C.error_counter_names()).
+# Both backends need these, so they live here; tests/test_facts.py checks them against the
+# kernels' (_C.max_topk(), _C.max_low_latency_hidden(), _C.error_counter_names()).
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
+MAX_LOW_LATENCY_HIDDEN = 65536  # low-latency mode: the dispatch stages a token in shared memory
 # Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 # JAX_EP_DEVICE_TRANSPORT's values, in the order of the C++ DeviceTransport enum.
@@ -55,7 +56,7 @@ class Buffer:
       mesh: a ``jax.sharding.Mesh`` containing ``axis_name``.
       axis_name: the expert-parallel mesh axis.
       num_experts: global number of experts ``E``; a multiple of the number of ranks.
-      hidden: channels per token ``H``; a multiple of 128.
+      hidden: channels per token ``H``; a multiple of 128 (with ``low_latency``: at most 65536).
       max_tokens_per_rank: largest ``T`` any call will pass (``T_max``).
       num_topk: experts per token ``K`` (at most 32).
       dtype: data dtype of ``x``/``y`` (bfloat16 or float32); fp8 inputs come as a pair.
@@ -104,6 +105,9 @@ class Buffer:
             raise ValueError(f"dtype must be bfloat16 or float32, got {jnp.dtype(dtype)}")
         self.dtype = jnp.dtype(dtype)
         self.low_latency = bool(low_latency)
+        if self.low_latency and self.hidden > MAX_LOW_LATENCY_HIDDEN:
+            raise ValueError(f"hidden must be at most {MAX_LOW_LATENCY_HIDDEN} with "
+                             f"low_latency=True, got {hidden}")
         max_capacity = self.num_ranks * self.max_tokens_per_rank
         if capacity is not None:
             capacity = _positive_int("capacity", capacity)

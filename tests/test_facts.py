@@ -108,6 +108,7 @@ def test_topk_limit_and_error_counters_agree_with_the_kernels():
     """Both backends need the top-k limit and the error counters' names (the keys of
     ``errors()``), so Python keeps them; the kernels' must be the same."""
     assert buffer.MAX_TOPK == _C.max_topk()
+    assert buffer.MAX_LOW_LATENCY_HIDDEN == _C.max_low_latency_hidden()
     assert list(buffer.ERROR_COUNTERS) == _C.error_counter_names()
 
 

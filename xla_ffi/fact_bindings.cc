@@ -31,11 +31,14 @@ void add_fact_functions(nb::module_& m) {
       "max_ranks", []() { return kMaxRanks; },
       "Most ranks in one EP group: the kernels' per-peer arrays are sized by it (kMaxRanks).");
   // The reference backend needs these too, so Python keeps its own constants
-  // (jax_ep.buffer.MAX_TOPK, jax_ep.buffer.ERROR_COUNTERS: the public errors() keys);
+  // (jax_ep.buffer.MAX_TOPK, MAX_LOW_LATENCY_HIDDEN, ERROR_COUNTERS: the public errors() keys);
   // tests/test_facts.py checks that they agree.
   m.def(
       "max_topk", []() { return kMaxTopk; },
       "Most top-k slots per token: the kernels keep a token's ids one per lane (kMaxTopk).");
+  m.def(
+      "max_low_latency_hidden", []() { return kMaxLowLatencyHidden; },
+      "Most channels per token in low-latency mode: the dispatch stages a token in shared memory.");
   m.def(
       "error_counter_names",
       []() {

@@ -41,6 +41,9 @@ ffi::Error check_low_latency_config(const char* op, const BufferConfig& config) 
   } else if (config.hidden % kChannelsPerScale != 0) {
     message << op << ": hidden must be a multiple of " << kChannelsPerScale << ", got "
             << config.hidden;
+  } else if (config.hidden > kMaxLowLatencyHidden) {
+    message << op << ": hidden must be <= " << kMaxLowLatencyHidden << " in low-latency mode, got "
+            << config.hidden;
   } else {
     return ffi::Error::Success();
   }

@@ -7,6 +7,9 @@ namespace jax_ep {
 
 // Top-k slots per token: the row movers give one lane of a warp to each slot.
 constexpr int kMaxTopk = 32;
+// Channels per token in low-latency mode: the dispatch's send half stages at least one token in
+// shared memory (bf16 row, fp8 cast and scales: ~3H bytes, under the 227 KiB of an SM).
+constexpr int kMaxLowLatencyHidden = 65536;
 // FP8 inputs carry one float32 scale per this many channels.
 constexpr int kChannelsPerScale = 128;
 // Unit of every row copy: rows are moved as 16-byte vectors, so row sizes are multiples of it.
