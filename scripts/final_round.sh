@@ -13,6 +13,11 @@
 #           "--ignore=tests/test_device_transport.py" keeps it out of the suite)
 #   cublaslt  scripts/cublaslt_probe.sh: cuBLASLt's grouped matmul on the expert GEMMs' products
 #           (issue 21; ~1 min)
+#   launchfloor  benchmarks/launch_floor.py: a custom call's cost by how its kernel launches
+#   timeline  a diagnostic build with JAX_EP_PHASE_TIMELINE, benchmarks/phase_timeline.py at T=128
+#           (fused and split) and T=1, then the release build again
+#   variants  scripts/kernel_variants.sh with $VARIANTS and $MEASURE (replaces the build: last
+#           but ptx)
 #   ptx     scripts/ptx_check.sh: a PTX-only compute_80 build (the A100 code path, JIT-compiled
 #           on this GPU), the image the driver loaded, the GPU suite (last: it replaces the build)
 set -uo pipefail
@@ -51,6 +56,18 @@ if has step; then
    printf '%s\n' "${sum[@]}" > "$OUT/step_summary.txt")
 fi
 has cublaslt && step cublaslt "${CUBLASLT_S:-150}" bash "$R/scripts/cublaslt_probe.sh"
+has launchfloor && (cd /tmp && step launch_floor 120 python3 "$R/benchmarks/launch_floor.py" --out "$OUT")
+if has timeline; then
+  arch=(env ${BUILD_ARCHS:+JAX_EP_CUDA_ARCHS=$BUILD_ARCHS})
+  step timeline_build 300 "${arch[@]}" python3 -m pip install --no-build-isolation --no-deps \
+    --force-reinstall . -C cmake.define.JAX_EP_PHASE_TIMELINE=ON -C build-dir=/tmp/build-timeline
+  (cd /tmp && step timeline 200 sh -c "python3 '$R/benchmarks/phase_timeline.py' --ll-tokens 128 &&
+     python3 '$R/benchmarks/phase_timeline.py' --ll-tokens 128 --split &&
+     python3 '$R/benchmarks/phase_timeline.py' --ll-tokens 1")
+  step release_build 300 "${arch[@]}" python3 -m pip install --no-build-isolation --no-deps \
+    --force-reinstall .
+fi
+has variants && step variants "${VARIANTS_S:-400}" bash "$R/scripts/kernel_variants.sh"
 if has ptx; then  # the whole GPU suite by default (PTX_TESTS narrows it)
   step ptx "${PTX_S:-300}" bash "$R/scripts/ptx_check.sh"
   tail -1 "$OUT/ptx.log"
@@ -58,5 +75,7 @@ fi
 printf '%s\n' "${sum[@]}"; cat "$OUT/step_summary.txt" 2>/dev/null
 grep -h -E "^(FAILED|ERROR)|^SKIPPED" "$OUT"/*.log 2>/dev/null | cut -c1-200 | head -30
 grep -h "op span" "$OUT/profile.log" 2>/dev/null
+grep -h -E "per call|^ll_|^  " "$OUT/launch_floor.log" "$OUT/timeline.log" 2>/dev/null | head -60
+grep -h -A3 "^== " "$OUT/variants.log" 2>/dev/null
 grep -h -A14 "^op " "$OUT/bench_step.log" "$OUT/bench_step_bare.log" 2>/dev/null
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log)
