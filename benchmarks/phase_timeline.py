@@ -1,6 +1,6 @@
 """When every block of a low-latency kernel passes each phase (one GPU process, any mesh).
 
-    pip install --no-build-isolation --no-deps . -C cmake.define.JAX_EP_PHASE_TIMELINE=ON
+    JAX_EP_PHASE_TIMELINE=ON pip install --no-build-isolation --no-deps .
     python benchmarks/phase_timeline.py [--ops ll_dispatch_bf16,ll_dispatch_fp8,ll_combine]
                                         [--ll-tokens 128] [--launches 8] [--split]
 
@@ -144,7 +144,7 @@ def main():
         sys.exit(f"the child failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     launches = parse(result.stdout)
     if not launches:
-        sys.exit("no timeline lines: build with -C cmake.define.JAX_EP_PHASE_TIMELINE=ON")
+        sys.exit("no timeline lines: build with JAX_EP_PHASE_TIMELINE=ON (see the docstring)")
     for (op, halves), runs in sorted(launches.items()):
         rows, last = summarise(runs)
         kind = {1: "send", 2: "receive", 3: "fused"}.get(halves, str(halves))

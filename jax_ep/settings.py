@@ -111,6 +111,9 @@ SETTINGS = {s.name: s for s in (
             "build the CUDA extension: ON, OFF or AUTO (when nvcc is found)"),
     Setting("JAX_EP_NVSHMEM_HOME", "build", None, _text,
             "NVSHMEM root with include/host/nvshmemx_api.h (default: the installed wheel)"),
+    Setting("JAX_EP_PHASE_TIMELINE", "build", "OFF", _text,
+            "ON: a diagnostic build whose low-latency kernels print when each block passes "
+            "each phase (benchmarks/phase_timeline.py); slower kernels"),
     Setting("JAX_EP_COMMIT", "tooling", None, _text,
             "commit recorded in benchmark results (a copied tree may carry a stale .git)"),
     Setting("JAX_EP_TRANSPORT_SEEDS", "tooling", 3, _positive_int,

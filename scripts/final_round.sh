@@ -59,8 +59,8 @@ has cublaslt && step cublaslt "${CUBLASLT_S:-150}" bash "$R/scripts/cublaslt_pro
 has launchfloor && (cd /tmp && step launch_floor 120 python3 "$R/benchmarks/launch_floor.py" --out "$OUT")
 if has timeline; then
   arch=(env ${BUILD_ARCHS:+JAX_EP_CUDA_ARCHS=$BUILD_ARCHS})
-  step timeline_build 300 "${arch[@]}" python3 -m pip install --no-build-isolation --no-deps \
-    --force-reinstall . -C cmake.define.JAX_EP_PHASE_TIMELINE=ON -C build-dir=/tmp/build-timeline
+  step timeline_build 300 "${arch[@]}" JAX_EP_PHASE_TIMELINE=ON python3 -m pip install \
+    --no-build-isolation --no-deps --force-reinstall . -C build-dir=/tmp/build-timeline
   (cd /tmp && step timeline 200 sh -c "python3 '$R/benchmarks/phase_timeline.py' --ll-tokens 128 &&
      python3 '$R/benchmarks/phase_timeline.py' --ll-tokens 128 --split &&
      python3 '$R/benchmarks/phase_timeline.py' --ll-tokens 1")

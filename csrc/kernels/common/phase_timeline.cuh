@@ -1,7 +1,7 @@
 // Optional phase timeline of the low-latency kernels: when every block passes each phase, to find
 // a launch's critical path on a GPU (profilers give a kernel's time and its warps' stall samples,
 // not the order in which blocks wait for one another). Compiled out unless the build defines
-// JAX_EP_PHASE_TIMELINE (CMake option of the same name); then thread 0 of every block keeps
+// JAX_EP_PHASE_TIMELINE (a build setting of the same name); then thread 0 of every block keeps
 // %globaltimer at each mark and, at the kernel's end, prints one line
 //   jax_ep-timeline <op> <halves> <block> <mark 0 ns> <mark 1 ns> ... (0: not reached)
 // which benchmarks/phase_timeline.py collects. Never in a release build: printf costs time.
