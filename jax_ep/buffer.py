@@ -25,7 +25,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 # Both backends need these, so they live here; tests/test_facts.py checks them against the
 # kernels' (_C.max_topk(), _C.max_low_latency_hidden(), _C.error_counter_names()).
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
-MAX_LOW_LATENCY_HIDDEN = 65536  # low-latency mode: the dispatch stages a token in shared memory
+MAX_LOW_LATENCY_HIDDEN = 32768  # low-latency mode: the dispatch stages a token in shared memory
 # Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 # JAX_EP_DEVICE_TRANSPORT's values, in the order of the C++ DeviceTransport enum.
@@ -56,7 +56,7 @@ class Buffer:
       mesh: a ``jax.sharding.Mesh`` containing ``axis_name``.
       axis_name: the expert-parallel mesh axis.
       num_experts: global number of experts ``E``; a multiple of the number of ranks.
-      hidden: channels per token ``H``; a multiple of 128 (with ``low_latency``: at most 65536).
+      hidden: channels per token ``H``; a multiple of 128 (with ``low_latency``: at most 32768).
       max_tokens_per_rank: largest ``T`` any call will pass (``T_max``).
       num_topk: experts per token ``K`` (at most 32).
       dtype: data dtype of ``x``/``y`` (bfloat16 or float32); fp8 inputs come as a pair.

@@ -24,7 +24,7 @@ def buffer(mesh=None, **overrides):
     (dict(num_experts=30), "num_experts .* multiple of the number of ranks"),
     (dict(num_experts=0), "num_experts must be a positive integer"),
     (dict(hidden=100), "hidden must be a multiple of 128"),
-    (dict(hidden=65536 + 128, low_latency=True), "hidden must be at most 65536 with low_latency"),
+    (dict(hidden=32768 + 128, low_latency=True), "hidden must be at most 32768 with low_latency"),
     (dict(max_tokens_per_rank=0), "max_tokens_per_rank must be a positive integer"),
     (dict(num_topk=33), "num_topk must be at most"),
     (dict(dtype=jnp.float16), "dtype must be bfloat16 or float32"),

@@ -8,8 +8,9 @@ namespace jax_ep {
 // Top-k slots per token: the row movers give one lane of a warp to each slot.
 constexpr int kMaxTopk = 32;
 // Channels per token in low-latency mode: the dispatch's send half stages at least one token in
-// shared memory (bf16 row, fp8 cast and scales: ~3H bytes, under the 227 KiB of an SM).
-constexpr int kMaxLowLatencyHidden = 65536;
+// shared memory (bf16 row, fp8 cast and scales: ~3H bytes) beside ~24 bytes per expert of
+// histograms and receive plan, all under the 227 KiB of an SM (at 32768: E up to ~5000).
+constexpr int kMaxLowLatencyHidden = 32768;
 // FP8 inputs carry one float32 scale per this many channels.
 constexpr int kChannelsPerScale = 128;
 // Unit of every row copy: rows are moved as 16-byte vectors, so row sizes are multiples of it.
