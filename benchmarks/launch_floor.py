@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import bench_common as bc  # benchmarks/ is sys.path[0]
 import jax
@@ -59,13 +58,8 @@ def chain(target, calls):
 
 def median_wall_us(fn, x, repeats):
     for _ in range(3):
-        jax.block_until_ready(fn(x))
-    walls = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        walls.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(walls)
+        bc.wall_us(fn, x)
+    return statistics.median(bc.wall_us(fn, x) for _ in range(repeats))
 
 
 def main():
