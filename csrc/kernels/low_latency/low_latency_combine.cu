@@ -137,14 +137,6 @@ __device__ __forceinline__ int group_find_row(const int32_t* src_col, const int3
   return found < count && key(found) == target ? found : -1;
 }
 
-// Input loads issued in program order (asm volatile), so the compiler cannot sink them below a
-// use of an earlier load: the metadata loads of phase 1 then fly together.
-__device__ __forceinline__ int ld_nc_s32(const int32_t* ptr) {
-  int v;
-  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
-  return v;
-}
-
 // Phase 1 for local expert `expert`, shared by `num_sharers` warps of which this is number
 // `sharer`. Units (valid row j, chunk c), numbered j * chunks + c; the warp takes units
 // sharer + i * num_sharers, 32 per round (lane l resolves the l-th one). The row index of a unit
