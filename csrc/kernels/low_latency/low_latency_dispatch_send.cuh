@@ -370,7 +370,7 @@ __device__ __forceinline__ void locate_own_rows(const DispatchArgs& args, const 
   for (int g = tid; g < num_local * me; g += blockDim.x) {  // g = e * rank + s, sources s < rank
     const int expert = g / me;
     const int src = g - expert * me;
-    const uint32_t value = wait_tagged_count(
+    const uint32_t value = wait_tagged_count<kCountLoad>(
         words + layout.dispatch_count_index(parity, expert, src), tag, rk.timeout_ns,
         rk.timeout_record, me, src, WaitPhase::kLowLatencyDispatchRecv);
     atomicAdd(first_rows + expert,
