@@ -232,13 +232,65 @@ constexpr int kOwnerPassVecs = kLowLatencyThreads * kOwnerVecsPerThread;
 constexpr int kOwnerPassTokens = 4;
 constexpr int kOwnerMinVecs = 256;
 
+// This block's range [begin, end) of the flattened (token, vector) space of out.
+struct OwnerRange {
+  int begin, end;
+  int vecs;  // vectors per token
+};
+
+__device__ __forceinline__ OwnerRange owner_range(const CombineArgs& args) {
+  const int vecs = args.rank.layout.hidden / kBf16PerVector;
+  const int total = args.num_tokens * vecs;
+  const int share = max(ceil_div(total, static_cast<int>(gridDim.x)), kOwnerMinVecs);
+  const int begin = min(total, static_cast<int>(blockIdx.x) * share);
+  return {begin, min(total, begin + share), vecs};
+}
+
+// End of the pass that starts at vector v0: at most kOwnerPassVecs vectors and
+// kOwnerPassTokens tokens.
+__device__ __forceinline__ int owner_pass_end(const OwnerRange& range, int v0) {
+  const int t0 = v0 / range.vecs;
+  return min(min(range.end, v0 + kOwnerPassVecs), (t0 + kOwnerPassTokens) * range.vecs);
+}
+
+// The expert id and weight of the (token, k) pair this thread's finder resolves first in the
+// block's first owner pass (g = -1: none), loaded at kernel start so that their round trip
+// overlaps phase 1 instead of preceding phase 2's search.
+struct FirstPairIds {
+  int g;
+  float w;
+};
+
+__device__ __forceinline__ int finder_index() {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  return static_cast<int>(threadIdx.x) / kWarpSize * kFindersPerWarp + lane / kFindLanes;
+}
+
+__device__ __forceinline__ FirstPairIds load_first_pair_ids(const CombineArgs& args) {
+  const OwnerRange range = owner_range(args);
+  FirstPairIds ids = {-1, 0.0f};
+  if (range.begin >= range.end) return ids;
+  const int t0 = range.begin / range.vecs;
+  const int n = (owner_pass_end(range, range.begin) - 1) / range.vecs - t0 + 1;
+  const int num_topk = args.rank.layout.num_topk;
+  const int i = finder_index();
+  if (i < n * num_topk) {
+    const size_t idx = static_cast<size_t>(t0) * num_topk + i;
+    ids.g = ld_nc_s32(args.topk_idx + idx);
+    ids.w = ld_nc_f32(args.topk_weights + idx);
+  }
+  return ids;
+}
+
 // Phase 2 setup: where the K rows of tokens t0 .. t0 + n - 1 (n <= kOwnerPassTokens) are read
 // from. Finder f (kFindLanes lanes) resolves the (token, k) pairs f, f + finders, ...
 // (i = token * K + k), then warp i compacts token i's entries into sources[i]'s own / peer
-// lists (k order kept). `recv_counts`: the handle's counts, in shared memory. Block-wide, ends
-// synchronised.
+// lists (k order kept). `recv_counts`: the handle's counts, in shared memory. `first`: the ids
+// of each finder's first pair, loaded earlier (the block's first pass), or nullptr. Block-wide,
+// ends synchronised.
 __device__ __forceinline__ void find_token_sources(const CombineArgs& args, const int* recv_counts,
                                                    int t0, int n, int parity,
+                                                   const FirstPairIds* first,
                                                    TokenSources* sources) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
@@ -251,12 +303,14 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, cons
   const uint32_t group = ((1u << kFindLanes) - 1) << (lane - g_lane);
   constexpr int kFinders = kLowLatencyWarps * kFindersPerWarp;
 
-  for (int i = warp * kFindersPerWarp + lane / kFindLanes; i < n * num_topk; i += kFinders) {
+  for (int i = finder_index(); i < n * num_topk; i += kFinders) {
     const int token = t0 + i / num_topk;
     const int k = i % num_topk;
     TokenSources& src = sources[i / num_topk];
     const size_t idx = static_cast<size_t>(token) * num_topk + k;
-    const int g = __ldg(args.topk_idx + idx);
+    const bool loaded = first != nullptr && i < kFinders;
+    const int g = loaded ? first->g : ld_nc_s32(args.topk_idx + idx);
+    const float w = loaded ? first->w : ld_nc_f32(args.topk_weights + idx);  // before the search
     int kind = 0;
     const __nv_bfloat16* row = nullptr;
     if (g >= 0 && g < args.num_experts) {
@@ -279,7 +333,7 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, cons
     }
     if (g_lane == 0) {
       src.entry_row[k] = row;
-      src.entry_weight[k] = __ldg(args.topk_weights + idx);
+      src.entry_weight[k] = w;
       src.entry_kind[k] = kind;
     }
   }
@@ -386,6 +440,7 @@ __device__ __forceinline__ void wait_peer_flags(const CombineArgs& args, uint64_
 // arrived and released the flags.
 template <bool kArriveHere>
 __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int* recv_counts,
+                                              const FirstPairIds& first_ids,
                                               LowLatencyControl* control, uint64_t tag, int parity,
                                               int num_ranks, int me) {
   __shared__ TokenSources sources[kOwnerPassTokens];
@@ -400,17 +455,15 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int
   };
 
   // Phases 2 and 4.
-  const int vecs = args.rank.layout.hidden / kBf16PerVector;
-  const int total = args.num_tokens * vecs;
-  const int share = max(ceil_div(total, static_cast<int>(gridDim.x)), kOwnerMinVecs);
-  const int begin = min(total, static_cast<int>(blockIdx.x) * share);
-  const int end = min(total, begin + share);
+  const OwnerRange range = owner_range(args);
+  const int vecs = range.vecs;
   bool peers_arrived = false;
-  for (int v0 = begin; v0 < end;) {
+  for (int v0 = range.begin; v0 < range.end;) {
     const int t0 = v0 / vecs;
-    const int v1 = min(min(end, v0 + kOwnerPassVecs), (t0 + kOwnerPassTokens) * vecs);
-    find_token_sources(args, recv_counts, t0, (v1 - 1) / vecs - t0 + 1, parity, sources);
-    if (v0 == begin) timeline_mark(2);
+    const int v1 = owner_pass_end(range, v0);
+    find_token_sources(args, recv_counts, t0, (v1 - 1) / vecs - t0 + 1, parity,
+                       v0 == range.begin ? &first_ids : nullptr, sources);
+    if (v0 == range.begin) timeline_mark(2);
     const TokenSources* src[kOwnerVecsPerThread];
     int vec[kOwnerVecsPerThread];
 #pragma unroll
@@ -466,9 +519,12 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const uint64_t tag = seq + 1;
   const int parity = static_cast<int>(seq & 1);
 
-  // The handle's counts for phase 2, loaded first so that they fly during phase 1.
+  // The handle's counts and the first pass's ids for phase 2, loaded first so that they fly
+  // during phase 1.
   extern __shared__ int recv_counts[];  // [E_loc] (receive half)
+  FirstPairIds first_ids = {-1, 0.0f};
   if constexpr (runs_recv_half(kHalves)) {
+    first_ids = load_first_pair_ids(args);
     const LowLatencyLayout& layout = args.rank.layout;
     const int rows_per_expert = layout.num_ranks * layout.max_tokens;
     for (int e = static_cast<int>(threadIdx.x); e < layout.num_local_experts; e += blockDim.x) {
@@ -484,7 +540,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if constexpr (runs_recv_half(kHalves)) {
     // Phases 2-4.
     __syncthreads();  // recv_counts
-    reduce_tokens<runs_send_half(kHalves)>(args, recv_counts, control, tag, parity, num_ranks, me);
+    reduce_tokens<runs_send_half(kHalves)>(args, recv_counts, first_ids, control, tag, parity,
+                                           num_ranks, me);
     timeline_mark(6);
     // Phase 5.
     finish_launch(&control->combine_blocks_done, &control->combine_seq, seq);
