@@ -22,19 +22,23 @@
 //      per (t, k) of the pass's tokens resolves it to a row of y (own expert) or of the local
 //      region (peer expert); the block sums the own rows into float32 registers while the
 //      pushed rows are still in flight.
-//   3. The block barrier, then one fence and the block's arrival on the "sent" counter; the last
-//      block release-stores the combine flag word [parity][me] = tag at every peer. Then the
-//      block waits for the flag word of every peer (every block, even without a range).
+//   3. Arrival, begun right after phase 1's block barrier: thread 0 fences and adds the block's
+//      arrival to the "sent" counter; the atomic's answer is awaited only after the first pass's
+//      own rows are summed (phase 2). There the block that arrived last stores the combine flag
+//      word [parity][me] = tag at every peer and advances the combine sequence word (every
+//      block read it before arriving). Then the block waits for the flag word of every peer
+//      (every block, even without a range).
 //   4. The block adds the peer rows, rounds to bf16 and stores its part of out; further passes
 //      likewise.
-//   5. The last block to finish advances the combine sequence word.
+//   5. Split receive launch only (it has no arrival): the last block to finish advances the
+//      sequence word.
 //
 // Split (send launch, then receive launch, same grid, one stream, no other split call of this op
 // on this Buffer in between on this rank; fused calls use the other channel of the workspace and
 // may run in between): both read the split channel's sequence word at their start and only phase 5
 // advances it, so both use the same tag and parity. The send launch runs phase 1, then every
-// block arrives on the "sent" counter and the last one releases the flag words, as in phase 3;
-// it never waits. The receive launch sums the own rows (read from y, an operand again), waits
+// block arrives on the "sent" counter and the last one releases the flag words, as in phase 3
+// (without advancing the sequence word); it never waits. The receive launch sums the own rows (read from y, an operand again), waits
 // for every peer's flag word (same bounded wait, phase "low-latency combine receive"), adds the
 // peer rows and advances the sequence word. Arriving at the end of phase 1 instead of after the
 // first own-row sum publishes the same stores (all of phase 1's) a little earlier.
@@ -400,23 +404,26 @@ __device__ __forceinline__ void accumulate_rows(
   }
 }
 
-// Phase 3, first part: every thread fences its remote stores, the block arrives on the "sent"
-// counter, and the last block to arrive release-stores the combine flag [parity][me] = tag at
-// every peer (cumulative over every block's rows: fence, atomic / atomic, fence, release).
-// Block-wide; every block calls it exactly once per call. `num_ranks` and `me` are the rank
-// view's, read once at kernel start.
-__device__ __forceinline__ void arrive_and_release_flags(const CombineArgs& args,
-                                                         LowLatencyControl* control, uint64_t tag,
-                                                         int parity, int num_ranks, int me) {
+// Phase 3, release: thread 0 of the block that arrived last on the "sent" counter (arrival begun
+// by begin_arrival after phase 1) stores the combine flag [parity][me] = tag at every peer,
+// after arrived_last's fence (cumulative over every block's rows: fence, atomic / atomic, fence,
+// store). kAdvanceSeq (fused op: every block read the sequence word before it arrived): it also
+// advances the sequence word, so the launch needs no second grid-wide count at its end.
+template <bool kAdvanceSeq>
+__device__ __forceinline__ void release_flags_if_last(const CombineArgs& args,
+                                                      LowLatencyControl* control,
+                                                      unsigned long long arrived_before,
+                                                      uint64_t seq, int parity, int num_ranks,
+                                                      int me) {
+  if (!arrived_last(&control->combine_blocks_sent, arrived_before)) return;
   const LowLatencyRank& rk = args.rank;
-  const int tid = static_cast<int>(threadIdx.x);
-  if (arrive_and_check_last(&control->combine_blocks_sent)) {
-    if (tid < num_ranks && tid != me) {
-      uint64_t* flag = reinterpret_cast<uint64_t*>(rk.peers[tid] + rk.layout.combine_flags) +
-                       rk.layout.flag_index(parity, me);
-      st_release_sys(flag, tag);
-    }
+  for (int peer = 0; peer < num_ranks; ++peer) {
+    if (peer == me) continue;
+    st_relaxed_sys(reinterpret_cast<uint64_t*>(rk.peers[peer] + rk.layout.combine_flags) +
+                       rk.layout.flag_index(parity, me),
+                   seq + 1);
   }
+  if constexpr (kAdvanceSeq) control->combine_seq = seq + 1;
 }
 
 // Phase 3, second part: the block waits for the flag word of every peer (acquire), then
@@ -435,21 +442,25 @@ __device__ __forceinline__ void wait_peer_flags(const CombineArgs& args, uint64_
 }
 
 // Phases 2-4 (the owner's reduction) over this block's range of the (token, vector) space.
-// kArriveHere: this launch also ran phase 1 (fused op), so the block arrives on the "sent"
-// counter inside the first pass, after its own rows are summed; otherwise the send launch already
-// arrived and released the flags.
-template <bool kArriveHere>
+// kReleaseHere: this launch also ran phase 1 (fused op) and began the block's arrival after it
+// (`arrived_before`); the last block releases the flags inside the first pass, after its own
+// rows are summed, so the atomic's round trip is hidden; otherwise the send launch already
+// released them.
+template <bool kReleaseHere>
 __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int* recv_counts,
                                               const FirstPairIds& first_ids,
-                                              LowLatencyControl* control, uint64_t tag, int parity,
+                                              LowLatencyControl* control,
+                                              unsigned long long arrived_before, uint64_t seq,
                                               int num_ranks, int me) {
   __shared__ TokenSources sources[kOwnerPassTokens];
   const int tid = static_cast<int>(threadIdx.x);
+  const uint64_t tag = seq + 1;
+  const int parity = static_cast<int>(seq & 1);
 
   // Phase 3 (run inside the first pass, after the own rows are summed).
   auto arrive_and_wait_peers = [&]() {
-    if constexpr (kArriveHere) {
-      arrive_and_release_flags(args, control, tag, parity, num_ranks, me);
+    if constexpr (kReleaseHere) {
+      release_flags_if_last<true>(args, control, arrived_before, seq, parity, num_ranks, me);
     }
     wait_peer_flags(args, tag, parity, num_ranks, me);
   };
@@ -537,17 +548,24 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   if constexpr (runs_send_half(kHalves)) send_rows(args, parity);
   timeline_mark(1);
 
+  __syncthreads();  // phase 1's stores (arrival), recv_counts
+  // Phase 3's arrival (fused op and send half).
+  unsigned long long arrived_before = 0;
+  if constexpr (runs_send_half(kHalves)) {
+    arrived_before = begin_arrival(&control->combine_blocks_sent);
+  }
   if constexpr (runs_recv_half(kHalves)) {
     // Phases 2-4.
-    __syncthreads();  // recv_counts
-    reduce_tokens<runs_send_half(kHalves)>(args, recv_counts, first_ids, control, tag, parity,
-                                           num_ranks, me);
+    reduce_tokens<runs_send_half(kHalves)>(args, recv_counts, first_ids, control, arrived_before,
+                                           seq, num_ranks, me);
     timeline_mark(6);
-    // Phase 5.
-    finish_launch(&control->combine_blocks_done, &control->combine_seq, seq);
+    // Phase 5 (the fused op advanced the sequence word at its release).
+    if constexpr (!runs_send_half(kHalves)) {
+      finish_launch(&control->combine_blocks_done, &control->combine_seq, seq);
+    }
   } else {
     // Phase 3, send half: publish this call's rows now; the receive launch waits for them.
-    arrive_and_release_flags(args, control, tag, parity, num_ranks, me);
+    release_flags_if_last<false>(args, control, arrived_before, seq, parity, num_ranks, me);
     store_ticket(args.ticket, tag);
   }
   timeline_mark(7);

@@ -88,27 +88,29 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t value) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
-// One arrival per block on `counter`, after every thread's earlier writes (local and remote) are
-// visible system-wide. Returns true, uniformly over the block, in the block that arrives last;
-// that block has synchronised with every other block's writes (fence after the atomic) and resets
-// the counter, so the next launch finds it at 0. Must be reached by every thread of every block.
-__device__ __forceinline__ bool arrive_and_check_last(unsigned long long* counter) {
-  __shared__ int last_block;
-  __syncthreads();
+// One arrival per block on `counter`, in two steps so that the atomic's round trip overlaps the
+// block's other work. begin_arrival, after a block barrier that follows every write of the block
+// to publish: thread 0 fences (cumulative over those writes, ordered before it by the barrier:
+// one fence per block, as the dispatch's row flags) and adds the arrival; the count it saw stays
+// in its register (other threads: 0). Every block calls it exactly once per launch.
+__device__ __forceinline__ unsigned long long begin_arrival(unsigned long long* counter) {
+  unsigned long long arrived_before = 0;
   if (threadIdx.x == 0) {
-    // Release: cumulative over every store of the block, ordered before this fence by the
-    // barrier (one fence per block, as the dispatch's row flags; not one per thread).
     fence_acq_rel_sys();
-    const unsigned long long arrived_before = atomicAdd(counter, 1ull);
-    const bool last = arrived_before + 1 == gridDim.x;
-    if (last) {
-      fence_acq_rel_sys();  // acquire side of the other blocks' arrivals
-      *counter = 0;
-    }
-    last_block = last;
+    arrived_before = atomicAdd(counter, 1ull);
   }
-  __syncthreads();
-  return last_block != 0;
+  return arrived_before;
+}
+
+// True in thread 0 of the block that arrived last (false elsewhere). That thread has then
+// synchronised with every other block's writes (fence after the atomic: what it stores next
+// releases them) and resets the counter, so the next launch finds it at 0.
+__device__ __forceinline__ bool arrived_last(unsigned long long* counter,
+                                             unsigned long long arrived_before) {
+  if (threadIdx.x != 0 || arrived_before + 1 != gridDim.x) return false;
+  fence_acq_rel_sys();
+  *counter = 0;
+  return true;
 }
 
 // Called once by every block of the launch that runs the receive half, as its last action: the
