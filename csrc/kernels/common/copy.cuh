@@ -38,18 +38,6 @@ __device__ __forceinline__ void st_v4(int4* ptr, const int4& v) {
                : "memory");
 }
 
-// Scalar read-only inputs, issued in program order (asm volatile): the compiler cannot sink them
-// below a use of an earlier load or a barrier, so a batch of them flies together.
-__device__ __forceinline__ int ld_nc_s32(const int32_t* ptr) {
-  int v;
-  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
-  return v;
-}
-
-__device__ __forceinline__ float ld_nc_f32(const float* ptr) {
-  return __int_as_float(ld_nc_s32(reinterpret_cast<const int32_t*>(ptr)));
-}
-
 __device__ __forceinline__ int ld_cg_s32(const int* ptr) {
   int v;
   asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");

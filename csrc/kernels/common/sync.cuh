@@ -91,31 +91,19 @@ __device__ __forceinline__ bool has_tag(uint64_t value, uint64_t tag) {
   return static_cast<uint32_t>(value >> 32) == static_cast<uint32_t>(tag);
 }
 
-// How a tagged count word is read: kAcquireSys for a peer's word that publishes what the peer
-// wrote before it; kRelaxedSys for a peer's word that carries only its count (what it orders
-// is ordered otherwise: per-row flags, kernel boundaries), which spares the acquire's cost;
-// kRelaxedGpu for such a word of this device.
-enum class CountLoad { kAcquireSys, kRelaxedSys, kRelaxedGpu };
-
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* ptr) {
-  uint64_t value;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
-  return value;
-}
-
 // Spins until the 32-bit tag of *word equals the low 32 bits of `tag`, then returns the 32-bit
 // payload. Equality keeps it right across the 2^32 wrap-around; callers make sure a word is not
 // rewritten before its reader consumed it (the normal mode alternates two matrices by tag
-// parity). Bounded like wait_flag_at_least.
-template <CountLoad kLoad = CountLoad::kAcquireSys>
+// parity). Bounded like wait_flag_at_least. kSystem: acquire at system scope (a peer's word
+// that publishes what it wrote before); else relaxed at GPU scope (a word of this device that
+// carries only its count).
+template <bool kSystem = true>
 __device__ __forceinline__ uint32_t wait_tagged_count(const uint64_t* word, uint64_t tag,
                                                       uint64_t timeout_ns, TimeoutRecord* record,
                                                       int rank, int peer, WaitPhase phase) {
   auto load = [word] {
-    if constexpr (kLoad == CountLoad::kAcquireSys) {
+    if constexpr (kSystem) {
       return ld_acquire_sys(word);
-    } else if constexpr (kLoad == CountLoad::kRelaxedSys) {
-      return ld_relaxed_sys(word);
     } else {
       return ld_relaxed_gpu(word);
     }

@@ -38,10 +38,11 @@
 // may run in between): both read the split channel's sequence word at their start and only phase 5
 // advances it, so both use the same tag and parity. The send launch runs phase 1, then every
 // block arrives on the "sent" counter and the last one releases the flag words, as in phase 3
-// (without advancing the sequence word); it never waits. The receive launch sums the own rows (read from y, an operand again), waits
-// for every peer's flag word (same bounded wait, phase "low-latency combine receive"), adds the
-// peer rows and advances the sequence word. Arriving at the end of phase 1 instead of after the
-// first own-row sum publishes the same stores (all of phase 1's) a little earlier.
+// (without advancing the sequence word); it never waits. The receive launch sums the own rows (read
+// from y, an operand again), waits for every peer's flag word (same bounded wait, phase
+// "low-latency combine receive"), adds the peer rows and advances the sequence word. Arriving at
+// the end of phase 1 instead of after the first own-row sum publishes the same stores (all of phase
+// 1's) a little earlier.
 //
 // Parity safety: as for dispatch (low_latency_dispatch.cu), with the combine sequence word and
 // the flag words of phase 3 as the words every rank waits for from every other rank in every
@@ -141,6 +142,14 @@ __device__ __forceinline__ int group_find_row(const int32_t* src_col, const int3
   return found < count && key(found) == target ? found : -1;
 }
 
+// Input loads issued in program order (asm volatile), so the compiler cannot sink them below a
+// use of an earlier load: the metadata loads of phase 1 then fly together.
+__device__ __forceinline__ int ld_nc_s32(const int32_t* ptr) {
+  int v;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
+  return v;
+}
+
 // Phase 1 for local expert `expert`, shared by `num_sharers` warps of which this is number
 // `sharer`. Units (valid row j, chunk c), numbered j * chunks + c; the warp takes units
 // sharer + i * num_sharers, 32 per round (lane l resolves the l-th one). The row index of a unit
@@ -236,65 +245,13 @@ constexpr int kOwnerPassVecs = kLowLatencyThreads * kOwnerVecsPerThread;
 constexpr int kOwnerPassTokens = 4;
 constexpr int kOwnerMinVecs = 256;
 
-// This block's range [begin, end) of the flattened (token, vector) space of out.
-struct OwnerRange {
-  int begin, end;
-  int vecs;  // vectors per token
-};
-
-__device__ __forceinline__ OwnerRange owner_range(const CombineArgs& args) {
-  const int vecs = args.rank.layout.hidden / kBf16PerVector;
-  const int total = args.num_tokens * vecs;
-  const int share = max(ceil_div(total, static_cast<int>(gridDim.x)), kOwnerMinVecs);
-  const int begin = min(total, static_cast<int>(blockIdx.x) * share);
-  return {begin, min(total, begin + share), vecs};
-}
-
-// End of the pass that starts at vector v0: at most kOwnerPassVecs vectors and
-// kOwnerPassTokens tokens.
-__device__ __forceinline__ int owner_pass_end(const OwnerRange& range, int v0) {
-  const int t0 = v0 / range.vecs;
-  return min(min(range.end, v0 + kOwnerPassVecs), (t0 + kOwnerPassTokens) * range.vecs);
-}
-
-// The expert id and weight of the (token, k) pair this thread's finder resolves first in the
-// block's first owner pass (g = -1: none), loaded at kernel start so that their round trip
-// overlaps phase 1 instead of preceding phase 2's search.
-struct FirstPairIds {
-  int g;
-  float w;
-};
-
-__device__ __forceinline__ int finder_index() {
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  return static_cast<int>(threadIdx.x) / kWarpSize * kFindersPerWarp + lane / kFindLanes;
-}
-
-__device__ __forceinline__ FirstPairIds load_first_pair_ids(const CombineArgs& args) {
-  const OwnerRange range = owner_range(args);
-  FirstPairIds ids = {-1, 0.0f};
-  if (range.begin >= range.end) return ids;
-  const int t0 = range.begin / range.vecs;
-  const int n = (owner_pass_end(range, range.begin) - 1) / range.vecs - t0 + 1;
-  const int num_topk = args.rank.layout.num_topk;
-  const int i = finder_index();
-  if (i < n * num_topk) {
-    const size_t idx = static_cast<size_t>(t0) * num_topk + i;
-    ids.g = ld_nc_s32(args.topk_idx + idx);
-    ids.w = ld_nc_f32(args.topk_weights + idx);
-  }
-  return ids;
-}
-
 // Phase 2 setup: where the K rows of tokens t0 .. t0 + n - 1 (n <= kOwnerPassTokens) are read
 // from. Finder f (kFindLanes lanes) resolves the (token, k) pairs f, f + finders, ...
 // (i = token * K + k), then warp i compacts token i's entries into sources[i]'s own / peer
-// lists (k order kept). `recv_counts`: the handle's counts, in shared memory. `first`: the ids
-// of each finder's first pair, loaded earlier (the block's first pass), or nullptr. Block-wide,
-// ends synchronised.
+// lists (k order kept). `recv_counts`: the handle's counts, in shared memory. Block-wide, ends
+// synchronised.
 __device__ __forceinline__ void find_token_sources(const CombineArgs& args, const int* recv_counts,
                                                    int t0, int n, int parity,
-                                                   const FirstPairIds* first,
                                                    TokenSources* sources) {
   const LowLatencyRank& rk = args.rank;
   const LowLatencyLayout& layout = rk.layout;
@@ -307,14 +264,12 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, cons
   const uint32_t group = ((1u << kFindLanes) - 1) << (lane - g_lane);
   constexpr int kFinders = kLowLatencyWarps * kFindersPerWarp;
 
-  for (int i = finder_index(); i < n * num_topk; i += kFinders) {
+  for (int i = warp * kFindersPerWarp + lane / kFindLanes; i < n * num_topk; i += kFinders) {
     const int token = t0 + i / num_topk;
     const int k = i % num_topk;
     TokenSources& src = sources[i / num_topk];
     const size_t idx = static_cast<size_t>(token) * num_topk + k;
-    const bool loaded = first != nullptr && i < kFinders;
-    const int g = loaded ? first->g : ld_nc_s32(args.topk_idx + idx);
-    const float w = loaded ? first->w : ld_nc_f32(args.topk_weights + idx);  // before the search
+    const int g = __ldg(args.topk_idx + idx);
     int kind = 0;
     const __nv_bfloat16* row = nullptr;
     if (g >= 0 && g < args.num_experts) {
@@ -337,7 +292,7 @@ __device__ __forceinline__ void find_token_sources(const CombineArgs& args, cons
     }
     if (g_lane == 0) {
       src.entry_row[k] = row;
-      src.entry_weight[k] = w;
+      src.entry_weight[k] = __ldg(args.topk_weights + idx);
       src.entry_kind[k] = kind;
     }
   }
@@ -448,7 +403,6 @@ __device__ __forceinline__ void wait_peer_flags(const CombineArgs& args, uint64_
 // released them.
 template <bool kReleaseHere>
 __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int* recv_counts,
-                                              const FirstPairIds& first_ids,
                                               LowLatencyControl* control,
                                               unsigned long long arrived_before, uint64_t seq,
                                               int num_ranks, int me) {
@@ -466,15 +420,17 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int
   };
 
   // Phases 2 and 4.
-  const OwnerRange range = owner_range(args);
-  const int vecs = range.vecs;
+  const int vecs = args.rank.layout.hidden / kBf16PerVector;
+  const int total = args.num_tokens * vecs;
+  const int share = max(ceil_div(total, static_cast<int>(gridDim.x)), kOwnerMinVecs);
+  const int begin = min(total, static_cast<int>(blockIdx.x) * share);
+  const int end = min(total, begin + share);
   bool peers_arrived = false;
-  for (int v0 = range.begin; v0 < range.end;) {
+  for (int v0 = begin; v0 < end;) {
     const int t0 = v0 / vecs;
-    const int v1 = owner_pass_end(range, v0);
-    find_token_sources(args, recv_counts, t0, (v1 - 1) / vecs - t0 + 1, parity,
-                       v0 == range.begin ? &first_ids : nullptr, sources);
-    if (v0 == range.begin) timeline_mark(2);
+    const int v1 = min(min(end, v0 + kOwnerPassVecs), (t0 + kOwnerPassTokens) * vecs);
+    find_token_sources(args, recv_counts, t0, (v1 - 1) / vecs - t0 + 1, parity, sources);
+    if (v0 == begin) timeline_mark(2);
     const TokenSources* src[kOwnerVecsPerThread];
     int vec[kOwnerVecsPerThread];
 #pragma unroll
@@ -530,12 +486,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   const uint64_t tag = seq + 1;
   const int parity = static_cast<int>(seq & 1);
 
-  // The handle's counts and the first pass's ids for phase 2, loaded first so that they fly
-  // during phase 1.
+  // The handle's counts for phase 2, loaded first so that they fly during phase 1.
   extern __shared__ int recv_counts[];  // [E_loc] (receive half)
-  FirstPairIds first_ids = {-1, 0.0f};
   if constexpr (runs_recv_half(kHalves)) {
-    first_ids = load_first_pair_ids(args);
     const LowLatencyLayout& layout = args.rank.layout;
     const int rows_per_expert = layout.num_ranks * layout.max_tokens;
     for (int e = static_cast<int>(threadIdx.x); e < layout.num_local_experts; e += blockDim.x) {
@@ -556,8 +509,8 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
   }
   if constexpr (runs_recv_half(kHalves)) {
     // Phases 2-4.
-    reduce_tokens<runs_send_half(kHalves)>(args, recv_counts, first_ids, control, arrived_before,
-                                           seq, num_ranks, me);
+    reduce_tokens<runs_send_half(kHalves)>(args, recv_counts, control, arrived_before, seq,
+                                           num_ranks, me);
     timeline_mark(6);
     // Phase 5 (the fused op advanced the sequence word at its release).
     if constexpr (!runs_send_half(kHalves)) {

@@ -290,7 +290,7 @@ __device__ __forceinline__ void build_receive_plan(const DispatchArgs& args,
   for (int g = tid; g < num_pairs; g += blockDim.x) {  // g = e * R + s
     const int expert = g / num_ranks;
     const int src = g - expert * num_ranks;
-    const uint32_t value = wait_tagged_count<kCountLoad>(
+    const uint32_t value = wait_tagged_count(
         words + layout.dispatch_count_index(parity, expert, src), tag, rk.timeout_ns,
         rk.timeout_record, me, src, WaitPhase::kLowLatencyDispatchRecv);
     plan.counts[g] = static_cast<int>(min(value, static_cast<uint32_t>(layout.max_tokens)));
@@ -427,8 +427,8 @@ __device__ __forceinline__ void receive_expert(const DispatchArgs& args, int exp
   if (lane < num_ranks) {
     const uint64_t* word = reinterpret_cast<const uint64_t*>(rk.local + layout.dispatch_counts) +
                            layout.dispatch_count_index(parity, expert, lane);
-    const uint32_t value = wait_tagged_count<kCountLoad>(
-        word, tag, rk.timeout_ns, rk.timeout_record, me, lane, WaitPhase::kLowLatencyDispatchRecv);
+    const uint32_t value = wait_tagged_count(word, tag, rk.timeout_ns, rk.timeout_record, me, lane,
+                                             WaitPhase::kLowLatencyDispatchRecv);
     count = static_cast<int>(min(value, static_cast<uint32_t>(max_tokens)));
   }
   const int inclusive = warp_inclusive_sum(count, lane);

@@ -10,18 +10,12 @@
 #include "kernels/common/fp8_cast.cuh"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
-#include "kernels/common/sync.cuh"
 #include "kernels/low_latency/low_latency_common.cuh"
 
 namespace jax_ep::ll_dispatch {
 
 constexpr int kBf16PerVector = kBytesPerVector / 2;
 constexpr uint32_t kFullMask = 0xffffffffu;
-
-// Count words tell output positions only: a peer row's data and meta are acquired through its
-// row flag, and the split halves' own meta and fp8 rows are ordered by the kernel boundary. So
-// they are read relaxed, sparing the receive plan an acquire per word.
-constexpr CountLoad kCountLoad = CountLoad::kRelaxedSys;
 
 // A receive work unit is one warp moving at most kRecvPiecesPerLane 16-channel pieces per lane
 // of one row (bf16: 2 vectors per piece, all 2 * kRecvPiecesPerLane loads in flight per lane).

@@ -370,7 +370,7 @@ __device__ __forceinline__ void locate_own_rows(const DispatchArgs& args, const 
   for (int g = tid; g < num_local * me; g += blockDim.x) {  // g = e * rank + s, sources s < rank
     const int expert = g / me;
     const int src = g - expert * me;
-    const uint32_t value = wait_tagged_count<kCountLoad>(
+    const uint32_t value = wait_tagged_count(
         words + layout.dispatch_count_index(parity, expert, src), tag, rk.timeout_ns,
         rk.timeout_record, me, src, WaitPhase::kLowLatencyDispatchRecv);
     atomicAdd(first_rows + expert,
@@ -415,40 +415,23 @@ __device__ __forceinline__ void send_half(const DispatchArgs& args, unsigned cha
   // Phase 0: the first stage of x rows (x does not depend on the routing).
   if (has_pairs) stage_x_rows(args, sm, bp.tok0, min(bp.tok_end - bp.tok0, args.stage_tokens));
 
-  // Phase 1: histograms; the publisher releases the count words at every rank. One pass over
-  // topk_idx [0, scan_end) gives the block's ids (whole tokens), its prefix histogram and the
-  // publisher's totals; a round's loads are issued before its atomics (the first round's also
-  // before the histograms are cleared), so a pass of up to kIdsPerThread * 512 ids costs one
-  // round trip (the T=128 prefix used to cost three).
+  // Phase 1: histograms; the publisher releases the count words at every rank.
   if (has_pairs || is_publisher) {
-    constexpr int kIdsPerThread = 8;
-    const int ids_begin = bp.tok0 * num_topk;
-    const int ids_end = has_pairs ? bp.tok_end * num_topk : ids_begin;
-    const int scan_end = is_publisher ? args.num_tokens * num_topk : ids_end;
-    const int step = static_cast<int>(blockDim.x);
-    for (int base = 0; base < scan_end || base == 0; base += kIdsPerThread * step) {
-      int ids[kIdsPerThread];
-#pragma unroll
-      for (int u = 0; u < kIdsPerThread; ++u) {
-        const int p = base + u * step + tid;
-        ids[u] = p < scan_end ? ld_nc_s32(args.topk_idx + p) : -1;
-      }
-      if (base == 0) {  // block-uniform
-        for (int g = tid; g < num_experts; g += step) {
-          sm.hist_before[g] = 0;
-          sm.hist_total[g] = 0;
-        }
-        __syncthreads();
-      }
-#pragma unroll
-      for (int u = 0; u < kIdsPerThread; ++u) {
-        const int p = base + u * step + tid;
-        const int g = ids[u];
-        if (p >= ids_begin && p < ids_end) sm.ids[p - ids_begin] = g;
-        if (p >= scan_end || g < 0 || g >= num_experts) continue;
-        if (has_pairs && p < bp.p0) atomicAdd(sm.hist_before + g, 1);
-        if (is_publisher) atomicAdd(sm.hist_total + g, 1);
-      }
+    for (int g = tid; g < num_experts; g += blockDim.x) {
+      sm.hist_before[g] = 0;
+      sm.hist_total[g] = 0;
+    }
+    const int span_ids = (bp.tok_end - bp.tok0) * num_topk;
+    for (int i = tid; i < span_ids; i += blockDim.x) {
+      sm.ids[i] = __ldg(args.topk_idx + static_cast<size_t>(bp.tok0) * num_topk + i);
+    }
+    __syncthreads();
+    const int scan_end = is_publisher ? args.num_tokens * num_topk : bp.p0;
+    for (int p = tid; p < scan_end; p += blockDim.x) {
+      const int g = __ldg(args.topk_idx + p);
+      if (g < 0 || g >= num_experts) continue;
+      if (has_pairs && p < bp.p0) atomicAdd(sm.hist_before + g, 1);
+      if (is_publisher) atomicAdd(sm.hist_total + g, 1);
     }
     __syncthreads();
     if (is_publisher) {

@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
         if (w >= num_words) continue;
         uint32_t value = static_cast<uint32_t>(words[i]);
         if (!has_tag(words[i], tag)) {
-          value = wait_tagged_count<CountLoad::kRelaxedGpu>(word_at(w), tag, args.wait.timeout_ns,
-                                                            args.wait.record, rank, rank, phase);
+          value = wait_tagged_count<false>(word_at(w), tag, args.wait.timeout_ns, args.wait.record,
+                                           rank, rank, phase);
         }
         const int dst = w % num_ranks;
 #pragma unroll
