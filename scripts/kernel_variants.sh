@@ -2,7 +2,9 @@
 # Kernel-time comparison of source variants in one device call (one GPU): each variant is a copy
 # of this tree with some `sed -i` edits, built for one architecture and installed in turn, then
 # measured by the same command. For bisecting a kernel-time change without a commit per guess.
-#   VARIANTS="name|file|sed expression[|file|sed expression...];..."  (none: the tree as it is)
+#   VARIANTS="name|file|sed expression[|file|sed expression...];..."  (none: the tree as it is;
+#            the pair "patch|path/to.diff" applies a patch instead, e.g. `git diff HEAD <old>`
+#            saved untracked in the tree to measure an older commit's kernels)
 #   MEASURE="python3 benchmarks/profile_ops.py --ll-tokens 128 --ops ll_combine,ll_combine_split"
 #   ARCH=90 (default)
 # Example (the fused combine's arrival fence, 8 vs 4 rows in flight):
@@ -21,6 +23,11 @@ for v in "${variants[@]}"; do
   ok=1
   for ((i = 1; i + 1 < ${#fields[@]}; i += 2)); do
     file=${fields[i]}; expr=${fields[i + 1]}
+    if [[ $file == patch ]]; then
+      (cd "$dir" && { git apply "$R/$expr" 2>/dev/null || patch -s -p1 < "$R/$expr"; }) ||
+        { echo "$name: $expr does not apply"; ok=0; }
+      continue
+    fi
     before=$(md5sum "$dir/$file"); sed -i "$expr" "$dir/$file"
     [[ "$before" != "$(md5sum "$dir/$file")" ]] || { echo "$name: '$expr' changed nothing in $file"; ok=0; }
   done

@@ -58,7 +58,7 @@ struct LowLatencyControl {
   uint64_t combine_seq;                     // completed low-latency combine calls
   unsigned long long dispatch_blocks_done;  // dispatch blocks that finished
   unsigned long long combine_blocks_sent;   // combine blocks whose remote rows are all written
-  unsigned long long combine_blocks_done;   // combine blocks that finished
+  unsigned long long combine_blocks_done;   // split receive blocks that finished
 };
 
 // Offsets (bytes from the start of the low-latency region) and index helpers. Plain data: the
