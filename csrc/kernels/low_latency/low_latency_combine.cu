@@ -40,9 +40,9 @@
 // block arrives on the "sent" counter and the last one releases the flag words, as in phase 3
 // (without advancing the sequence word); it never waits. The receive launch sums the own rows (read
 // from y, an operand again), waits for every peer's flag word (same bounded wait, phase
-// "low-latency combine receive"), adds the peer rows and advances the sequence word. Arriving at
-// the end of phase 1 instead of after the first own-row sum publishes the same stores (all of phase
-// 1's) a little earlier.
+// "low-latency combine receive"), adds the peer rows and advances the sequence word. Releasing the
+// flags right after the arrival, instead of after the first own-row sum as the fused op does,
+// publishes the same stores (all of phase 1's) a little earlier.
 //
 // Parity safety: as for dispatch (low_latency_dispatch.cu), with the combine sequence word and
 // the flag words of phase 3 as the words every rank waits for from every other rank in every
@@ -412,7 +412,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int
   const int parity = static_cast<int>(seq & 1);
 
   // Phase 3 (run inside the first pass, after the own rows are summed).
-  auto arrive_and_wait_peers = [&]() {
+  auto release_and_wait_peers = [&]() {
     if constexpr (kReleaseHere) {
       release_flags_if_last<true>(args, control, arrived_before, seq, parity, num_ranks, me);
     }
@@ -443,7 +443,7 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int
     accumulate_rows<true>(acc, src, vec, 0);
     if (!peers_arrived) {  // block-uniform
       timeline_mark(3);
-      arrive_and_wait_peers();
+      release_and_wait_peers();
       timeline_mark(4);
       peers_arrived = true;
     }
@@ -465,14 +465,14 @@ __device__ __forceinline__ void reduce_tokens(const CombineArgs& args, const int
   }
   // Every block waits for every peer, also without tokens: the parity argument needs every call
   // to observe every peer's flag before it ends.
-  if (!peers_arrived) arrive_and_wait_peers();
+  if (!peers_arrived) release_and_wait_peers();
   timeline_mark(5);
 }
 
 // Grid: low_latency_grid_size blocks (cooperative, at most one per SM; by default all SMs but
 // kLowLatencyFreeSms), kLowLatencyThreads threads. Dynamic shared memory (receive half): the
 // handle's recv_count, E_loc ints.
-// kHalves picks the phases: kBoth (fused op) runs 1-5; kSend runs 1 and the arrival/flag release
+// kHalves picks the phases: kBoth (fused op) runs 1-4; kSend runs 1 and the arrival/flag release
 // of 3, then stores the ticket; kRecv runs 2, the wait of 3, 4 and 5. The send launch and the
 // receive launch of one call read the same sequence word (only phase 5 advances it).
 template <LowLatencyHalves kHalves>

@@ -5,7 +5,8 @@
 // kLowLatencyFreeSms), launched cooperatively so
 // that every block is resident (blocks wait for words that other blocks of the same launch
 // write). No host state per call: the sequence word that picks the call's parity and tag lives
-// in device memory and is advanced by the last block of the launch that runs the receive half.
+// in device memory and is advanced by one block of the launch that runs the receive half, after
+// every block read it (the last to finish; in the fused combine, the last to arrive).
 //
 // Each kernel body is compiled three times (LowLatencyHalves): the fused op, its send half and
 // its receive half. The split pair runs the same phases as the fused launch, in two launches on
@@ -83,7 +84,8 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
-// A word that carries only its own value (no data is published with it).
+// A strong store at system scope: a word that carries only its own value, or, after a fence, the
+// store of a release that publishes what the fence ordered before it.
 __device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t value) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
@@ -113,7 +115,9 @@ __device__ __forceinline__ bool arrived_last(unsigned long long* counter,
   return true;
 }
 
-// Called once by every block of the launch that runs the receive half, as its last action: the
+// Called once by every block of a dispatch launch that runs the receive half and of a split
+// combine receive launch, as its last action (the fused combine advances its sequence word at
+// its flag release instead): the
 // last block to finish advances the sequence word (every block read it at its start, so none can
 // see the new value in this launch) and clears the done counter.
 __device__ __forceinline__ void finish_launch(unsigned long long* done_counter, uint64_t* seq_word,
