@@ -117,9 +117,9 @@ __device__ __forceinline__ bool arrived_last(unsigned long long* counter,
 
 // Called once by every block of a dispatch launch that runs the receive half and of a split
 // combine receive launch, as its last action (the fused combine advances its sequence word at
-// its flag release instead): the
-// last block to finish advances the sequence word (every block read it at its start, so none can
-// see the new value in this launch) and clears the done counter.
+// its flag release instead): the last block to finish advances the sequence word (every block
+// read it at its start, so none can see the new value in this launch) and clears the done
+// counter.
 __device__ __forceinline__ void finish_launch(unsigned long long* done_counter, uint64_t* seq_word,
                                               uint64_t seq) {
   __syncthreads();
