@@ -24,8 +24,14 @@ with 1/2 steps, 2 repeats, and only in the sections and impls named by ``--ragge
   weight, ``w_up=None``; ``split``: two), at one rank's shapes (``E_loc = E / R`` experts,
   ``T*K`` used rows split over them multinomially (uniform), ``C * min(K, E_loc)`` rows in all
   as in the layer).
+- ``gemms``: the six grouped GEMMs of one such step and nothing else (library matmuls only):
+  forward, dx and dw of the gate / up product (``[N, H] x [E_loc, H, 2F]``) and of the down
+  product (``[N, F] x [E_loc, F, H]``), on operands of the step's shapes prepared outside it
+  (the SwiGLU, its masks and the loss are what ``experts`` adds).
 - ``products``: each library product alone (``forward``, ``dx``, ``dw``) at the gate / up shape
-  (``[N, H] x [E_loc, H, F]``) and the down shape (``[N, F] x [E_loc, F, H]``).
+  (``[N, H] x [E_loc, H, 2F]``, or ``[E_loc, H, F]`` with ``--gate-up split``) and the down
+  shape (``[N, F] x [E_loc, F, H]``); with ``--sweep``, at each of them, every tile config of
+  ``SWEEP_CONFIGS``.
 - ``layer``: the whole layer step, for each transport (impl):
 
 - ``jax_ep``: ``jax_ep.moe.moe_ffn`` with a ``Buffer(backend="cuda")`` on GPUs, the reference
@@ -65,10 +71,11 @@ import numpy as np
 
 OP = "moe_layer_fwd_bwd"
 EXPERTS_OP = "expert_gemms_fwd_bwd"
+GEMMS_OP = "expert_gemm_products_fwd_bwd"
 PRODUCT_OP = "expert_gemm_product"
 DTYPE = "bf16"
 IMPLS = ("jax_ep", "all_to_all", "ragged_all_to_all")
-SECTIONS = ("experts", "products", "layer")
+SECTIONS = ("experts", "gemms", "products", "layer")
 # Bench-only matmuls: jax.lax.ragged_dot compiled with an experimental XLA:GPU option, and the
 # dense ceiling (experts section only).
 XLA_VARIANTS = {
@@ -127,7 +134,7 @@ def parse_args(argv):
     p.add_argument("--tag", help="file name <machine>-<date>-moe_layer-<tag>.json")
     p.add_argument("--sweep", action="store_true",
                    help="products section: try every tile config of SWEEP_CONFIGS per library "
-                        "product at the gate shape (records carry their config)")
+                        "product and shape (records carry their config)")
     p.add_argument("--gate-up", choices=GATE_UP, default="fused",
                    help="experts and layer sections: gate and up as one [E, H, 2F] weight "
                         "(fused, default: what the Flax example stores) or two (split)")
@@ -401,6 +408,30 @@ def experts_step(matmul, used):
     return step
 
 
+def gemms_step(matmul):
+    """``step(weights, x, sizes, dy, h, dgate_up) -> products``: the six grouped GEMMs of one
+    forward + backward step of ``swiglu_experts`` with gate and up in one weight, through the
+    kernels library matmul ``matmul`` names, on operands of the step's shapes."""
+    from jax_ep.moe import grouped_gemm
+
+    kernels = grouped_gemm.LIBRARY_MATMULS[matmul]
+
+    def step(weights, x, sizes, dy, h, dgate_up):
+        w_gate_up, w_down = weights
+
+        def product(library, name, a, b):
+            return grouped_gemm._product(library, name, a, b, sizes)
+
+        return (product(kernels.forward, "forward", x, w_gate_up),
+                product(kernels.forward, "forward", h, w_down),
+                product(kernels.dx, "dx", dy, w_down),
+                product(kernels.dw, "dw", h, dy),
+                product(kernels.dx, "dx", dgate_up, w_gate_up),
+                product(kernels.dw, "dw", x, dgate_up))
+
+    return step
+
+
 def product_step(library, product):
     from jax_ep.moe import grouped_gemm
 
@@ -410,14 +441,27 @@ def product_step(library, product):
     return step
 
 
+# The products' shapes per --gate-up: the gate and up weights as one [E_loc, H, 2F] weight
+# (gate_up) or the gate's alone (gate), then the down weight.
+PRODUCT_SHAPES = {"fused": ("gate_up", "down"), "split": ("gate", "down")}
+
+
+def product_weight(inputs, shape):
+    """The expert weight ``[E_loc, K, M]`` of a product shape."""
+    w_gate, w_up, w_down = inputs.weights
+    return {"gate": w_gate, "gate_up": jnp.concatenate([w_gate, w_up], axis=2),
+            "down": w_down}[shape]
+
+
+def width(a, n):
+    """``a``'s columns repeated / cut to ``n``."""
+    return jnp.tile(a, (1, -(-n // a.shape[1])))[:, :n]
+
+
 def product_sets(inputs, shape, product, n_sets):
-    """Operands of one product per step: gate (``[N, H] x [E_loc, H, F]``) or down shape."""
-    w = inputs.weights[0] if shape == "gate" else inputs.weights[2]
+    """Operands of one product per step at a ``PRODUCT_SHAPES`` shape."""
+    w = product_weight(inputs, shape)
     k, m = w.shape[1], w.shape[2]
-
-    def width(a, n):  # a's columns repeated / cut to n
-        return jnp.tile(a, (1, -(-n // a.shape[1])))[:, :n]
-
     sets = []
     for i in range(n_sets):
         x, sizes, ct = inputs.sets[i]
@@ -514,7 +558,8 @@ def print_table(records, errors, skipped, matmuls, impls):
     for r in errors:
         print(f"ERROR {r['op']} {r.get('matmul', '')} {r.get('impl', '')} "
               f"{r.get('library', '')} {r.get('product', '')}: {r['error'][:200]}")
-    head = f"{'matmul':24s} {'experts':>9s}" + "".join(f" {i:>17s}" for i in impls)
+    head = (f"{'matmul':24s} {'gemms':>17s} {'experts':>17s}"
+            + "".join(f" {i:>17s}" for i in impls))
     print("\nTFLOP/s per GPU (useful expert-GEMM work; time_us per step in brackets)")
     print(head)
     print("-" * len(head))
@@ -529,14 +574,17 @@ def print_table(records, errors, skipped, matmuls, impls):
             print(f"{m:24s} {skipped[m][:100]}")
             continue
         exp = next((r for r in records if r["op"] == EXPERTS_OP and r["matmul"] == m), None)
+        gemms = next((r for r in records if r["op"] == GEMMS_OP and r["matmul"] == m), None)
         cells = [next((r for r in records if r["op"] == OP and r["matmul"] == m
                        and r["impl"] == i), None) for i in impls]
         resolved = next((r.get("resolved") for r in records if r.get("matmul") == m), None)
         name = f"{m}->{resolved}" if resolved and resolved != m else m
-        print(f"{name:24s} {cell(exp):>9s}" + "".join(f" {cell(c):>17s}" for c in cells))
-    print(f"{OP}: forward + backward per step per rank (bf16); experts = {EXPERTS_OP} "
-          f"(swiglu_experts alone, one device); columns after it = whole layer per impl; x best "
-          f"peer in the JSON.", flush=True)
+        print(f"{name:24s} {cell(gemms):>17s} {cell(exp):>17s}"
+              + "".join(f" {cell(c):>17s}" for c in cells))
+    print(f"{OP}: forward + backward per step per rank (bf16); gemms = {GEMMS_OP} (the six "
+          f"grouped GEMMs of a step alone); experts = {EXPERTS_OP} (swiglu_experts alone, one "
+          f"device); columns after it = whole layer per impl; x best peer in the JSON.",
+          flush=True)
 
 
 # ----------------------------------------------------------------------------- running
@@ -632,15 +680,43 @@ SWEEP_CONFIGS = {
              grid_minor_dim=0, grid_tile_width=1)
         for bm, bk, st in ((128, 128, 4), (128, 128, 2), (64, 128, 4), (128, 64, 6))],
     ("mosaic", "rows"): [
-        dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=st, grid_block_n=g)
-        for bm, bn, st, g in ((128, 128, 4, 4), (128, 128, 5, 8), (128, 128, 4, 1),
-                              (128, 128, 6, 2), (64, 128, 6, 4), (64, 256, 4, 2))],
+        dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st, grid_block_n=g)
+        for bm, bn, bk, st, g in ((128, 128, 64, 4, 4), (128, 128, 64, 5, 8),
+                                  (128, 128, 64, 6, 8), (128, 128, 64, 5, 16),
+                                  (128, 128, 128, 3, 8), (64, 256, 64, 4, 4),
+                                  (64, 128, 64, 6, 8))],
     ("mosaic", "contract"): [
         dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st, grid_block_n=g)
         for bm, bn, bk, st, g in ((128, 128, 64, 4, 4), (128, 128, 64, 5, 8),
-                                  (128, 128, 128, 3, 4), (128, 128, 64, 4, 1),
+                                  (128, 128, 128, 3, 4), (128, 128, 128, 2, 8),
+                                  (128, 128, 64, 4, 1), (128, 128, 64, 6, 2),
                                   (64, 128, 64, 6, 4))],
 }
+
+
+def run_gemms(r, matmuls, inputs):
+    """The ``gemms`` section: the six products of a step, per library matmul."""
+    from jax_ep.moe import grouped_gemm
+
+    args = r.args
+    one = bc.make_mesh(1)
+    weights = held_as("fused", inputs.weights)
+    sets = [(x, sizes, ct, width(x, args.ffn), width(ct, 2 * args.ffn))
+            for x, sizes, ct in inputs.sets[:args.n_long]]
+    for m in matmuls:
+        resolved = resolved_name(m)
+        if resolved not in grouped_gemm.LIBRARY_MATMULS:
+            log(f"[skip] gemms {m}: {resolved} is not a library matmul")
+            continue
+
+        def one_matmul(m=m, resolved=resolved):
+            time_us, extra = measure(one, args, gemms_step(resolved), weights, sets, r.pool, m)
+            flops = 18.0 * inputs.used * args.hidden * args.ffn
+            return make_record(GEMMS_OP, args, r.num_ranks, time_us, flops, extra, matmul=m,
+                               resolved=resolved, experts_local=inputs.e_loc, rows=inputs.rows,
+                               rows_used=inputs.used)
+
+        r.attempt(f"gemms {m}", GEMMS_OP, {"matmul": m}, one_matmul)
 
 
 def run_products(r, matmuls, inputs):
@@ -652,7 +728,7 @@ def run_products(r, matmuls, inputs):
     for library in libraries:
         configs = {"tokamax": grouped_gemm.TOKAMAX_CONFIGS,
                    "mosaic": grouped_gemm.MOSAIC_CONFIGS}[library]
-        for shape in ("gate",) if args.sweep else ("gate", "down"):
+        for shape in PRODUCT_SHAPES[args.gate_up]:
             for product in ("forward", "dx", "dw"):
                 kind = "contract" if product == "dw" else "rows"
                 tries = SWEEP_CONFIGS[(library, kind)] if args.sweep else [configs[kind]]
@@ -778,11 +854,13 @@ def run(args, mesh, deadline, checkpoint):
     # Order: experts, layer, then the products (a breakdown), so that --max-minutes cuts the
     # least needed first.
     inputs = None
-    if jax_ep is not None and ("experts" in args.sections or "products" in args.sections):
+    if jax_ep is not None and {"experts", "gemms", "products"} & set(args.sections):
         try:
             inputs = run_experts(r, matmuls if "experts" in args.sections else [])
         except Exception as e:  # noqa: BLE001 - e.g. out of memory for the inputs
             r.errors.append(error_row(EXPERTS_OP, e, args, r.num_ranks))
+    if inputs is not None and "gemms" in args.sections:
+        run_gemms(r, matmuls, inputs)
     if "layer" in args.sections:
         run_layers(r, matmuls, impls)
     if inputs is not None and "products" in args.sections:

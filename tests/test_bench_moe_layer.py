@@ -86,7 +86,7 @@ def _fixed_timing(monkeypatch):
 
 
 def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
-    """The tokamax+mosaic sections (experts, products, layer) with reference kernels in place of
+    """The tokamax+mosaic sections (experts, gemms, products, layer) with reference kernels in place of
     the GPU ones, in process: records, the forward check, and the table."""
     if not _jax_ep_importable():
         pytest.skip("jax_ep not importable")
@@ -107,14 +107,16 @@ def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
     ops = sorted((r["op"], r.get("library"), r.get("product"), r.get("shape"))
                  for r in payload["results"])
     products = [("expert_gemm_product", lib, p, s) for lib in ("mosaic", "tokamax")
-                for p in ("dw", "dx", "forward") for s in ("down", "gate")]
+                for p in ("dw", "dx", "forward") for s in ("down", "gate_up")]
     assert ops == sorted([("expert_gemms_fwd_bwd", None, None, None),
+                          ("expert_gemm_products_fwd_bwd", None, None, None),
                           ("moe_layer_fwd_bwd", None, None, None)] + products), ops
     assert payload["checks"]["jax_ep/tokamax+mosaic"]["ok"], payload["checks"]
     for rec in payload["results"]:
         assert rec["time_us"] > 0, rec
         if rec["op"] == "expert_gemm_product":
-            assert (rec["k"], rec["m"]) == ((512, 512)), rec
+            assert (rec["k"], rec["m"]) == {"gate_up": (512, 1024), "down": (512, 512)}[
+                rec["shape"]], rec
 
 
 # ----------------------------------------------------------------------------- same function
@@ -236,10 +238,10 @@ def test_bench_sweeps_library_configs(tmp_path, monkeypatch):
     assert payload["errors"] == [], payload["errors"]
     rows = bml.SWEEP_CONFIGS[("mosaic", "rows")]
     contract = bml.SWEEP_CONFIGS[("mosaic", "contract")]
-    got = [(r["product"], r["config"]) for r in payload["results"]]
-    assert sorted(map(str, got)) == sorted(map(str, [("forward", c) for c in rows]
-                                               + [("dx", c) for c in rows]
-                                               + [("dw", c) for c in contract]))
-    assert {(p, str(c)) for _, p, c in seen} == {(p, str(c)) for p, c in got}
+    got = [(r["shape"], r["product"], r["config"]) for r in payload["results"]]
+    assert sorted(map(str, got)) == sorted(map(str, [
+        (s, p, c) for s in ("gate_up", "down")
+        for p, configs in (("forward", rows), ("dx", rows), ("dw", contract)) for c in configs]))
+    assert {(p, str(c)) for _, p, c in seen} == {(p, str(c)) for _, p, c in got}
     assert grouped_gemm.MOSAIC_CONFIGS == before
 
