@@ -13,7 +13,8 @@ TFLOP/s count the useful work, 18 * rows * H * F per step, like bench_moe_layer.
 
 Variants: `split` is `jax_ep.moe.swiglu_experts` with gate and up as two weights; `fused` with
 gate and up side by side in one `[E, H, 2F]` weight (`w_up=None`): forward, dx and dw of both
-are one product each (three instead of six, and no sum of two dx).
+are one product each (three instead of six, and no sum of two dx); `gemms` is bench_moe_layer's
+gemms section: the six grouped GEMMs of a `fused` step alone, on operands prepared outside it.
 On machines without a GPU the trace has no device plane: only the wall time is reported.
 """
 
@@ -35,7 +36,7 @@ import profile_ops
 
 DEFAULTS = dict(tokens=4096, topk=8, hidden=2048, ffn=1024, experts=64)
 QUICK = dict(tokens=64, topk=2, hidden=256, ffn=128, experts=4)
-VARIANTS = ("split", "fused")
+VARIANTS = ("split", "fused", "gemms")
 TRACED_STEPS = 3
 
 
@@ -86,9 +87,18 @@ def run_variant(args, variant, inputs, flops):
     """One step of bench_moe_layer's experts section (its inputs, its step), gate and up held as
     `variant` says."""
     start = time.perf_counter()
-    fn = jax.jit(bml.experts_step(args.matmul, inputs.used))
-    fn_args = (bml.held_as(variant, inputs.weights), *inputs.sets[0])
-    loss = float(jax.block_until_ready(fn(*fn_args))[0])
+    if variant == "gemms":
+        from jax_ep.moe import grouped_gemm
+
+        x, sizes, ct = inputs.sets[0]
+        fn = jax.jit(bml.gemms_step(grouped_gemm.resolve_matmul(args.matmul, x.dtype)))
+        fn_args = (bml.held_as("fused", inputs.weights), x, sizes, ct,
+                   bml.width(x, args.ffn), bml.width(ct, 2 * args.ffn))
+    else:
+        fn = jax.jit(bml.experts_step(args.matmul, inputs.used))
+        fn_args = (bml.held_as(variant, inputs.weights), *inputs.sets[0])
+    first = jax.block_until_ready(fn(*fn_args))[0]
+    loss = float(first) if first.ndim == 0 else None  # the gemms variant has no loss
     compile_s = time.perf_counter() - start
     jax.block_until_ready(fn(*fn_args))
     walls = [bc.wall_us(fn, *fn_args) / 1e3 for _ in range(args.repeats)]
@@ -118,6 +128,9 @@ def main(argv=None):
     payload = dict(bc.result_header(argv), shape={k: getattr(args, k) for k in DEFAULTS},
                    resolved=resolved, flops_per_step=flops, results=[], errors=[])
     for variant in args.variants:
+        if variant == "gemms" and resolved not in grouped_gemm.LIBRARY_MATMULS:
+            print(f"gemms: skipped ({resolved} is not a library matmul)")
+            continue
         try:
             r = run_variant(args, variant, inputs, flops)
         except Exception as e:  # noqa: BLE001 - reported, the other variants still run
@@ -130,7 +143,7 @@ def main(argv=None):
                 f"{r['span_ms']:.3f} ms span ({r['tflops_span']} TFLOP/s), idle "
                 f"{r['idle_ms']:.3f} ms")
         print(f"{variant:6s} {resolved}: wall {r['wall_ms']:.3f} ms ({r['tflops_wall']} "
-              f"TFLOP/s); {span}; loss {r['loss']:.6g}")
+              f"TFLOP/s); {span}; loss {r['loss']}")
         for name, us in r["kernels_us"].items():
             print(f"    {us:9.1f} us  {name[:100]}")
     tag = f"-{args.tag}" if args.tag else ""

@@ -86,8 +86,8 @@ def _fixed_timing(monkeypatch):
 
 
 def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
-    """The tokamax+mosaic sections (experts, gemms, products, layer) with reference kernels in place of
-    the GPU ones, in process: records, the forward check, and the table."""
+    """The tokamax+mosaic sections (experts, gemms, products, layer) with reference kernels in
+    place of the GPU ones, in process: records, the forward check, and the table."""
     if not _jax_ep_importable():
         pytest.skip("jax_ep not importable")
     from test_grouped_gemm import _reference_product
