@@ -1,6 +1,7 @@
 """Where the time of the expert GEMMs goes: `swiglu_experts` forward + backward on one device.
 
-    python benchmarks/profile_moe_experts.py [--matmul mosaic] [--variants split,fused]
+    python benchmarks/profile_moe_experts.py [--matmul mosaic] [--variants split,fused,gemms]
+        [--unrolled 6]
 
 For each variant, one step of bench_moe_layer's experts section (`value_and_grad(sum(y * ct))`
 w.r.t. the rows and the weights, its inputs: T=4096 tokens x top-8 = 32768 rows split
@@ -47,6 +48,9 @@ def parse_args(argv):
     p.add_argument("--matmul", default="auto", help="jax_ep.moe matmul (default auto)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--unrolled", type=int, default=0,
+                   help="also trace bench_moe_layer's program of this many unrolled steps "
+                        "(distinct inputs, every output kept): per step wall, span and kernels")
     p.add_argument("--tag", help="file name <machine>-<date>-moe_experts_profile-<tag>.json")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -83,20 +87,45 @@ def device_profile(fn, fn_args):
     return kernels, span_ms, idle_ns / 1e6 / TRACED_STEPS
 
 
-def run_variant(args, variant, inputs, flops):
-    """One step of bench_moe_layer's experts section (its inputs, its step), gate and up held as
-    `variant` says."""
-    start = time.perf_counter()
+def variant_step(args, variant, inputs):
+    """`(step, weights, sets)`: the variant's step `step(weights, *sets[i])`, one set per step of
+    `inputs`."""
     if variant == "gemms":
         from jax_ep.moe import grouped_gemm
 
-        x, sizes, ct = inputs.sets[0]
-        fn = jax.jit(bml.gemms_step(grouped_gemm.resolve_matmul(args.matmul, x.dtype)))
-        fn_args = (bml.held_as("fused", inputs.weights), x, sizes, ct,
-                   bml.width(x, args.ffn), bml.width(ct, 2 * args.ffn))
-    else:
-        fn = jax.jit(bml.experts_step(args.matmul, inputs.used))
-        fn_args = (bml.held_as(variant, inputs.weights), *inputs.sets[0])
+        step = bml.gemms_step(grouped_gemm.resolve_matmul(args.matmul, jnp.bfloat16))
+        sets = [(x, sizes, ct, bml.width(x, args.ffn), bml.width(ct, 2 * args.ffn))
+                for x, sizes, ct in inputs.sets]
+        return step, bml.held_as("fused", inputs.weights), sets
+    return (bml.experts_step(args.matmul, inputs.used), bml.held_as(variant, inputs.weights),
+            inputs.sets)
+
+
+def unrolled_profile(args, step, weights, sets, tflops):
+    """bench_moe_layer's measured program, `--unrolled` steps: per step, the wall of one call
+    and the device timeline's span and idle time."""
+    n = args.unrolled
+    program = bc.repeated_program(bc.make_mesh(1), step, n, lambda *fixed: fixed)
+    call_args = (tuple(weights), tuple(tuple(s) for s in sets[:n]))
+    compiled = program.lower(*call_args).compile()
+    jax.block_until_ready(compiled(*call_args))
+    wall_ms = statistics.median(bc.wall_us(compiled, *call_args) for _ in range(5)) / 1e3 / n
+    kernels, span_ms, idle_ms = device_profile(compiled, call_args)
+    return {"steps": n, "wall_ms": round(wall_ms, 4), "tflops_wall": tflops(wall_ms),
+            "span_ms": span_ms and round(span_ms / n, 4),
+            "tflops_span": tflops(span_ms and span_ms / n),
+            "idle_ms": idle_ms and round(idle_ms / n, 4),
+            "kernels_us": {k: round(v / n, 1) for k, v in
+                           sorted(kernels.items(), key=lambda kv: -kv[1])[:12]}}
+
+
+def run_variant(args, variant, inputs, flops):
+    """One step of bench_moe_layer's experts section (its inputs, its step), gate and up held as
+    `variant` says; or of its gemms section (`gemms`)."""
+    start = time.perf_counter()
+    step, weights, sets = variant_step(args, variant, inputs)
+    fn = jax.jit(step)
+    fn_args = (weights, *sets[0])
     first = jax.block_until_ready(fn(*fn_args))[0]
     loss = float(first) if first.ndim == 0 else None  # the gemms variant has no loss
     compile_s = time.perf_counter() - start
@@ -107,11 +136,12 @@ def run_variant(args, variant, inputs, flops):
     busy_ms = sum(kernels.values()) / 1e3 if kernels else None
     tflops = lambda ms: None if ms is None else round(flops / (ms * 1e-3) / 1e12, 1)  # noqa: E731
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    unrolled = unrolled_profile(args, step, weights, sets, tflops) if args.unrolled else None
     return {"variant": variant, "matmul": args.matmul, "loss": loss, "wall_ms": round(wall_ms, 4),
             "tflops_wall": tflops(wall_ms), "span_ms": span_ms and round(span_ms, 4),
             "tflops_span": tflops(span_ms), "idle_ms": idle_ms and round(idle_ms, 4),
             "busy_ms": busy_ms and round(busy_ms, 4), "compile_s": round(compile_s, 1),
-            "kernels_us": {k: round(v, 1) for k, v in top.items()}}
+            "kernels_us": {k: round(v, 1) for k, v in top.items()}, "unrolled": unrolled}
 
 
 def main(argv=None):
@@ -123,7 +153,8 @@ def main(argv=None):
     from jax_ep.moe import grouped_gemm
 
     resolved = grouped_gemm.resolve_matmul(args.matmul, jnp.bfloat16)
-    inputs = bml.ExpertInputs(args, 1, 1)  # one rank's block: T * K rows over E experts
+    # One rank's block: T * K rows over E experts; a set per unrolled step.
+    inputs = bml.ExpertInputs(args, 1, max(1, args.unrolled))
     flops = 18.0 * inputs.used * args.hidden * args.ffn
     payload = dict(bc.result_header(argv), shape={k: getattr(args, k) for k in DEFAULTS},
                    resolved=resolved, flops_per_step=flops, results=[], errors=[])
@@ -146,6 +177,13 @@ def main(argv=None):
               f"TFLOP/s); {span}; loss {r['loss']}")
         for name, us in r["kernels_us"].items():
             print(f"    {us:9.1f} us  {name[:100]}")
+        u = r["unrolled"]
+        if u:
+            print(f"  unrolled x{u['steps']}, per step: wall {u['wall_ms']:.3f} ms "
+                  f"({u['tflops_wall']} TFLOP/s); span {u['span_ms']} ms ({u['tflops_span']} "
+                  f"TFLOP/s), idle {u['idle_ms']} ms")
+            for name, us in u["kernels_us"].items():
+                print(f"    {us:9.1f} us  {name[:100]}")
     tag = f"-{args.tag}" if args.tag else ""
     name = f"{bc.machine_name()}-{bc.today()}-moe_experts_profile{tag}.json"
     bc.write_json(os.path.join(args.out, name), payload)
