@@ -121,11 +121,13 @@ class Buffer:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        # How the low-latency ops reach peers (CUDA backend, low-latency Buffers; the
-        # others ignore the setting): "stores" through peer mappings, or the put-protocol
-        # kernels written for peers without a mapping ("mapped", "emulated"; docs/transport.md).
-        self.device_transport = (settings.value("JAX_EP_DEVICE_TRANSPORT") if self.low_latency
-                                 else "stores")
+        # How the ops reach peers (CUDA backend; the others ignore the setting): "stores"
+        # through peer mappings, or the put-protocol kernels written for peers without a
+        # mapping ("mapped", "emulated", "nvshmem"; docs/transport.md). NVSHMEM's carries the
+        # low-latency ops only: a Buffer without them keeps its stores.
+        transport = settings.value("JAX_EP_DEVICE_TRANSPORT")
+        self.device_transport = ("stores" if transport == "nvshmem" and not self.low_latency
+                                 else transport)
         self.buffer_id = next(_buffer_ids)
         self._closed = False
         self._errors_lock = threading.Lock()
