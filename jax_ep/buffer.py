@@ -265,7 +265,8 @@ class Buffer:
     def _runtime_config(self, module):
         """This Buffer as the C++ ``BufferConfig``, grids from the settings (0: the device's)."""
         grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
-                 for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks")}
+                 for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks",
+                             "normal_send_slots")}
         config = cuda.buffer_config(
             module, num_ranks=self.num_ranks, num_experts=self.num_experts, hidden=self.hidden,
             max_tokens_per_rank=self.max_tokens_per_rank, num_topk=self.num_topk,

@@ -78,6 +78,10 @@ SETTINGS = {s.name: s for s in (
             "blocks of a normal-mode transfer kernel (default: one per SM)"),
     Setting("JAX_EP_NORMAL_PUSH_BLOCKS", "runtime", None, _positive_int,
             "of those, the blocks that push rows to peers (default: a quarter)"),
+    Setting("JAX_EP_NORMAL_SEND_SLOTS", "runtime", None, _positive_int,
+            "over a device transport: send slots per push warp of a normal transfer kernel "
+            "(default: as many as the send region holds; fewer makes warps restage slots "
+            "within a call, as tests want)"),
     Setting("JAX_EP_LOW_LATENCY_BLOCKS", "runtime", None, _positive_int,
             "blocks of a low-latency launch, at most one per SM (default: all SMs but 8)"),
     Setting("JAX_EP_DEVICE_TRANSPORT", "runtime", "stores",

@@ -50,10 +50,14 @@ struct BufferConfig {
   int normal_blocks = 0;       // normal-mode transfer kernels (default: one per SM)
   int normal_push_blocks = 0;  // of those, the pushing ones (default: a quarter)
   int low_latency_blocks = 0;  // low-latency launches (default: all SMs but 8)
+  // Over a device transport: send slots per push warp of a normal transfer kernel (0: as many as
+  // the send region holds; fewer makes a warp restage slots within a call, as tests want).
+  int normal_send_slots = 0;
   DeviceTransport device_transport = DeviceTransport::kStores;  // kNvshmem: low_latency only
   uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
   // Tests only: the ops' put-protocol kernels break one rule (transport/mutant.h), so that a
-  // test with one process per rank shows the emulated transport catches it.
+  // test with one process per rank shows the emulated transport catches it. The normal
+  // kernels over a transport honour all but no_fence (they issue no fence).
   transport::Mutant transport_mutant = transport::Mutant::kNone;
 
   int num_local_experts() const { return num_experts / num_ranks; }

@@ -159,9 +159,20 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
     return "jax_ep: a protocol mutant (JAX_EP_TRANSPORT_MUTANT) breaks the put-protocol kernels "
            "of a device transport: set JAX_EP_DEVICE_TRANSPORT too";
   }
-  if (config.transport_mutant != transport::Mutant::kNone && !config.low_latency) {
-    return "jax_ep: a protocol mutant (JAX_EP_TRANSPORT_MUTANT) breaks the low-latency "
-           "put-protocol kernels only: create the Buffer with low_latency=True";
+  if (config.transport_mutant != transport::Mutant::kNone &&
+      config.device_transport != DeviceTransport::kEmulated) {
+    // Over the others, unregistered_source would index the region table past its end.
+    return "jax_ep: a protocol mutant (JAX_EP_TRANSPORT_MUTANT) is for the emulated transport, "
+           "which must catch it: set JAX_EP_DEVICE_TRANSPORT=emulated";
+  }
+  if (config.transport_mutant == transport::Mutant::kNoFence && !config.low_latency) {
+    return "jax_ep: the protocol mutant no_fence (JAX_EP_TRANSPORT_MUTANT) breaks the "
+           "low-latency put-protocol kernels only (the normal kernels issue no fence): create "
+           "the Buffer with low_latency=True";
+  }
+  if (config.normal_send_slots < 0) {
+    message << "jax_ep: normal_send_slots must be >= 0, got " << config.normal_send_slots;
+    return message.str();
   }
   if (config.device_transport == DeviceTransport::kNvshmem && !config.low_latency) {
     return "jax_ep: the NVSHMEM device transport (JAX_EP_DEVICE_TRANSPORT=nvshmem) carries the "

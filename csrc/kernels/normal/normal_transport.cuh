@@ -22,6 +22,7 @@
 #include "transport/device_transport.cuh"
 #include "transport/emulated_transport.cuh"
 #include "transport/mapped_transport.cuh"
+#include "transport/mutant.h"
 
 namespace jax_ep {
 
@@ -31,7 +32,11 @@ struct NormalTransportArgs {
   transport::RingView ring{};           // kEmulated: this rank's ring
   uint32_t first_warp = 0;              // kEmulated: ring warp of push warp 0
   uint64_t send_region_bytes = 0;
-  NormalLayout layout;  // offsets in the normal-mode area, the same on every rank
+  int max_slots_per_warp = 0;  // 0: as many as the send region holds (BufferConfig)
+  NormalLayout layout;         // offsets in the normal-mode area, the same on every rank
+  // Tests only: the push warps break one rule (signal_before_data, reuse_before_quiet,
+  // unregistered_source, no_final_quiet; the normal kernels have no fence to drop).
+  transport::Mutant mutant = transport::Mutant::kNone;
 };
 
 inline NormalTransportArgs normal_transport_args(const RankContext& ctx) {
@@ -40,7 +45,9 @@ inline NormalTransportArgs normal_transport_args(const RankContext& ctx) {
   args.ring = ctx.transport_ring;
   args.first_warp = ctx.normal_first_warp;
   args.send_region_bytes = normal_send_region_bytes(ctx.config);
+  args.max_slots_per_warp = ctx.config.normal_send_slots;
   args.layout = normal_layout(ctx.config);
+  args.mutant = ctx.config.transport_mutant;
   return args;
 }
 
@@ -108,9 +115,12 @@ __device__ __forceinline__ transport::SymmetricAddress in_send_region(size_t off
 }
 
 // The send-region slots of one push warp. The region holds `num_slots` rows of this call's row
-// size; the first `active_warps` push warps own `per_warp` consecutive slots each and stage
-// their rows in them in turn. A slot is restaged only after the quiet that covers its put
-// (rule 3); the warp's last quiet (finish) frees them all for the next call.
+// size; the first `active_warps` push warps own `per_warp` consecutive slots each (at most
+// max_slots_per_warp when that is set) and stage their rows in them in turn. A slot is
+// restaged only after the quiet that covers its put (rule 3); the warp's last quiet (finish)
+// frees them all before its push role ends. (The next call could not restage them earlier
+// anyway: its exchange waits for every peer to finish this call, which needs every row's flag,
+// and a flag is set after its row's bytes were read. The quiet keeps the rule local.)
 struct SendSlots {
   int64_t first_slot = 0;
   int64_t per_warp = 0;
@@ -130,22 +140,25 @@ struct SendSlots {
     SendSlots slots;
     const int64_t num_slots = static_cast<int64_t>(a.send_region_bytes) / row_bytes;
     slots.per_warp = active > 0 ? num_slots / active : 0;
+    if (a.max_slots_per_warp > 0 && slots.per_warp > a.max_slots_per_warp) {
+      slots.per_warp = a.max_slots_per_warp;
+    }
     slots.first_slot = push_warp * slots.per_warp;
     return slots;
   }
 
   // The slot for the warp's next row, after a quiet when that slot still backs a put.
   template <typename Transport>
-  __device__ __forceinline__ int64_t next(Transport& t, int lane) {
+  __device__ __forceinline__ int64_t next(Transport& t, transport::Mutant mutant, int lane) {
     const int64_t index = used % per_warp;
-    if (used > 0 && index == 0) t.quiet(lane);
+    if (used > 0 && index == 0 && mutant != transport::Mutant::kReuseBeforeQuiet) t.quiet(lane);
     ++used;
     return first_slot + index;
   }
 
   template <typename Transport>
-  __device__ __forceinline__ void finish(Transport& t, int lane) {
-    if (used > 0) t.quiet(lane);
+  __device__ __forceinline__ void finish(Transport& t, transport::Mutant mutant, int lane) {
+    if (used > 0 && mutant != transport::Mutant::kNoFinalQuiet) t.quiet(lane);
   }
 };
 
@@ -213,18 +226,29 @@ struct RowSender<TransportPath<Transport>> {
     return t.local(in_send_region(0));
   }
   __device__ __forceinline__ int64_t next_row(int64_t /*row*/, int lane) {
-    return slots.next(t, lane);
+    return slots.next(t, a.mutant, lane);
   }
   template <typename FlagIndex>
   __device__ __forceinline__ void send(uint64_t* const* /*peer_row_flags*/, int peer, int64_t row,
                                        int64_t at, FlagIndex flag_index, uint64_t tag, int lane) {
     __syncwarp();  // every lane's staged bytes, before the put reads them
-    t.put_signal(peer, in_normal_area(a.layout.data + row * row_bytes),
-                 in_send_region(at * row_bytes), static_cast<uint64_t>(row_bytes),
-                 in_normal_area(a.layout.row_flags + flag_index() * sizeof(uint64_t)), tag,
+    const transport::SymmetricAddress dst = in_normal_area(a.layout.data + row * row_bytes);
+    const uint64_t staged = static_cast<uint64_t>(at * row_bytes);
+    const transport::SymmetricAddress src =
+        a.mutant == transport::Mutant::kUnregisteredSource
+            ? transport::SymmetricAddress{transport::kUnregisteredRegion, staged}
+            : in_send_region(staged);
+    const transport::SymmetricAddress flag =
+        in_normal_area(a.layout.row_flags + flag_index() * sizeof(uint64_t));
+    if (a.mutant == transport::Mutant::kSignalBeforeData) {
+      t.signal(peer, flag, tag, transport::SignalOp::kSet, lane);
+      t.put(peer, dst, src, static_cast<uint64_t>(row_bytes), lane);
+      return;
+    }
+    t.put_signal(peer, dst, src, static_cast<uint64_t>(row_bytes), flag, tag,
                  transport::SignalOp::kSet, lane);
   }
-  __device__ __forceinline__ void finish(int lane) { slots.finish(t, lane); }
+  __device__ __forceinline__ void finish(int lane) { slots.finish(t, a.mutant, lane); }
 };
 
 }  // namespace jax_ep
