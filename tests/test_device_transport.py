@@ -97,26 +97,32 @@ def test_the_workspace_holds_the_transports_area():
 
 
 def test_what_a_device_transport_does_not_carry_is_refused_by_name():
-    """NVSHMEM's device transport carries the low-latency ops only, and the protocol mutants
-    break the low-latency kernels only: a Buffer without them is refused before any device is
-    touched, naming why."""
+    """NVSHMEM's device transport carries the low-latency ops only, no_fence breaks the
+    low-latency kernels only, a mutant runs over the emulated transport only, and a negative
+    slot count is no count: each is refused before any device is touched, naming why."""
     module, reason = cuda.load_extension()
     if module is None:
         pytest.skip(f"the CUDA extension is not built here: {reason}")
 
-    def config(transport, mutant="none"):
+    def config(transport, mutant="none", low_latency=False, send_slots=0):
         c = cuda.buffer_config(
             module, num_ranks=2, num_experts=8, hidden=256, max_tokens_per_rank=8, num_topk=2,
-            capacity=16, dtype_bytes=2, low_latency=False, timeout_s=10.0,
-            device_transport=transport)
+            capacity=16, dtype_bytes=2, low_latency=low_latency, timeout_s=10.0,
+            device_transport=transport, normal_send_slots=send_slots)
         c.transport_mutant = mutant
         return c
 
     with pytest.raises(RuntimeError, match=r"JAX_EP_DEVICE_TRANSPORT=nvshmem\) carries the "
                                            r"low-latency ops only"):
         module.create_buffer(2**40, [[0, 1]], config(3))
-    with pytest.raises(RuntimeError, match="breaks the low-latency put-protocol kernels only"):
+    with pytest.raises(RuntimeError, match=r"no_fence .* breaks the low-latency put-protocol "
+                                           r"kernels only \(the normal kernels issue no fence"):
         module.create_buffer(2**40, [[0, 1]], config(2, "no_fence"))
+    for transport in (1, 3):
+        with pytest.raises(RuntimeError, match="is for the emulated transport"):
+            module.create_buffer(2**40, [[0, 1]], config(transport, "signal_before_data", True))
+    with pytest.raises(RuntimeError, match="normal_send_slots must be >= 0, got -1"):
+        module.create_buffer(2**40, [[0, 1]], config(2, send_slots=-1))
 
 
 def test_a_protocol_mutant_is_named_and_needs_a_device_transport(monkeypatch):
@@ -198,14 +204,14 @@ def _digests(proc, count=LOW_LATENCY_DIGESTS, rank=0):
     return dict(line.split()[1:] for line in lines)
 
 
-def _two_processes_digest(transport, seed=0, mutant="none", part="low_latency"):
+def _two_processes_digest(transport, seed=0, mutant="none", part="low_latency", **extra_env):
     """tests/multiprocess_digest.py's ops of `part` (normal, low_latency) in two processes on
     one GPU: as two hosts (launcher --fake-hosts 2) over the emulated transport; the mapped
     transport needs a peer mapping, so jax_ep keeps it within a host, and its run is the two
     processes as one (as is the stores path's)."""
     env = {"JAX_EP_DEVICE_TRANSPORT": transport, "JAX_EP_EMULATOR_SEED": str(seed),
            "JAX_EP_TRANSPORT_MUTANT": mutant, "CUDA_DEVICE_MAX_CONNECTIONS": "32",
-           "JAX_EP_TIMEOUT_S": "20"}
+           "JAX_EP_TIMEOUT_S": "20", **extra_env}
     hosts = ("--fake-hosts", "2") if transport == "emulated" else ()
     with tempfile.TemporaryDirectory() as cwd:
         proc, _ = launching.run_launcher(
@@ -255,6 +261,11 @@ def test_emulated_transport_across_fake_hosts_moves_the_bits_of_the_reference(ma
 NORMAL_DATA_MOVEMENT = ("dispatch_bf16", "dispatch_fp8", "cached_dispatch", "layout")
 
 
+# 16 push warps of one slot each: a warp restages its slot within a call (the digest program's
+# dispatch sends up to 64 rows to the peer), after the quiet that covers the slot's last put.
+RESTAGING = {"JAX_EP_NORMAL_PUSH_BLOCKS": "1", "JAX_EP_NORMAL_SEND_SLOTS": "1"}
+
+
 @pytest.mark.gpu
 def test_normal_ops_across_fake_hosts_move_the_bits_of_the_stores_path(mapped_normal_digests):
     """The normal-mode ops (dispatch bf16 and fp8, combine, cached dispatch, layout, a gradient)
@@ -269,6 +280,8 @@ def test_normal_ops_across_fake_hosts_move_the_bits_of_the_stores_path(mapped_no
     for seed in range(settings.value("JAX_EP_TRANSPORT_SEEDS")):
         proc = _two_processes_digest("emulated", seed, part="normal")
         assert _digests(proc, NORMAL_DIGESTS) == mapped_normal_digests, f"seed {seed}"
+        proc = _two_processes_digest("emulated", seed, part="normal", **RESTAGING)
+        assert _digests(proc, NORMAL_DIGESTS) == mapped_normal_digests, f"restaging, seed {seed}"
         print(f"emulator seed {seed}: the stores path's digests", flush=True)  # with -s
 
 
@@ -296,6 +309,26 @@ def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
             continue
         digests = _digests(proc)
         assert digests != mapped_digests, f"{mutant} survived seed {seed}: the mapped bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutant", ["signal_before_data", "reuse_before_quiet",
+                                    "unregistered_source"])
+def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_digests, mutant):
+    """Each protocol mutant the normal kernels honour, their slots restaged within a call, two
+    processes as two hosts over the emulated transport: caught under every seed, by a proxy's
+    report, a wait that times out, or other bits than the mapped transport's. (no_final_quiet is
+    not among them: the next call's exchange waits for every row's flag, which the transport
+    sets only after it has read the row, so the last quiet of a push warp orders nothing that
+    is not ordered already; no_fence is refused, the normal kernels issue no fence.)"""
+    for seed in range(2):
+        proc = _two_processes_digest("emulated", seed, mutant, part="normal", **RESTAGING)
+        output = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            assert any(sign in output for sign in CAUGHT_SIGNS), (mutant, seed, output[-4000:])
+            continue
+        digests = _digests(proc, NORMAL_DIGESTS)
+        assert digests != mapped_normal_digests, f"{mutant} survived seed {seed}: the mapped bits"
 
 
 def test_the_nvshmem_device_transport_loads_where_it_is_built():
