@@ -20,9 +20,9 @@ constexpr T ceil_div(T a, T b) {
 // Launches `kernel` cooperatively: every block is resident at once, so blocks may wait for words
 // that other blocks of the same launch write. The grid must fit the device (at most one block
 // per SM for kernels that fill an SM); the launch fails otherwise.
-template <typename... Args>
-cudaError_t launch_cooperative(void (*kernel)(Args...), int num_blocks, int num_threads,
-                               size_t smem_bytes, cudaStream_t stream, const Args&... args) {
+template <typename Args>
+cudaError_t launch_cooperative(void (*kernel)(Args), int num_blocks, int num_threads,
+                               size_t smem_bytes, cudaStream_t stream, const Args& args) {
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeCooperative;
   attribute.val.cooperative = 1;
@@ -33,7 +33,7 @@ cudaError_t launch_cooperative(void (*kernel)(Args...), int num_blocks, int num_
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
+  return cudaLaunchKernelEx(&config, kernel, args);
 }
 
 // Multiprocessors of the context's device (ctx.num_sms when the runtime filled it in).
