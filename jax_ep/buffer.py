@@ -121,11 +121,13 @@ class Buffer:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        # How the low-latency ops reach peers (CUDA backend, low-latency Buffers; the
-        # others ignore the setting): "stores" through peer mappings, or the put-protocol
-        # kernels written for peers without a mapping ("mapped", "emulated"; docs/transport.md).
-        self.device_transport = (settings.value("JAX_EP_DEVICE_TRANSPORT") if self.low_latency
-                                 else "stores")
+        # How the ops reach peers (CUDA backend; the others ignore the setting): "stores"
+        # through peer mappings, or the put-protocol kernels written for peers without a
+        # mapping ("mapped", "emulated", "nvshmem"; docs/transport.md). NVSHMEM's carries the
+        # low-latency ops only: a Buffer without them keeps its stores.
+        transport = settings.value("JAX_EP_DEVICE_TRANSPORT")
+        self.device_transport = ("stores" if transport == "nvshmem" and not self.low_latency
+                                 else transport)
         self.buffer_id = next(_buffer_ids)
         self._closed = False
         self._errors_lock = threading.Lock()
@@ -263,7 +265,8 @@ class Buffer:
     def _runtime_config(self, module):
         """This Buffer as the C++ ``BufferConfig``, grids from the settings (0: the device's)."""
         grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
-                 for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks")}
+                 for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks",
+                             "normal_send_slots")}
         config = cuda.buffer_config(
             module, num_ranks=self.num_ranks, num_experts=self.num_experts, hidden=self.hidden,
             max_tokens_per_rank=self.max_tokens_per_rank, num_topk=self.num_topk,

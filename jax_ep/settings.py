@@ -78,14 +78,18 @@ SETTINGS = {s.name: s for s in (
             "blocks of a normal-mode transfer kernel (default: one per SM)"),
     Setting("JAX_EP_NORMAL_PUSH_BLOCKS", "runtime", None, _positive_int,
             "of those, the blocks that push rows to peers (default: a quarter)"),
+    Setting("JAX_EP_NORMAL_SEND_SLOTS", "runtime", None, _positive_int,
+            "over a device transport: send slots per push warp of a normal transfer kernel "
+            "(default: as many as the send region holds; fewer makes warps restage slots "
+            "within a call, as tests want)"),
     Setting("JAX_EP_LOW_LATENCY_BLOCKS", "runtime", None, _positive_int,
             "blocks of a low-latency launch, at most one per SM (default: all SMs but 8)"),
     Setting("JAX_EP_DEVICE_TRANSPORT", "runtime", "stores",
             _choice("stores", "mapped", "emulated", "nvshmem"),
-            "how the low-latency ops of a Buffer reach peers: stores through peer mappings, "
-            "or the put-protocol kernels for peers without one, performed as stores (mapped), "
-            "by an adversarial host proxy (emulated: for tests) or by NVSHMEM's device API "
-            "(nvshmem, with JAX_EP_TRANSPORT=nvshmem; docs/transport.md)"),
+            "how the ops of a Buffer reach peers: stores through peer mappings, or the "
+            "put-protocol kernels for peers without one, performed as stores (mapped), by an "
+            "adversarial host proxy (emulated: for tests) or by NVSHMEM's device API (nvshmem, "
+            "with JAX_EP_TRANSPORT=nvshmem; the low-latency ops only; docs/transport.md)"),
     Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,
             "the emulated transport's seed (reordering, tearing, delays); rank r uses seed + r"),
     Setting("JAX_EP_TRANSPORT_MUTANT", "runtime", "none", _text,

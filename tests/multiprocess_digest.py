@@ -1,12 +1,13 @@
 """Digests of every op's outputs on fixed inputs, to compare process layouts bit for bit.
 
-    python tests/multiprocess_digest.py [xla|cuda] [low_latency]        # one process, all devices
+    python tests/multiprocess_digest.py [xla|cuda] [normal|low_latency]  # one process, all devices
     python -m jax_ep.launch -n 2 -- python tests/multiprocess_digest.py cuda   # one per GPU
 
 Process 0 prints one line ``DIGEST <name> <sha256>`` per output (normal dispatch bf16/fp8,
 cached dispatch, combine, layout, low-latency dispatch fp8/bf16 and combine, gradients of a
 dispatch+combine loss); the lines of the two layouts must be equal (tests/test_gpu_multiprocess.py).
-With ``low_latency`` only the low-latency ops (3 lines): what a device transport carries
+With ``normal`` only the normal-mode ops (6 lines), with ``low_latency`` only the low-latency
+ops (3 lines): what a device transport carries, one Buffer at a time
 (tests/test_device_transport.py).
 """
 
@@ -67,9 +68,10 @@ def main(backend, parts="all"):
     x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
     x8, s8 = (np.asarray(a) for a in jax.vmap(jax_ep.per_token_cast_to_fp8)(jnp.asarray(x)))
 
-    if parts == "all":
+    if parts in ("all", "normal"):
         normal_mode(mesh, backend, x, x8, s8, idx, w)
-    low_latency_mode(mesh, backend, x, idx, w)
+    if parts in ("all", "low_latency"):
+        low_latency_mode(mesh, backend, x, idx, w)
 
 
 def normal_mode(mesh, backend, x, x8, s8, idx, w):
@@ -99,6 +101,7 @@ def normal_mode(mesh, backend, x, x8, s8, idx, w):
         return jax.grad(loss)(x)
 
     digest("gradient", run_sharded(mesh, loss_grad, x, idx, w))
+    buf.check()  # over the emulated transport: what its proxies found, if anything
     buf.close()
 
 

@@ -1,11 +1,13 @@
-"""The fused low-latency ops over a device transport (JAX_EP_DEVICE_TRANSPORT, issue 20): the
-put-protocol kernels written for peers without a peer mapping, under the FFI ops.
+"""The ops over a device transport (JAX_EP_DEVICE_TRANSPORT, issue 20): the put-protocol kernels
+written for peers without a peer mapping (low-latency mode), and the normal-mode kernels' transport
+path, under the FFI ops.
 
-On CPU: the setting reaches the Buffer, and the workspace grows by the transport's area. On a
-GPU: the low-latency op suite (fused ops, split halves and their chains, adversarial routings)
-passes over each transport, two processes on one GPU faked as two hosts give the same bits
-under every seed of the emulator (and the reference's, where only data moves), and the
-emulator catches every protocol mutant of the ops' kernels there.
+On CPU: the setting reaches the Buffer, the workspace grows by the transports' areas, and what a
+transport does not carry is refused by name. On a GPU: the low-latency op suite (fused ops, split
+halves and their chains, adversarial routings) and the normal-mode suite (its ops against the
+oracle, adversarial routings) pass over each transport, two processes on one GPU faked as two
+hosts give the same bits under every seed of the emulator (and the reference's, where only data
+moves), and the emulator catches every protocol mutant of the low-latency kernels there.
 """
 
 import os
@@ -29,6 +31,12 @@ TESTS = Path(__file__).resolve().parent
 # chains (16 pairs, fused calls and XLA work between the halves).
 SUITE = ("test_low_latency.py", "test_faults.py", "test_low_latency_split.py",
          "test_split_chains.py")
+# The normal mode's: its ops against the oracle (dispatch, cached dispatch, combine, layout, fp8,
+# capacity overflow, invalid ids, changing T, two Buffers) and the adversarial routings.
+NORMAL_SUITE = ("test_normal.py", "test_faults.py")
+# Outputs of tests/multiprocess_digest.py's parts.
+NORMAL_DIGESTS = 6
+LOW_LATENCY_DIGESTS = 3
 
 
 def make_buffer(backend, low_latency=True):
@@ -37,9 +45,12 @@ def make_buffer(backend, low_latency=True):
                          backend=backend)
 
 
-def test_the_setting_reaches_low_latency_buffers_only(monkeypatch):
+def test_the_setting_reaches_every_buffer_but_nvshmem_normal_only_ones(monkeypatch):
     monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "emulated")
     assert make_buffer("xla").device_transport == "emulated"
+    assert make_buffer("xla", low_latency=False).device_transport == "emulated"
+    monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "nvshmem")  # the low-latency ops only
+    assert make_buffer("xla").device_transport == "nvshmem"
     assert make_buffer("xla", low_latency=False).device_transport == "stores"
     monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "rdma")
     with pytest.raises(ValueError, match="JAX_EP_DEVICE_TRANSPORT"):
@@ -69,11 +80,49 @@ def test_the_workspace_holds_the_transports_area():
         return module.workspace_bytes(config)
 
     stores, mapped, emulated, nvshmem = (workspace(True, t) for t in range(4))
-    assert mapped == emulated == nvshmem > stores  # one area, whatever performs the puts
+    # the low-latency kernels' area, whatever performs the puts, and over mapped and emulated
+    # the normal mode's send region too (NVSHMEM's carries the low-latency ops only)
+    assert mapped == emulated > nvshmem > stores
     # at least: 2 channels (fused, split) x 2 parities x 4 local experts x 2 sources x 8 slots
     # of a 512-byte row
-    assert mapped - stores >= 2 * 2 * 4 * 2 * 8 * 512
-    assert workspace(False, 1) == workspace(False, 0)  # normal-only Buffers have no area
+    assert nvshmem - stores >= 2 * 2 * 4 * 2 * 8 * 512
+    # the send region holds what the data region does: at least the capacity's 16 dispatch rows
+    # (512 bytes of x, then 5 aux words: ids and weights of 2 selections and the source)
+    normal_stores, normal_mapped, normal_emulated = (workspace(False, t) for t in range(3))
+    assert normal_mapped == normal_emulated
+    assert normal_mapped - normal_stores >= 16 * (512 + 5 * 4)
+    # one send region, placed last, on a page of its own
+    send_region = normal_mapped - normal_stores
+    assert send_region <= mapped - nvshmem < send_region + 4096
+
+
+def test_what_a_device_transport_does_not_carry_is_refused_by_name():
+    """NVSHMEM's device transport carries the low-latency ops only, no_fence breaks the
+    low-latency kernels only, a mutant runs over the emulated transport only, and a negative
+    slot count is no count: each is refused before any device is touched, naming why."""
+    module, reason = cuda.load_extension()
+    if module is None:
+        pytest.skip(f"the CUDA extension is not built here: {reason}")
+
+    def config(transport, mutant="none", low_latency=False, send_slots=0):
+        c = cuda.buffer_config(
+            module, num_ranks=2, num_experts=8, hidden=256, max_tokens_per_rank=8, num_topk=2,
+            capacity=16, dtype_bytes=2, low_latency=low_latency, timeout_s=10.0,
+            device_transport=transport, normal_send_slots=send_slots)
+        c.transport_mutant = mutant
+        return c
+
+    with pytest.raises(RuntimeError, match=r"JAX_EP_DEVICE_TRANSPORT=nvshmem\) carries the "
+                                           r"low-latency ops only"):
+        module.create_buffer(2**40, [[0, 1]], config(3))
+    with pytest.raises(RuntimeError, match=r"no_fence .* breaks the low-latency put-protocol "
+                                           r"kernels only \(the normal kernels issue no fence"):
+        module.create_buffer(2**40, [[0, 1]], config(2, "no_fence"))
+    for transport in (1, 3):
+        with pytest.raises(RuntimeError, match="is for the emulated transport"):
+            module.create_buffer(2**40, [[0, 1]], config(transport, "signal_before_data", True))
+    with pytest.raises(RuntimeError, match="normal_send_slots must be >= 0, got -1"):
+        module.create_buffer(2**40, [[0, 1]], config(2, send_slots=-1))
 
 
 def test_a_protocol_mutant_is_named_and_needs_a_device_transport(monkeypatch):
@@ -98,16 +147,16 @@ def test_a_protocol_mutant_is_named_and_needs_a_device_transport(monkeypatch):
         module.create_buffer(2**40, [[0, 1, 2, 3, 4, 5, 6, 7]], stores)
 
 
-def _run_suite_over(transport, *pytest_args, **extra_env):
-    """SUITE's GPU cases in a child process with the transport set."""
-    env = dict(os.environ, JAX_EP_DEVICE_TRANSPORT=transport, JAX_EP_EMULATOR_SEED="7",
+def _run_suite_over(transport, *pytest_args, suite=SUITE, seed=7, **extra_env):
+    """`suite`'s GPU cases in a child process with the transport set."""
+    env = dict(os.environ, JAX_EP_DEVICE_TRANSPORT=transport, JAX_EP_EMULATOR_SEED=str(seed),
                **extra_env,
                # The proxy's copies must not queue behind the kernel that waits for them.
                CUDA_DEVICE_MAX_CONNECTIONS="32", JAX_EP_TIMEOUT_S="20")
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: jax_ep must be the installed
         proc = subprocess.run(
             [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p",
-             "no:cacheprovider", "-m", "gpu", *(str(TESTS / f) for f in SUITE), *pytest_args],
+             "no:cacheprovider", "-m", "gpu", *(str(TESTS / f) for f in suite), *pytest_args],
             cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -132,33 +181,65 @@ def test_low_latency_ops_over_a_device_transport(transport):
     assert rc == 0 and " passed" in output and "failed" not in output, output
 
 
-def _low_latency_digests(proc, rank=0):
+@pytest.mark.gpu
+@pytest.mark.parametrize(("transport", "seed"),
+                         [("mapped", 0), ("emulated", 7), ("emulated", 8), ("emulated", 9)])
+def test_normal_ops_over_a_device_transport(transport, seed):
+    """The normal-mode suite in a child process per transport (and per emulator seed). Its
+    ranks are the GPUs of one process: on one GPU a single rank, whose transport carries the
+    combine's barrier word to itself only; the fake-hosts digests below move rows between
+    ranks. The plan kernel's grid shapes (up to ~170k tokens a rank) stay with the mapped
+    transport: one proxy command per row is too slow for them."""
+    require_gpus(1)
+    selected = ("(cuda or plan_grid) and not hundred_buffers" if transport == "mapped"
+                else "cuda and not hundred_buffers")
+    rc, output = _run_suite_over(transport, "-k", selected, suite=NORMAL_SUITE, seed=seed)
+    assert rc == 0 and " passed" in output and "failed" not in output, output
+
+
+def _digests(proc, count=LOW_LATENCY_DIGESTS, rank=0):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = launching.digest_lines(proc.stdout, rank)
-    assert len(lines) == 3, proc.stdout[-4000:]
+    assert len(lines) == count, proc.stdout[-4000:]
     return dict(line.split()[1:] for line in lines)
 
 
-def _two_processes_digest(transport, seed=0, mutant="none"):
-    """tests/multiprocess_digest.py's low-latency ops in two processes on one GPU: as two
-    hosts (launcher --fake-hosts 2) over the emulated transport; the mapped transport needs a
-    peer mapping, so jax_ep keeps it within a host, and its run is the two processes as one."""
+def _two_processes_digest(transport, seed=0, mutant="none", part="low_latency", **extra_env):
+    """tests/multiprocess_digest.py's ops of `part` (normal, low_latency) in two processes on
+    one GPU: as two hosts (launcher --fake-hosts 2) over the emulated transport; the mapped
+    transport needs a peer mapping, so jax_ep keeps it within a host, and its run is the two
+    processes as one (as is the stores path's)."""
     env = {"JAX_EP_DEVICE_TRANSPORT": transport, "JAX_EP_EMULATOR_SEED": str(seed),
            "JAX_EP_TRANSPORT_MUTANT": mutant, "CUDA_DEVICE_MAX_CONNECTIONS": "32",
-           "JAX_EP_TIMEOUT_S": "20"}
+           "JAX_EP_TIMEOUT_S": "20", **extra_env}
     hosts = ("--fake-hosts", "2") if transport == "emulated" else ()
     with tempfile.TemporaryDirectory() as cwd:
         proc, _ = launching.run_launcher(
             "-n", "2", "--processes-per-gpu", "2", *hosts, "--",
-            sys.executable, str(launching.DIGEST_SCRIPT), "cuda", "low_latency",
+            sys.executable, str(launching.DIGEST_SCRIPT), "cuda", part,
             platform="gpu", extra_env=env, cwd=cwd)
     return proc
+
+
+def _reference_digests(part, count):
+    """The reference backend's digests of `part` (two CPU devices, one process)."""
+    reference = subprocess.run(
+        [sys.executable, str(launching.DIGEST_SCRIPT), "xla", part],
+        capture_output=True, text=True, errors="replace", timeout=300,
+        env=launching.child_env("cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
+    return _digests(reference, count, rank=None)  # the script alone: no prefix
 
 
 @pytest.fixture(scope="module")
 def mapped_digests():
     require_gpus(1)
-    return _low_latency_digests(_two_processes_digest("mapped"))
+    return _digests(_two_processes_digest("mapped"))
+
+
+@pytest.fixture(scope="module")
+def mapped_normal_digests():
+    require_gpus(1)
+    return _digests(_two_processes_digest("mapped", part="normal"), NORMAL_DIGESTS)
 
 
 @pytest.mark.gpu
@@ -167,16 +248,41 @@ def test_emulated_transport_across_fake_hosts_moves_the_bits_of_the_reference(ma
     low-latency ops over the emulated transport: under every seed (JAX_EP_TRANSPORT_SEEDS,
     default 3; issue 20's bar asks for 20) the same bits, those of the mapped transport, and
     for what only moves data (bf16 dispatch) those of the reference backend."""
-    reference = subprocess.run(
-        [sys.executable, str(launching.DIGEST_SCRIPT), "xla", "low_latency"],
-        capture_output=True, text=True, errors="replace", timeout=300,
-        env=launching.child_env("cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
-    want = _low_latency_digests(reference, rank=None)  # the script alone: no prefix
+    want = _reference_digests("low_latency", LOW_LATENCY_DIGESTS)
     assert mapped_digests["low_latency_dispatch_bf16"] == want["low_latency_dispatch_bf16"]
     for seed in range(settings.value("JAX_EP_TRANSPORT_SEEDS")):  # ~7 s each
         proc = _two_processes_digest("emulated", seed)
-        assert _low_latency_digests(proc) == mapped_digests, f"seed {seed}"
+        assert _digests(proc) == mapped_digests, f"seed {seed}"
         print(f"emulator seed {seed}: the mapped transport's digests", flush=True)  # with -s
+
+
+# The normal ops whose outputs only move data: the reference backend's bits (the combine and the
+# gradient sum in float32 in an order of their own).
+NORMAL_DATA_MOVEMENT = ("dispatch_bf16", "dispatch_fp8", "cached_dispatch", "layout")
+
+
+# 16 push warps of one slot each: a warp restages its slot within a call (the digest program's
+# dispatch sends up to 64 rows to the peer), after the quiet that covers the slot's last put.
+RESTAGING = {"JAX_EP_NORMAL_PUSH_BLOCKS": "1", "JAX_EP_NORMAL_SEND_SLOTS": "1"}
+
+
+@pytest.mark.gpu
+def test_normal_ops_across_fake_hosts_move_the_bits_of_the_stores_path(mapped_normal_digests):
+    """The normal-mode ops (dispatch bf16 and fp8, combine, cached dispatch, layout, a gradient)
+    of two processes on one GPU, as two hosts over the emulated transport: under every seed
+    (JAX_EP_TRANSPORT_SEEDS) the bits of the mapped transport, which are the stores path's
+    (the same rows, reduced in the same order), and where only data moves the reference's."""
+    stores = _digests(_two_processes_digest("stores", part="normal"), NORMAL_DIGESTS)
+    assert mapped_normal_digests == stores
+    want = _reference_digests("normal", NORMAL_DIGESTS)
+    assert ({k: stores[k] for k in NORMAL_DATA_MOVEMENT} ==
+            {k: want[k] for k in NORMAL_DATA_MOVEMENT})
+    for seed in range(settings.value("JAX_EP_TRANSPORT_SEEDS")):
+        proc = _two_processes_digest("emulated", seed, part="normal")
+        assert _digests(proc, NORMAL_DIGESTS) == mapped_normal_digests, f"seed {seed}"
+        proc = _two_processes_digest("emulated", seed, part="normal", **RESTAGING)
+        assert _digests(proc, NORMAL_DIGESTS) == mapped_normal_digests, f"restaging, seed {seed}"
+        print(f"emulator seed {seed}: the stores path's digests", flush=True)  # with -s
 
 
 # What shows that the emulated transport caught a mutant: a proxy's report through check(), a
@@ -201,8 +307,28 @@ def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
         if proc.returncode != 0:
             assert any(sign in output for sign in CAUGHT_SIGNS), (mutant, seed, output[-4000:])
             continue
-        digests = _low_latency_digests(proc)
+        digests = _digests(proc)
         assert digests != mapped_digests, f"{mutant} survived seed {seed}: the mapped bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutant", ["signal_before_data", "reuse_before_quiet",
+                                    "unregistered_source"])
+def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_digests, mutant):
+    """Each protocol mutant the normal kernels honour, their slots restaged within a call, two
+    processes as two hosts over the emulated transport: caught under every seed, by a proxy's
+    report, a wait that times out, or other bits than the mapped transport's. (no_final_quiet is
+    not among them: the next call's exchange waits for every row's flag, which the transport
+    sets only after it has read the row, so the last quiet of a push warp orders nothing that
+    is not ordered already; no_fence is refused, the normal kernels issue no fence.)"""
+    for seed in range(2):
+        proc = _two_processes_digest("emulated", seed, mutant, part="normal", **RESTAGING)
+        output = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            assert any(sign in output for sign in CAUGHT_SIGNS), (mutant, seed, output[-4000:])
+            continue
+        digests = _digests(proc, NORMAL_DIGESTS)
+        assert digests != mapped_normal_digests, f"{mutant} survived seed {seed}: the mapped bits"
 
 
 def test_the_nvshmem_device_transport_loads_where_it_is_built():

@@ -100,6 +100,7 @@ void add_runtime_functions(nb::module_& m) {
       .def_rw("normal_blocks", &BufferConfig::normal_blocks)
       .def_rw("normal_push_blocks", &BufferConfig::normal_push_blocks)
       .def_rw("low_latency_blocks", &BufferConfig::low_latency_blocks)
+      .def_rw("normal_send_slots", &BufferConfig::normal_send_slots)
       // DeviceTransport as its number: 0 stores, 1 mapped, 2 emulated (create_buffer checks it).
       .def_prop_rw(
           "device_transport",

@@ -21,8 +21,8 @@ template <>
 struct MakeTransport<transport::NvshmemTransport> {
   static __device__ transport::NvshmemTransport make(const LowLatencyTransportLaunch& l,
                                                      const Warp& w, WaitPhase phase) {
-    return transport::NvshmemTransport{RegionTable{l.region_bases, 2}, w.rank, l.pe_of_rank,
-                                       wait_of(l, w.rank, phase)};
+    return transport::NvshmemTransport{RegionTable{l.region_bases, l.regions_per_rank}, w.rank,
+                                       l.pe_of_rank, wait_of(l, w.rank, phase)};
   }
 };
 

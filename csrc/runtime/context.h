@@ -18,13 +18,20 @@ namespace jax_ep {
 // Ranks reachable over NVLink in one EP group (one host).
 constexpr int kMaxRanks = 8;
 
-// How the low-latency ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the
-// low-latency kernels' own stores through peer mappings (NVLink). The other two run the
-// put-protocol kernels of kernels/low_latency/low_latency_transport.h, written for peers without
-// a mapping (docs/transport.md): kMapped performs each put as stores through the peer mapping;
+// Regions per rank in the ops' table of a device transport (RankContext::transport_region_bases):
+// the low-latency kernels' two (kernels/low_latency/low_latency_transport.h), then the normal
+// mode's two (kernels/normal/normal.h).
+constexpr int kTransportRegions = 4;
+
+// How the ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the kernels' own stores
+// through peer mappings (NVLink). The others run the put-protocol kernels of
+// kernels/low_latency/low_latency_transport.h, and for kMapped and kEmulated the normal-mode
+// kernels' transport path (kernels/normal/normal_transport.cuh), written for peers without a
+// mapping (docs/transport.md): kMapped performs each put as stores through the peer mapping;
 // kEmulated hands every command to a host proxy per rank, which delivers it with copy-engine
 // copies, adversarially (the test transport of issue 20); kNvshmem performs it with NVSHMEM's
-// device API (the workspace on NVSHMEM's symmetric heap, JAX_EP_TRANSPORT=nvshmem).
+// device API (the workspace on NVSHMEM's symmetric heap, JAX_EP_TRANSPORT=nvshmem; the
+// low-latency ops only: the normal ops keep their stores).
 enum class DeviceTransport : int32_t { kStores = 0, kMapped = 1, kEmulated = 2, kNvshmem = 3 };
 
 // Static configuration of a Buffer, identical on every rank.
@@ -43,10 +50,14 @@ struct BufferConfig {
   int normal_blocks = 0;       // normal-mode transfer kernels (default: one per SM)
   int normal_push_blocks = 0;  // of those, the pushing ones (default: a quarter)
   int low_latency_blocks = 0;  // low-latency launches (default: all SMs but 8)
-  DeviceTransport device_transport = DeviceTransport::kStores;  // with low_latency only
+  // Over a device transport: send slots per push warp of a normal transfer kernel (0: as many as
+  // the send region holds; fewer makes a warp restage slots within a call, as tests want).
+  int normal_send_slots = 0;
+  DeviceTransport device_transport = DeviceTransport::kStores;  // kNvshmem: low_latency only
   uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
   // Tests only: the ops' put-protocol kernels break one rule (transport/mutant.h), so that a
-  // test with one process per rank shows the emulated transport catches it.
+  // test with one process per rank shows the emulated transport catches it. The normal
+  // kernels over a transport honour all but no_fence (they issue no fence).
   transport::Mutant transport_mutant = transport::Mutant::kNone;
 
   int num_local_experts() const { return num_experts / num_ranks; }
@@ -116,11 +127,14 @@ struct RankContext {
   int low_latency_blocks = 0;  // grid of the low-latency kernels (0: the default, see
                                // low_latency_grid_size)
   int normal_push_blocks = 0;  // of which the first ones send (push roles)
-  // DeviceTransport other than kStores: the device table [kMaxRanks][2] of every rank's two
-  // transport regions (each inside that rank's workspace), and with kEmulated this rank's
+  // DeviceTransport other than kStores: the device table [kMaxRanks][kTransportRegions] of every
+  // rank's transport regions (each inside that rank's workspace), and with kEmulated this rank's
   // command ring (pinned host memory; its proxy is the registry's).
   char** transport_region_bases = nullptr;
   transport::RingView transport_ring{};
+  // kEmulated: the ring's warp index of the normal-mode kernels' first warp (the low-latency
+  // kernels' warps come first; every warp has its own acknowledgement word).
+  uint32_t normal_first_warp = 0;
   int pes[kMaxRanks] = {};  // symmetric_workspace: every rank's NVSHMEM PE
 };
 
@@ -133,9 +147,13 @@ size_t low_latency_workspace_offset(const BufferConfig& config);
 // two regions and their own sequence words, after the low-latency regions.
 size_t low_latency_transport_offset(const BufferConfig& config);
 size_t low_latency_transport_bytes(const BufferConfig& config);
+// The normal mode's send region over a device transport (0 bytes when its ops use stores): rows
+// staged for puts, at the end of the workspace.
+size_t normal_send_region_bytes(const BufferConfig& config);
 
 // Load every kernel of each mode on the current device (no lazy loading mid-run).
 void preload_normal_kernels();
+void preload_normal_transport_kernels();  // normal_over_transport(config) only
 void preload_low_latency_kernels();
 
 }  // namespace jax_ep

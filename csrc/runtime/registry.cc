@@ -22,6 +22,8 @@
 
 #include "kernels/common/limits.h"
 #include "kernels/low_latency/low_latency_over_transport.h"
+#include "kernels/normal/normal.h"
+#include "kernels/normal/normal_workspace.h"
 #include "runtime/nvshmem_host.h"
 #include "transport/emulated_ranks.h"
 
@@ -157,9 +159,25 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
     return "jax_ep: a protocol mutant (JAX_EP_TRANSPORT_MUTANT) breaks the put-protocol kernels "
            "of a device transport: set JAX_EP_DEVICE_TRANSPORT too";
   }
-  if (config.device_transport != DeviceTransport::kStores && !config.low_latency) {
-    return "jax_ep: a device transport (JAX_EP_DEVICE_TRANSPORT) carries the low-latency ops "
-           "only: create the Buffer with low_latency=True";
+  if (config.transport_mutant != transport::Mutant::kNone &&
+      config.device_transport != DeviceTransport::kEmulated) {
+    // Over the others, unregistered_source would index the region table past its end.
+    return "jax_ep: a protocol mutant (JAX_EP_TRANSPORT_MUTANT) is for the emulated transport, "
+           "which must catch it: set JAX_EP_DEVICE_TRANSPORT=emulated";
+  }
+  if (config.transport_mutant == transport::Mutant::kNoFence && !config.low_latency) {
+    return "jax_ep: the protocol mutant no_fence (JAX_EP_TRANSPORT_MUTANT) breaks the "
+           "low-latency put-protocol kernels only (the normal kernels issue no fence): create "
+           "the Buffer with low_latency=True";
+  }
+  if (config.normal_send_slots < 0) {
+    message << "jax_ep: normal_send_slots must be >= 0, got " << config.normal_send_slots;
+    return message.str();
+  }
+  if (config.device_transport == DeviceTransport::kNvshmem && !config.low_latency) {
+    return "jax_ep: the NVSHMEM device transport (JAX_EP_DEVICE_TRANSPORT=nvshmem) carries the "
+           "low-latency ops only: create the Buffer with low_latency=True, or use mapped or "
+           "emulated for the normal ops";
   }
   return "";
 }
@@ -257,9 +275,15 @@ std::string allocate_rank(RankContext& ctx) {
     RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaGetLastError());  // from preload_low_latency_kernels()
   }
   if (config.device_transport != DeviceTransport::kStores) {
-    RETURN_MESSAGE_IF_CUDA_ERROR(
-        device, cudaMalloc(&ctx.transport_region_bases, sizeof(char*) * 2 * kMaxRanks));
+    RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaMalloc(&ctx.transport_region_bases,
+                                                    sizeof(char*) * kTransportRegions * kMaxRanks));
+  }
+  if (config.device_transport != DeviceTransport::kStores && config.low_latency) {
     RETURN_MESSAGE_IF_CUDA_ERROR(device, preload_low_latency_transport_kernels());
+  }
+  if (normal_over_transport(config)) {
+    preload_normal_transport_kernels();
+    RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaGetLastError());  // from the preload
   }
   return "";
 }
@@ -367,13 +391,47 @@ void close_imported(std::vector<std::pair<int, void*>>& imported) {
   cudaGetLastError();
 }
 
+// Every area but the normal mode's send region, which comes last.
+size_t areas_bytes(const BufferConfig& config) {
+  size_t total = normal_workspace_bytes(config);
+  if (config.low_latency) {
+    const size_t low_latency_end =
+        low_latency_workspace_offset(config) + low_latency_workspace_bytes(config);
+    if (low_latency_end > total) total = low_latency_end;
+    const size_t transport_bytes = low_latency_transport_bytes(config);
+    if (transport_bytes > 0) {
+      total = std::max(total, low_latency_transport_offset(config) + transport_bytes);
+    }
+  }
+  return total;
+}
+
+size_t normal_send_region_offset(const BufferConfig& config) {
+  return align_up(areas_bytes(config), kNormalDataAlignment);
+}
+
+// Every rank's transport regions as seen from `ctx`'s device, [rank][kTransportRegions]: the
+// low-latency kernels' two (null in a Buffer without them), the normal-mode area (the
+// workspace's start) and its send region (null over kNvshmem); null for ranks not mapped yet.
+void transport_region_table(const RankContext& ctx, char* table[kTransportRegions * kMaxRanks]) {
+  low_latency_transport_region_table(ctx, table);
+  const bool normal = normal_over_transport(ctx.config);
+  const size_t send_region = normal_send_region_offset(ctx.config);
+  for (int r = 0; r < kMaxRanks; ++r) {
+    char* workspace = r < ctx.config.num_ranks ? ctx.peer_workspaces[r] : nullptr;
+    const bool mapped = normal && workspace != nullptr;
+    table[kTransportRegions * r + kNormalAreaRegion] = mapped ? workspace : nullptr;
+    table[kTransportRegions * r + kNormalSendRegion] = mapped ? workspace + send_region : nullptr;
+  }
+}
+
 // Once every peer of `ctx` is mapped: the device table of every rank's transport regions, and over
 // the emulated transport this rank's ring and host proxy (which registers every rank's regions).
 std::string start_transport(BufferState& state, RankContext& ctx) {
   const BufferConfig& config = ctx.config;
   if (config.device_transport == DeviceTransport::kStores) return "";
-  char* table[2 * kMaxRanks];
-  low_latency_transport_region_table(ctx, table);
+  char* table[kTransportRegions * kMaxRanks];
+  transport_region_table(ctx, table);
   RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaSetDevice(ctx.device));
   RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaMemcpy(ctx.transport_region_bases, table,
                                                       sizeof(table), cudaMemcpyHostToDevice));
@@ -387,11 +445,18 @@ std::string start_transport(BufferState& state, RankContext& ctx) {
   for (const auto& running : state.emulated) {
     if (running->ctx == &ctx) return "";  // started at creation (a group of this process alone)
   }
+  // Region ids are the table's columns; an area the Buffer lacks is registered empty, so a
+  // command into it is reported.
   const LowLatencyTransportArea area = low_latency_transport_area(config);
+  const uint64_t low_latency_workspace = config.low_latency ? area.workspace_region_bytes : 0;
+  const uint64_t low_latency_staging = config.low_latency ? area.staging_region_bytes : 0;
   std::vector<std::vector<std::pair<void*, uint64_t>>> regions(config.num_ranks);
   for (int r = 0; r < config.num_ranks; ++r) {
-    regions[r] = {{table[2 * r + kTransportWorkspace], area.workspace_region_bytes},
-                  {table[2 * r + kTransportStaging], area.staging_region_bytes}};
+    char* const* row = table + kTransportRegions * r;
+    regions[r] = {{row[kTransportWorkspace], low_latency_workspace},
+                  {row[kTransportStaging], low_latency_staging},
+                  {row[kNormalAreaRegion], normal_workspace_bytes(config)},
+                  {row[kNormalSendRegion], normal_send_region_bytes(config)}};
   }
   transport::ProxyOptions options;  // adversarial, as docs/transport.md describes
   options.ordering = transport::Ordering::kUnordered;
@@ -403,8 +468,11 @@ std::string start_transport(BufferState& state, RankContext& ctx) {
   auto emulated = std::make_unique<EmulatedRank>();
   emulated->ctx = &ctx;
   try {
+    // Acknowledgement words: the low-latency kernels' warps, then the normal kernels' push warps
+    // (each issuing warp needs its own while it may run).
+    ctx.normal_first_warp = static_cast<uint32_t>(kTransportOpWarps);
     ctx.transport_ring = transport::make_ring(emulated->arena, kEmulatorRingCapacity,
-                                              static_cast<uint32_t>(kTransportOpWarps));
+                                              ctx.normal_first_warp + normal_transport_warps(ctx));
     emulated->proxy =
         std::make_unique<transport::RankProxy>(ctx.rank, options, ctx.transport_ring, regions);
   } catch (const std::exception& e) {
@@ -586,17 +654,8 @@ std::vector<std::string> take_transport_errors(int64_t buffer_id) {
 }
 
 size_t workspace_bytes(const BufferConfig& config) {
-  size_t total = normal_workspace_bytes(config);
-  if (config.low_latency) {
-    const size_t low_latency_end =
-        low_latency_workspace_offset(config) + low_latency_workspace_bytes(config);
-    if (low_latency_end > total) total = low_latency_end;
-    const size_t transport_bytes = low_latency_transport_bytes(config);
-    if (transport_bytes > 0) {
-      total = std::max(total, low_latency_transport_offset(config) + transport_bytes);
-    }
-  }
-  return total;
+  const size_t send_region = normal_send_region_bytes(config);
+  return send_region > 0 ? normal_send_region_offset(config) + send_region : areas_bytes(config);
 }
 
 const RankContext* find_rank_context(int64_t buffer_id, int device) {

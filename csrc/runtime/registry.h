@@ -51,7 +51,8 @@ std::vector<std::string> take_transport_errors(int64_t buffer_id);
 
 // Bytes of the per-device workspace create_buffer allocates for `config`: the normal-mode region,
 // plus the low-latency region (at low_latency_workspace_offset) when config.low_latency, plus
-// the device transport's area (low_latency_transport_offset) when it has one.
+// the device transport's area (low_latency_transport_offset) when it has one, plus, last, the
+// normal mode's send region when its ops run over a device transport (normal_over_transport).
 size_t workspace_bytes(const BufferConfig& config);
 
 // Frees everything of `buffer_id` (synchronises its devices first). Unknown ids are ignored.

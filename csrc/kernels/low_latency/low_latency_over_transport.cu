@@ -57,6 +57,7 @@ LowLatencyTransportLaunch rank_launch(const RankContext& ctx, TransportOp op,
   l.halves = static_cast<uint32_t>(halves);  // LowLatencyHalves' values are the phase bits
   l.ticket = ticket;
   l.region_bases = ctx.transport_region_bases;
+  l.regions_per_rank = kTransportRegions;
   l.rings[0] = ctx.transport_ring;
   l.rank_base = ctx.rank;
   l.rank_count = 1;
@@ -108,14 +109,16 @@ size_t low_latency_transport_bytes(const BufferConfig& config) {
   return low_latency_transport_area(config).bytes;
 }
 
-void low_latency_transport_region_table(const RankContext& ctx, char* table[2 * kMaxRanks]) {
+void low_latency_transport_region_table(const RankContext& ctx,
+                                        char* table[kTransportRegions * kMaxRanks]) {
   const LowLatencyTransportArea area = low_latency_transport_area(ctx.config);
   const size_t offset = low_latency_transport_offset(ctx.config);
   for (int r = 0; r < kMaxRanks; ++r) {
-    char* workspace = r < ctx.config.num_ranks ? ctx.peer_workspaces[r] : nullptr;
-    table[2 * r + kTransportWorkspace] =
+    char* workspace =
+        r < ctx.config.num_ranks && ctx.config.low_latency ? ctx.peer_workspaces[r] : nullptr;
+    table[kTransportRegions * r + kTransportWorkspace] =
         workspace != nullptr ? workspace + offset + area.workspace_region : nullptr;
-    table[2 * r + kTransportStaging] =
+    table[kTransportRegions * r + kTransportStaging] =
         workspace != nullptr ? workspace + offset + area.staging_region : nullptr;
   }
 }

@@ -44,9 +44,12 @@ struct LowLatencyTransportArea {
 
 LowLatencyTransportArea low_latency_transport_area(const BufferConfig& config);
 
-// Every rank's two regions as seen from `ctx`'s device: table[2 * r + region], region 0 the
-// workspace region, 1 the staging region; null for ranks whose workspace is not mapped yet.
-void low_latency_transport_region_table(const RankContext& ctx, char* table[2 * kMaxRanks]);
+// Every rank's two regions as seen from `ctx`'s device, in the ops' table (kTransportRegions
+// columns per rank): table[kTransportRegions * r + region], region 0 the workspace region, 1 the
+// staging region; null for ranks whose workspace is not mapped yet, and in a Buffer without the
+// low-latency regions.
+void low_latency_transport_region_table(const RankContext& ctx,
+                                        char* table[kTransportRegions * kMaxRanks]);
 
 cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
                                                        const LowLatencyDispatchParams& params,

@@ -56,7 +56,8 @@ template <>
 struct MakeTransport<MappedTransport> {
   static __device__ MappedTransport make(const LowLatencyTransportLaunch& l, const Warp& w,
                                          WaitPhase phase) {
-    return MappedTransport{RegionTable{l.region_bases, 2}, w.rank, wait_of(l, w.rank, phase)};
+    return MappedTransport{RegionTable{l.region_bases, l.regions_per_rank}, w.rank,
+                           wait_of(l, w.rank, phase)};
   }
 };
 
@@ -64,8 +65,8 @@ template <>
 struct MakeTransport<EmulatedTransport> {
   static __device__ EmulatedTransport make(const LowLatencyTransportLaunch& l, const Warp& w,
                                            WaitPhase phase) {
-    return EmulatedTransport{RegionTable{l.region_bases, 2}, l.rings[w.index], w.rank,
-                             static_cast<uint32_t>(w.warp), wait_of(l, w.rank, phase)};
+    return EmulatedTransport{RegionTable{l.region_bases, l.regions_per_rank}, l.rings[w.index],
+                             w.rank, static_cast<uint32_t>(w.warp), wait_of(l, w.rank, phase)};
   }
 };
 

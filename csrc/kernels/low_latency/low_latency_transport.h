@@ -140,6 +140,7 @@ LowLatencyTransportLayout make_low_latency_transport_layout(const LowLatencyTran
 struct LowLatencyTransportLaunch {
   LowLatencyTransportLayout layout;
   char* const* region_bases = nullptr;  // device array [rank][region] of every rank's regions
+  int regions_per_rank = 2;  // columns of region_bases (the ops' table has the normal mode's too)
   transport::RingView rings[kTransportMaxRanksPerLaunch];  // emulated transport: each rank's
   int rank_base = 0;
   int rank_count = 1;

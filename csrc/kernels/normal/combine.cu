@@ -14,14 +14,18 @@
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
 #include "kernels/normal/normal.h"
+#include "kernels/normal/normal_transport.cuh"
 #include "kernels/normal/normal_workspace.h"
 
 namespace jax_ep {
 namespace {
 
+using transport::EmulatedTransport;
+using transport::MappedTransport;
+
 // One warp per owner segment bound (R + 1 of them), plus threads for the barrier.
 constexpr int kCombinePlanThreads = (kMaxRanks + 1) * kWarpSize;
-constexpr int kTransferThreads = 512;
+constexpr int kTransferThreads = kNormalTransferThreads;
 constexpr int kTransferWarps = kTransferThreads / kWarpSize;
 // Tokens of one reduce work item: two per warp of the block.
 constexpr int kTokensPerItem = 2 * kTransferWarps;
@@ -40,6 +44,7 @@ struct CombinePlanArgs {
   const uint64_t* barrier;            // this rank's barrier words [src]
   uint64_t* peer_barrier[kMaxRanks];  // every rank's barrier words
   WaitContext wait;
+  NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
 };
 
 // First index i in [0, n] with values[i] >= key, for ascending `values`, by the whole warp: each
@@ -72,8 +77,12 @@ __device__ __forceinline__ int warp_lower_bound(const int32_t* values, int n, in
 // [bound[s], bound[s+1])); then threads r < R wait for rank r's barrier word (>= tag).
 // Synchronisation: as the dispatch count exchange, a rank enters only after its previous call
 // finished, so after the barrier every peer is done with its data region and row flags.
+// Over a transport (Path a TransportPath), warp 0 signals the words instead (kSet, the tag),
+// this rank's own included: every rank waits for all R words.
+template <typename Path>
 __global__ void __launch_bounds__(kCombinePlanThreads, 1)
     combine_plan_kernel(const CombinePlanArgs args) {
+  const Path path = PathOf<Path>::of(args.transport);
   __shared__ int bounds[kMaxRanks + 1];
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
@@ -81,7 +90,15 @@ __global__ void __launch_bounds__(kCombinePlanThreads, 1)
   const int num_ranks = args.num_ranks;
   const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
 
-  if (tid < num_ranks) st_release_sys(args.peer_barrier[tid] + args.rank, tag);
+  if constexpr (is_stores_path<Path>) {
+    if (tid < num_ranks) st_release_sys(args.peer_barrier[tid] + args.rank, tag);
+  } else if (warp == 0) {
+    auto t = make_normal_transport(path, args.rank, 0, args.wait);
+    const size_t word = path.args.layout.barrier + sizeof(uint64_t) * args.rank;
+    for (int peer = 0; peer < num_ranks; ++peer) {
+      t.signal(peer, in_normal_area(word), tag, transport::SignalOp::kSet, lane);
+    }
+  }
 
   const int num_valid = max(0, min(__ldg(args.num_recv_tokens), args.capacity));
   if (warp <= num_ranks) {
@@ -124,6 +141,7 @@ struct CombineTransferArgs {
   int64_t region_bytes_per_row;
   int num_push_blocks;
   WaitContext wait;
+  NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
 };
 
 // float32 accumulation of 16-byte vectors of Element.
@@ -250,9 +268,12 @@ __device__ __forceinline__ void reduce_token(const CombineTransferArgs& args, in
 // Grid: ctx.normal_blocks blocks of kTransferThreads; deadlock-free without co-residency for the
 // same reason as the dispatch transfer (all push roles are claimed before any reduce item). The
 // last block to finish stores the call's sequence number.
-template <typename Element>
+// Over a transport (Path a TransportPath) a push warp stages each row in its send slots and
+// puts it with its flag (RowSender), and quiets before it leaves its role, as in the dispatch.
+template <typename Element, typename Path>
 __global__ void __launch_bounds__(kTransferThreads, 1)
     combine_transfer_kernel(const CombineTransferArgs args) {
+  const Path path = PathOf<Path>::of(args.transport);
   __shared__ NormalPlan plan;
   __shared__ int claimed_item;
   const int tid = threadIdx.x;
@@ -284,8 +305,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     if (item < num_push_items) {
       const int64_t num_push_warps = static_cast<int64_t>(args.num_push_blocks) * kTransferWarps;
       const int64_t num_entries = static_cast<int64_t>(max_rows) * num_peers;
-      for (int64_t q = static_cast<int64_t>(item) * kTransferWarps + warp; q < num_entries;
-           q += num_push_warps) {
+      const int64_t push_warp = static_cast<int64_t>(item) * kTransferWarps + warp;
+      RowSender<Path> sender(path, rank, args.wait, push_warp, num_push_warps,
+                             args.region_bytes_per_row);
+      for (int64_t q = push_warp; q < sender.end(num_entries); q += sender.stride(num_push_warps)) {
         const int k = static_cast<int>(q / num_peers);
         const int owner = (rank + 1 + static_cast<int>(q % num_peers)) % num_ranks;
         if (k >= plan.recv_count[owner]) continue;
@@ -293,8 +316,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         if (row >= plan.num_recv) continue;
         const int token = __ldg(args.recv_src + row) - owner * num_tokens;
         if (token < 0 || token >= num_tokens) continue;  // inconsistent handle: drop the row
-        char* dst = args.peer_rows[owner] +
-                    (static_cast<int64_t>(rank) * num_tokens + token) * args.region_bytes_per_row;
+        char* const rows = sender.rows(args.peer_rows, owner);
+        const int64_t region_row = static_cast<int64_t>(rank) * num_tokens + token;
+        const int64_t at = sender.next_row(region_row, lane);
+        char* dst = rows + at * args.region_bytes_per_row;
         warp_copy_vectors<true>(reinterpret_cast<int4*>(dst),
                                 reinterpret_cast<const int4*>(args.y + static_cast<int64_t>(row) *
                                                                            args.y_bytes_per_row),
@@ -303,13 +328,12 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         for (int c = lane; c < args.num_w; c += kWarpSize) {
           dst_w[c] = __ldg(args.y_w + static_cast<int64_t>(row) * args.num_w + c);
         }
-        __syncwarp();
-        if (lane == 0) {
-          st_release_sys(
-              args.peer_row_flags[owner] + static_cast<int64_t>(rank) * args.max_tokens + token,
-              tag);
-        }
+        const auto flag_index = [&] {
+          return static_cast<int64_t>(rank) * args.max_tokens + token;
+        };
+        sender.send(args.peer_row_flags, owner, region_row, at, flag_index, tag, lane);
       }
+      sender.finish(lane);
       continue;
     }
     item -= num_push_items;
@@ -321,6 +345,33 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   }
 
   finish_transfer_block(args.work_counter, args.done_counter, args.seq, tag);
+}
+
+// The transfer kernel of Element on the rank's path: stores, or a device transport.
+template <typename Element>
+void launch_transfer(const RankContext& ctx, const CombineTransferArgs& args, cudaStream_t stream) {
+  switch (ctx.config.device_transport) {
+    case DeviceTransport::kMapped:
+      combine_transfer_kernel<Element, TransportPath<MappedTransport>>
+          <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
+      break;
+    case DeviceTransport::kEmulated:
+      combine_transfer_kernel<Element, TransportPath<EmulatedTransport>>
+          <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
+      break;
+    default:  // stores (kNvshmem carries the low-latency ops only)
+      combine_transfer_kernel<Element, StoresPath>
+          <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
+  }
+}
+
+template <typename Transport>
+cudaError_t preload_combine_kernels_over() {
+  cudaFuncAttributes attributes;
+  using Path = TransportPath<Transport>;
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<Path>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, Path>));
+  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, Path>);
 }
 
 }  // namespace
@@ -346,7 +397,19 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
   }
   plan.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank,
                static_cast<int32_t>(WaitPhase::kCombineBarrier)};
-  combine_plan_kernel<<<1, kCombinePlanThreads, 0, stream>>>(plan);
+  if (normal_over_transport(config)) plan.transport = normal_transport_args(ctx);
+  switch (config.device_transport) {
+    case DeviceTransport::kMapped:
+      combine_plan_kernel<TransportPath<MappedTransport>>
+          <<<1, kCombinePlanThreads, 0, stream>>>(plan);
+      break;
+    case DeviceTransport::kEmulated:
+      combine_plan_kernel<TransportPath<EmulatedTransport>>
+          <<<1, kCombinePlanThreads, 0, stream>>>(plan);
+      break;
+    default:  // stores (kNvshmem carries the low-latency ops only)
+      combine_plan_kernel<StoresPath><<<1, kCombinePlanThreads, 0, stream>>>(plan);
+  }
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   CombineTransferArgs args = {};
@@ -378,11 +441,11 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
   args.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank,
                static_cast<int32_t>(WaitPhase::kCombineArrival)};
 
+  if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);
   if (config.dtype_bytes == 4) {
-    combine_transfer_kernel<float><<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
+    launch_transfer<float>(ctx, args, stream);
   } else {
-    combine_transfer_kernel<__nv_bfloat16>
-        <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
+    launch_transfer<__nv_bfloat16>(ctx, args, stream);
   }
   return cudaGetLastError();
 }
@@ -393,9 +456,15 @@ int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w) {
 
 cudaError_t preload_combine_kernels() {
   cudaFuncAttributes attributes;
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float>));
-  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16>);
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<StoresPath>));
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, StoresPath>));
+  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, StoresPath>);
+}
+
+cudaError_t preload_combine_transport_kernels() {
+  CUDA_RETURN_IF_ERROR(preload_combine_kernels_over<MappedTransport>());
+  return preload_combine_kernels_over<EmulatedTransport>();
 }
 
 }  // namespace jax_ep

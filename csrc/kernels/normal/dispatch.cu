@@ -21,10 +21,14 @@
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
 #include "kernels/normal/normal.h"
+#include "kernels/normal/normal_transport.cuh"
 #include "kernels/normal/normal_workspace.h"
 
 namespace jax_ep {
 namespace {
+
+using transport::EmulatedTransport;
+using transport::MappedTransport;
 
 // One token per thread per round; the block size is the layout's unit of per-block counts.
 constexpr int kPlanThreads = kPlanTokensPerBlock;
@@ -38,7 +42,7 @@ constexpr int kPlanPrefixBatch = 4;
 // token_masks and read them back (only when T > kPlanKeptRounds * kPlanThreads * blocks).
 constexpr int kPlanKeptRounds = 4;
 
-constexpr int kTransferThreads = 512;
+constexpr int kTransferThreads = kNormalTransferThreads;
 constexpr int kTransferWarps = kTransferThreads / kWarpSize;
 // Rows of one self / padding / receive work item: two rows per warp of the block.
 constexpr int kRowsPerItem = 2 * kTransferWarps;
@@ -75,6 +79,7 @@ struct DispatchPlanArgs {
   uint64_t* peer_count_matrix[kMaxRanks];  // every rank's count matrix (this one's included)
   ErrorCounters* errors;
   WaitContext wait;
+  NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
 };
 
 // Bit r: token t goes to rank r. Counts ids outside [-1, E) in *num_invalid (they are ignored).
@@ -159,8 +164,11 @@ __device__ __forceinline__ int warp_sum(int value) {
 // kRankSlots: a power of two >= num_ranks; the per-rank loops run that many times (the kernel is
 // bound by its instruction latency, and unrolling them to kMaxRanks cost every rank count the
 // work of 8).
-template <int kRankSlots>
+// Over a transport (Path a TransportPath), warp 0 of the last block signals each entry of the
+// row instead (kSet, the same tagged word) to every other rank; its own row it never reads.
+template <int kRankSlots, typename Path>
 __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const DispatchPlanArgs args) {
+  const Path path = PathOf<Path>::of(args.transport);
   __shared__ int own_count[kMaxRanks];   // this block's tokens per destination
   __shared__ int block_base[kMaxRanks];  // first position of this block's tokens in each stream
   __shared__ int warp_counts[kPlanWarps][kMaxRanks];
@@ -267,11 +275,25 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
 
   // The last block publishes this rank's totals: entry [rank][dst] of every rank's matrix.
   const int64_t parity_offset = static_cast<int64_t>(tag & 1) * kCountMatrixStride;
-  if (last_block && tid < num_ranks * num_ranks) {
-    const int peer = tid / num_ranks;
-    const int dst = tid % num_ranks;
-    st_release_sys(args.peer_count_matrix[peer] + parity_offset + rank * kMaxRanks + dst,
-                   pack_tagged_count(tag, static_cast<uint32_t>(block_base[dst] + own_count[dst])));
+  if constexpr (is_stores_path<Path>) {
+    if (last_block && tid < num_ranks * num_ranks) {
+      const int peer = tid / num_ranks;
+      const int dst = tid % num_ranks;
+      st_release_sys(
+          args.peer_count_matrix[peer] + parity_offset + rank * kMaxRanks + dst,
+          pack_tagged_count(tag, static_cast<uint32_t>(block_base[dst] + own_count[dst])));
+    }
+  } else if (last_block && warp == 0) {
+    auto t = make_normal_transport(path, rank, 0, args.wait);
+    for (int i = 0; i < num_ranks * num_ranks; ++i) {
+      const int peer = i / num_ranks;
+      const int dst = i % num_ranks;
+      if (peer == rank) continue;
+      const int64_t word = parity_offset + rank * kMaxRanks + dst;
+      t.signal(peer, in_normal_area(path.args.layout.count_matrix + word * sizeof(uint64_t)),
+               pack_tagged_count(tag, static_cast<uint32_t>(block_base[dst] + own_count[dst])),
+               transport::SignalOp::kSet, lane);
+    }
   }
 
   // 3. The rows of the count matrix this block needs (the last block knows its own row: it
@@ -405,6 +427,7 @@ struct DispatchTransferArgs {
   int64_t region_bytes_per_row;
   int num_push_blocks;
   WaitContext wait;
+  NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
 };
 
 // True in the lowest lane of [0, num_topk) whose `local` equals this lane's: a row that lists one
@@ -511,8 +534,13 @@ __device__ __forceinline__ RegionRow region_row(const DispatchTransferArgs& args
 // to be resident: items are claimed in order, so every push role is claimed (by a running block
 // that never waits) before any block can claim a waiting item. The last block to finish stores
 // the call's sequence number (finish_transfer_block).
+// Over a transport (Path a TransportPath) a push warp stages each row in its send slots and
+// puts it with its flag (RowSender), and quiets before it leaves its role: the next call
+// restages those slots. A quiet waits only for the proxy or the network, never for a receiver.
+template <typename Path>
 __global__ void __launch_bounds__(kTransferThreads, 1)
     dispatch_transfer_kernel(const DispatchTransferArgs args) {
+  const Path path = PathOf<Path>::of(args.transport);
   extern __shared__ int histogram[];
   __shared__ NormalPlan plan;
   __shared__ int send_valid[kMaxRanks];  // rows sent to each rank that fit its capacity
@@ -562,26 +590,29 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     if (item < num_push_items) {
       const int64_t num_push_warps = static_cast<int64_t>(args.num_push_blocks) * kTransferWarps;
       const int64_t num_entries = static_cast<int64_t>(max_send) * num_peers;
-      for (int64_t q = static_cast<int64_t>(item) * kTransferWarps + warp; q < num_entries;
-           q += num_push_warps) {
+      const int64_t push_warp = static_cast<int64_t>(item) * kTransferWarps + warp;
+      RowSender<Path> sender(path, rank, args.wait, push_warp, num_push_warps,
+                             args.region_bytes_per_row);
+      for (int64_t q = push_warp; q < sender.end(num_entries); q += sender.stride(num_push_warps)) {
         const int pos = static_cast<int>(q / num_peers);
         const int dst = (rank + 1 + static_cast<int>(q % num_peers)) % num_ranks;
         if (pos >= send_valid[dst]) continue;
         const int token =
             __ldg(args.send_tokens + static_cast<int64_t>(dst) * args.max_tokens + pos);
-        const RegionRow region = region_row(args, args.peer_rows[dst], plan.dest_base[dst] + pos);
+        char* const rows = sender.rows(args.peer_rows, dst);
+        const int64_t row = plan.dest_base[dst] + pos;
+        const int64_t at = sender.next_row(row, lane);
+        const RegionRow region = region_row(args, rows, at);
         warp_copy_vectors<true>(reinterpret_cast<int4*>(region.x),
                                 reinterpret_cast<const int4*>(args.x + static_cast<int64_t>(token) *
                                                                            args.x_bytes_per_row),
                                 args.x_bytes_per_row / kBytesPerVector, lane);
         write_row_aux(args, token, dst, region.scales, region.ids, region.weights, region.src,
                       region.payload, nullptr, lane);
-        __syncwarp();
-        if (lane == 0) {
-          st_release_sys(
-              args.peer_row_flags[dst] + static_cast<int64_t>(rank) * args.max_tokens + pos, tag);
-        }
+        const auto flag_index = [&] { return static_cast<int64_t>(rank) * args.max_tokens + pos; };
+        sender.send(args.peer_row_flags, dst, row, at, flag_index, tag, lane);
       }
+      sender.finish(lane);
       continue;
     }
     item -= num_push_items;
@@ -692,7 +723,25 @@ DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layo
   }
   args.errors = ctx.error_counters;
   args.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank, static_cast<int32_t>(phase)};
+  if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);
   return args;
+}
+
+// The plan kernel of kRankSlots on the rank's path: stores, or a device transport.
+template <int kRankSlots>
+cudaError_t launch_plan_on_path(const RankContext& ctx, int num_blocks, cudaStream_t stream,
+                                const DispatchPlanArgs& args) {
+  switch (ctx.config.device_transport) {
+    case DeviceTransport::kMapped:
+      return launch_cooperative(dispatch_plan_kernel<kRankSlots, TransportPath<MappedTransport>>,
+                                num_blocks, kPlanThreads, 0, stream, args);
+    case DeviceTransport::kEmulated:
+      return launch_cooperative(dispatch_plan_kernel<kRankSlots, TransportPath<EmulatedTransport>>,
+                                num_blocks, kPlanThreads, 0, stream, args);
+    default:  // stores (kNvshmem carries the low-latency ops only)
+      return launch_cooperative(dispatch_plan_kernel<kRankSlots, StoresPath>, num_blocks,
+                                kPlanThreads, 0, stream, args);
+  }
 }
 
 // Grid of the plan: one block per kPlanTokensPerBlock tokens (so at most plan_block_slots()),
@@ -703,17 +752,11 @@ cudaError_t launch_plan(const RankContext& ctx, DispatchPlanArgs args, cudaStrea
   const int num_blocks =
       std::max(1, std::min(ceil_div(args.num_tokens, kPlanTokensPerBlock), num_sms));
   args.tokens_per_block = ceil_div(args.num_tokens, num_blocks);
-  if (args.num_ranks <= 1) {
-    return launch_cooperative(dispatch_plan_kernel<1>, num_blocks, kPlanThreads, 0, stream, args);
-  }
-  if (args.num_ranks <= 2) {
-    return launch_cooperative(dispatch_plan_kernel<2>, num_blocks, kPlanThreads, 0, stream, args);
-  }
-  if (args.num_ranks <= 4) {
-    return launch_cooperative(dispatch_plan_kernel<4>, num_blocks, kPlanThreads, 0, stream, args);
-  }
+  if (args.num_ranks <= 1) return launch_plan_on_path<1>(ctx, num_blocks, stream, args);
+  if (args.num_ranks <= 2) return launch_plan_on_path<2>(ctx, num_blocks, stream, args);
+  if (args.num_ranks <= 4) return launch_plan_on_path<4>(ctx, num_blocks, stream, args);
   static_assert(kMaxRanks == 8, "one instance per power of two up to kMaxRanks");
-  return launch_cooperative(dispatch_plan_kernel<8>, num_blocks, kPlanThreads, 0, stream, args);
+  return launch_plan_on_path<8>(ctx, num_blocks, stream, args);
 }
 
 DispatchTransferArgs make_transfer_args(const RankContext& ctx, const NormalLayout& layout,
@@ -740,14 +783,37 @@ DispatchTransferArgs make_transfer_args(const RankContext& ctx, const NormalLayo
   }
   args.num_push_blocks = ctx.normal_push_blocks;
   args.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank, static_cast<int32_t>(phase)};
+  if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);
   return args;
 }
 
 cudaError_t launch_transfer(const RankContext& ctx, const DispatchTransferArgs& args,
                             cudaStream_t stream) {
   const size_t shared_bytes = sizeof(int) * args.num_shared_experts;
-  dispatch_transfer_kernel<<<ctx.normal_blocks, kTransferThreads, shared_bytes, stream>>>(args);
+  const int grid = ctx.normal_blocks;
+  switch (ctx.config.device_transport) {
+    case DeviceTransport::kMapped:
+      dispatch_transfer_kernel<TransportPath<MappedTransport>>
+          <<<grid, kTransferThreads, shared_bytes, stream>>>(args);
+      break;
+    case DeviceTransport::kEmulated:
+      dispatch_transfer_kernel<TransportPath<EmulatedTransport>>
+          <<<grid, kTransferThreads, shared_bytes, stream>>>(args);
+      break;
+    default:  // stores (kNvshmem carries the low-latency ops only)
+      dispatch_transfer_kernel<StoresPath><<<grid, kTransferThreads, shared_bytes, stream>>>(args);
+  }
   return cudaGetLastError();
+}
+
+template <typename Path>
+cudaError_t preload_dispatch_kernels_on() {
+  cudaFuncAttributes attributes;
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<1, Path>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<2, Path>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<4, Path>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<8, Path>));
+  return cudaFuncGetAttributes(&attributes, dispatch_transfer_kernel<Path>);
 }
 
 }  // namespace
@@ -822,13 +888,11 @@ int64_t cached_dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales
   return region_row_bytes(x_bytes_per_row, num_scales + num_w);
 }
 
-cudaError_t preload_dispatch_kernels() {
-  cudaFuncAttributes attributes;
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<1>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<2>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<4>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<8>));
-  return cudaFuncGetAttributes(&attributes, dispatch_transfer_kernel);
+cudaError_t preload_dispatch_kernels() { return preload_dispatch_kernels_on<StoresPath>(); }
+
+cudaError_t preload_dispatch_transport_kernels() {
+  CUDA_RETURN_IF_ERROR(preload_dispatch_kernels_on<TransportPath<MappedTransport>>());
+  return preload_dispatch_kernels_on<TransportPath<EmulatedTransport>>();
 }
 
 }  // namespace jax_ep

@@ -88,6 +88,17 @@ int64_t dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int n
 int64_t cached_dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int num_w);
 int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w);
 
+// The normal mode over a device transport (kernels/normal/normal_transport.cuh): true for
+// kMapped and kEmulated; kNvshmem carries the low-latency ops only. Its two regions in the ops'
+// table (RankContext::transport_region_bases), after the low-latency kernels' two:
+bool normal_over_transport(const BufferConfig& config);
+constexpr uint32_t kNormalAreaRegion = 2;  // the normal-mode area (workspace offset 0,
+                                           // normal_workspace_bytes): puts and signals land here
+constexpr uint32_t kNormalSendRegion = 3;  // normal_send_region_bytes: rows staged for puts
+// Warps of one rank's normal kernels that issue transport commands (each needs its own
+// acknowledgement word in an emulated ring): the push warps of a transfer kernel.
+uint32_t normal_transport_warps(const RankContext& ctx);
+
 // Per-file kernel preloading (called by preload_normal_kernels()).
 cudaError_t preload_layout_kernels();
 // The code the driver loaded (or JIT-compiled from PTX) for the layout kernel on the current
@@ -97,5 +108,8 @@ cudaError_t preload_layout_kernels();
 cudaError_t layout_kernel_attributes(cudaFuncAttributes* attributes);
 cudaError_t preload_dispatch_kernels();
 cudaError_t preload_combine_kernels();
+// The transport paths' kernels (normal_over_transport), for preload_normal_transport_kernels().
+cudaError_t preload_dispatch_transport_kernels();
+cudaError_t preload_combine_transport_kernels();
 
 }  // namespace jax_ep

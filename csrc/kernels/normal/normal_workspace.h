@@ -74,6 +74,9 @@ inline int plan_block_slots(const BufferConfig& config) {
   return slots > 1 ? slots : 1;
 }
 
+// Threads of a block of the transfer kernels (dispatch and combine).
+constexpr int kNormalTransferThreads = 512;
+
 // One count matrix per tag parity.
 constexpr int kCountMatrixStride = kMaxRanks * kMaxRanks;
 constexpr int kCountMatrixWords = 2 * kCountMatrixStride;
