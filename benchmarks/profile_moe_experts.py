@@ -7,6 +7,8 @@ For each variant, one step of bench_moe_layer's experts section (`value_and_grad
 w.r.t. the rows and the weights, its inputs: T=4096 tokens x top-8 = 32768 rows split
 multinomially over 64 experts, H=2048, F=1024, bf16, EP=1), measured three ways:
 - `wall_ms`: the median wall time of a synchronous call (what a loop of blocking steps pays);
+- `loop_ms`: per step, the wall time of 20 calls dispatched back to back and awaited once (what
+  a training loop pays: the host prepares the next call while the GPU runs this one);
 - `span_ms` / `idle_ms`: from a profiler trace of 3 calls in a row, the device timeline's span
   per step and the time in it where no kernel ran;
 - `kernels`: device time per step of each kernel name (`busy_ms` their sum).
@@ -39,6 +41,7 @@ DEFAULTS = dict(tokens=4096, topk=8, hidden=2048, ffn=1024, experts=64)
 QUICK = dict(tokens=64, topk=2, hidden=256, ffn=128, experts=4)
 VARIANTS = ("split", "fused", "gemms")
 TRACED_STEPS = 3
+LOOP_STEPS = 20  # calls of the loop wall (loop_wall_ms)
 
 
 def parse_args(argv):
@@ -119,6 +122,15 @@ def unrolled_profile(args, step, weights, sets, tflops):
                            sorted(kernels.items(), key=lambda kv: -kv[1])[:12]}}
 
 
+def loop_wall_ms(fn, fn_args, steps):
+    """Wall time per step of `steps` calls dispatched back to back and awaited once at the end:
+    what a training loop pays, the host preparing call i + 1 while the GPU runs call i."""
+    start = time.perf_counter()
+    outs = [fn(*fn_args) for _ in range(steps)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
 def run_variant(args, variant, inputs, flops):
     """One step of bench_moe_layer's experts section (its inputs, its step), gate and up held as
     `variant` says; or of its gemms section (`gemms`)."""
@@ -132,13 +144,15 @@ def run_variant(args, variant, inputs, flops):
     jax.block_until_ready(fn(*fn_args))
     walls = [bc.wall_us(fn, *fn_args) / 1e3 for _ in range(args.repeats)]
     wall_ms = statistics.median(walls)
+    loop_ms = statistics.median(loop_wall_ms(fn, fn_args, LOOP_STEPS) for _ in range(3))
     kernels, span_ms, idle_ms = device_profile(fn, fn_args)
     busy_ms = sum(kernels.values()) / 1e3 if kernels else None
     tflops = lambda ms: None if ms is None else round(flops / (ms * 1e-3) / 1e12, 1)  # noqa: E731
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
     unrolled = unrolled_profile(args, step, weights, sets, tflops) if args.unrolled else None
     return {"variant": variant, "matmul": args.matmul, "loss": loss, "wall_ms": round(wall_ms, 4),
-            "tflops_wall": tflops(wall_ms), "span_ms": span_ms and round(span_ms, 4),
+            "tflops_wall": tflops(wall_ms), "loop_ms": round(loop_ms, 4),
+            "tflops_loop": tflops(loop_ms), "span_ms": span_ms and round(span_ms, 4),
             "tflops_span": tflops(span_ms), "idle_ms": idle_ms and round(idle_ms, 4),
             "busy_ms": busy_ms and round(busy_ms, 4), "compile_s": round(compile_s, 1),
             "kernels_us": {k: round(v, 1) for k, v in top.items()}, "unrolled": unrolled}
@@ -174,7 +188,8 @@ def main(argv=None):
                 f"{r['span_ms']:.3f} ms span ({r['tflops_span']} TFLOP/s), idle "
                 f"{r['idle_ms']:.3f} ms")
         print(f"{variant:6s} {resolved}: wall {r['wall_ms']:.3f} ms ({r['tflops_wall']} "
-              f"TFLOP/s); {span}; loss {r['loss']}")
+              f"TFLOP/s); loop {r['loop_ms']:.3f} ms ({r['tflops_loop']} TFLOP/s); {span}; "
+              f"loss {r['loss']}")
         for name, us in r["kernels_us"].items():
             print(f"    {us:9.1f} us  {name[:100]}")
         u = r["unrolled"]

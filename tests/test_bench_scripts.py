@@ -113,7 +113,8 @@ def test_profile_moe_experts_quick(tmp_path):
     assert set(losses) == {"split", "fused"}
     assert abs(losses["split"] - losses["fused"]) <= 1e-3 * abs(losses["split"]), losses
     for r in payload["results"]:
-        assert positive(r["wall_ms"]) and r["span_ms"] is None  # no device plane on CPU
+        assert positive(r["wall_ms"]) and positive(r["loop_ms"])
+        assert r["span_ms"] is None  # no device plane on CPU
 
 
 def test_bench_step_layers_are_ascending_counts_and_the_step_is_their_slope():
