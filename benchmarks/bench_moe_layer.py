@@ -1,7 +1,7 @@
 """MoE layer (forward + backward) and its expert GEMMs alone, per expert-matmul implementation.
 
     python benchmarks/bench_moe_layer.py [--quick] [--matmul tiled,ragged_dot,tokamax,...]
-        [--sections experts,products,layer] [--impls jax_ep,all_to_all,ragged_all_to_all]
+        [--sections experts,gemms,products,layer] [--impls jax_ep,all_to_all,ragged_all_to_all]
         [--max-minutes 2] [--out benchmarks/results]
 
 One expert-parallel SwiGLU MoE layer per rank, with the router's top-k given as input (uniform
@@ -664,7 +664,7 @@ def run_experts(r, matmuls):
 
 
 # --sweep: tile configurations tried per library and kind ("rows": forward and dx, "contract":
-# dw) at the gate shape; each is a full replacement of grouped_gemm's config for that kind.
+# dw) at each product shape; each is a full replacement of grouped_gemm's config for that kind.
 SWEEP_CONFIGS = {
     ("tokamax", "rows"): [
         dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=True,

@@ -5,7 +5,7 @@
 
 For each variant, one step of bench_moe_layer's experts section (`value_and_grad(sum(y * ct))`
 w.r.t. the rows and the weights, its inputs: T=4096 tokens x top-8 = 32768 rows split
-multinomially over 64 experts, H=2048, F=1024, bf16, EP=1), measured three ways:
+multinomially over 64 experts, H=2048, F=1024, bf16, EP=1), measured four ways:
 - `wall_ms`: the median wall time of a synchronous call (what a loop of blocking steps pays);
 - `loop_ms`: per step, the wall time of 20 calls dispatched back to back and awaited once (what
   a training loop pays: the host prepares the next call while the GPU runs this one);
