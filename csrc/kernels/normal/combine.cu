@@ -16,6 +16,7 @@
 #include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/combine_transfer.cuh"
 #include "kernels/normal/normal.h"
+#include "kernels/normal/normal_nvshmem.h"
 #include "kernels/normal/normal_transport.cuh"
 #include "kernels/normal/normal_workspace.h"
 
@@ -33,7 +34,8 @@ using transport::MappedTransport;
 
 // The transfer kernel of Element on the rank's path: stores, or a device transport.
 template <typename Element>
-void launch_transfer(const RankContext& ctx, const CombineTransferArgs& args, cudaStream_t stream) {
+cudaError_t launch_transfer(const RankContext& ctx, const CombineTransferArgs& args,
+                            cudaStream_t stream) {
   switch (ctx.config.device_transport) {
     case DeviceTransport::kMapped:
       combine_transfer_kernel<Element, TransportPath<MappedTransport>>
@@ -43,10 +45,14 @@ void launch_transfer(const RankContext& ctx, const CombineTransferArgs& args, cu
       combine_transfer_kernel<Element, TransportPath<EmulatedTransport>>
           <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
       break;
-    default:  // stores (kNvshmem carries the low-latency ops only)
+    case DeviceTransport::kNvshmem:  // the plugin's instance
+      return launch_combine_transfer_nvshmem(static_cast<int>(sizeof(Element)), ctx.normal_blocks,
+                                             args, stream);
+    default:  // stores
       combine_transfer_kernel<Element, StoresPath>
           <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
   }
+  return cudaGetLastError();
 }
 
 template <typename Transport>
@@ -91,7 +97,10 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
       combine_plan_kernel<TransportPath<EmulatedTransport>>
           <<<1, kCombinePlanThreads, 0, stream>>>(plan);
       break;
-    default:  // stores (kNvshmem carries the low-latency ops only)
+    case DeviceTransport::kNvshmem:  // the plugin's instance
+      CUDA_RETURN_IF_ERROR(launch_combine_plan_nvshmem(plan, stream));
+      break;
+    default:  // stores
       combine_plan_kernel<StoresPath><<<1, kCombinePlanThreads, 0, stream>>>(plan);
   }
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -126,12 +135,8 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
                static_cast<int32_t>(WaitPhase::kCombineArrival)};
 
   if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);
-  if (config.dtype_bytes == 4) {
-    launch_transfer<float>(ctx, args, stream);
-  } else {
-    launch_transfer<__nv_bfloat16>(ctx, args, stream);
-  }
-  return cudaGetLastError();
+  if (config.dtype_bytes == 4) return launch_transfer<float>(ctx, args, stream);
+  return launch_transfer<__nv_bfloat16>(ctx, args, stream);
 }
 
 int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w) {

@@ -23,6 +23,7 @@
 #include "kernels/normal/dispatch_plan.cuh"
 #include "kernels/normal/dispatch_transfer.cuh"
 #include "kernels/normal/normal.h"
+#include "kernels/normal/normal_nvshmem.h"
 #include "kernels/normal/normal_transport.cuh"
 #include "kernels/normal/normal_workspace.h"
 
@@ -80,7 +81,9 @@ cudaError_t launch_plan_on_path(const RankContext& ctx, int num_blocks, cudaStre
     case DeviceTransport::kEmulated:
       return launch_cooperative(dispatch_plan_kernel<kRankSlots, TransportPath<EmulatedTransport>>,
                                 num_blocks, kPlanThreads, 0, stream, args);
-    default:  // stores (kNvshmem carries the low-latency ops only)
+    case DeviceTransport::kNvshmem:  // the plugin's instance
+      return launch_dispatch_plan_nvshmem(kRankSlots, num_blocks, args, stream);
+    default:  // stores
       return launch_cooperative(dispatch_plan_kernel<kRankSlots, StoresPath>, num_blocks,
                                 kPlanThreads, 0, stream, args);
   }
@@ -142,7 +145,9 @@ cudaError_t launch_transfer(const RankContext& ctx, const DispatchTransferArgs& 
       dispatch_transfer_kernel<TransportPath<EmulatedTransport>>
           <<<grid, kTransferThreads, shared_bytes, stream>>>(args);
       break;
-    default:  // stores (kNvshmem carries the low-latency ops only)
+    case DeviceTransport::kNvshmem:  // the plugin's instance
+      return launch_dispatch_transfer_nvshmem(grid, shared_bytes, args, stream);
+    default:  // stores
       dispatch_transfer_kernel<StoresPath><<<grid, kTransferThreads, shared_bytes, stream>>>(args);
   }
   return cudaGetLastError();
