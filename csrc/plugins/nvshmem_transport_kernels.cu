@@ -1,7 +1,7 @@
 // libjax_ep_nvshmem.so: the low-latency dispatch and combine, and the normal mode's plan and
 // transfer kernels, over NVSHMEM's device API (DeviceTransport::kNvshmem;
-// transport/nvshmem_transport.cuh), a plugin that jax_ep._C
-// loads only when a Buffer asks for JAX_EP_DEVICE_TRANSPORT=nvshmem (runtime/nvshmem_plugin.h).
+// transport/nvshmem_transport.cuh), a plugin that jax_ep._C loads only when a Buffer asks for
+// JAX_EP_DEVICE_TRANSPORT=nvshmem (runtime/nvshmem_plugin.h).
 // Built only where NVSHMEM's headers and device library are found. A library of its own because
 // NVSHMEM's device library needs its host library at load time (jax_ep._C must import without
 // NVSHMEM), and because its kernels are relocatable device code, device-linked against
