@@ -123,11 +123,9 @@ class Buffer:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         # How the ops reach peers (CUDA backend; the others ignore the setting): "stores"
         # through peer mappings, or the put-protocol kernels written for peers without a
-        # mapping ("mapped", "emulated", "nvshmem"; docs/transport.md). NVSHMEM's carries the
-        # low-latency ops only: a Buffer without them keeps its stores.
-        transport = settings.value("JAX_EP_DEVICE_TRANSPORT")
-        self.device_transport = ("stores" if transport == "nvshmem" and not self.low_latency
-                                 else transport)
+        # mapping ("mapped", "emulated", "nvshmem"; docs/transport.md), for the normal and the
+        # low-latency ops alike.
+        self.device_transport = settings.value("JAX_EP_DEVICE_TRANSPORT")
         self.buffer_id = next(_buffer_ids)
         self._closed = False
         self._errors_lock = threading.Lock()

@@ -89,7 +89,7 @@ SETTINGS = {s.name: s for s in (
             "how the ops of a Buffer reach peers: stores through peer mappings, or the "
             "put-protocol kernels for peers without one, performed as stores (mapped), by an "
             "adversarial host proxy (emulated: for tests) or by NVSHMEM's device API (nvshmem, "
-            "with JAX_EP_TRANSPORT=nvshmem; the low-latency ops only; docs/transport.md)"),
+            "with JAX_EP_TRANSPORT=nvshmem; docs/transport.md)"),
     Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,
             "the emulated transport's seed (reordering, tearing, delays); rank r uses seed + r"),
     Setting("JAX_EP_TRANSPORT_MUTANT", "runtime", "none", _text,

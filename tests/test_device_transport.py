@@ -45,13 +45,11 @@ def make_buffer(backend, low_latency=True):
                          backend=backend)
 
 
-def test_the_setting_reaches_every_buffer_but_nvshmem_normal_only_ones(monkeypatch):
-    monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "emulated")
-    assert make_buffer("xla").device_transport == "emulated"
-    assert make_buffer("xla", low_latency=False).device_transport == "emulated"
-    monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "nvshmem")  # the low-latency ops only
-    assert make_buffer("xla").device_transport == "nvshmem"
-    assert make_buffer("xla", low_latency=False).device_transport == "stores"
+def test_the_setting_reaches_every_buffer(monkeypatch):
+    for transport in ("emulated", "nvshmem"):
+        monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", transport)
+        assert make_buffer("xla").device_transport == transport
+        assert make_buffer("xla", low_latency=False).device_transport == transport
     monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "rdma")
     with pytest.raises(ValueError, match="JAX_EP_DEVICE_TRANSPORT"):
         make_buffer("xla")
@@ -79,27 +77,25 @@ def test_the_workspace_holds_the_transports_area():
             device_transport=transport)
         return module.workspace_bytes(config)
 
+    # the low-latency kernels' area and the normal mode's send region, whatever performs the puts
     stores, mapped, emulated, nvshmem = (workspace(True, t) for t in range(4))
-    # the low-latency kernels' area, whatever performs the puts, and over mapped and emulated
-    # the normal mode's send region too (NVSHMEM's carries the low-latency ops only)
-    assert mapped == emulated > nvshmem > stores
-    # at least: 2 channels (fused, split) x 2 parities x 4 local experts x 2 sources x 8 slots
-    # of a 512-byte row
-    assert nvshmem - stores >= 2 * 2 * 4 * 2 * 8 * 512
+    assert mapped == emulated == nvshmem > stores
     # the send region holds what the data region does: at least the capacity's 16 dispatch rows
     # (512 bytes of x, then 5 aux words: ids and weights of 2 selections and the source)
-    normal_stores, normal_mapped, normal_emulated = (workspace(False, t) for t in range(3))
-    assert normal_mapped == normal_emulated
-    assert normal_mapped - normal_stores >= 16 * (512 + 5 * 4)
-    # one send region, placed last, on a page of its own
-    send_region = normal_mapped - normal_stores
-    assert send_region <= mapped - nvshmem < send_region + 4096
+    normal_stores, *normal_transports = (workspace(False, t) for t in range(4))
+    assert len(set(normal_transports)) == 1
+    send_region = normal_transports[0] - normal_stores
+    assert send_region >= 16 * (512 + 5 * 4)
+    # and the low-latency area at least: 2 channels (fused, split) x 2 parities x 4 local
+    # experts x 2 sources x 8 slots of a 512-byte row
+    assert mapped - stores >= send_region + 2 * 2 * 4 * 2 * 8 * 512
 
 
 def test_what_a_device_transport_does_not_carry_is_refused_by_name():
-    """NVSHMEM's device transport carries the low-latency ops only, no_fence breaks the
-    low-latency kernels only, a mutant runs over the emulated transport only, and a negative
-    slot count is no count: each is refused before any device is touched, naming why."""
+    """no_fence breaks the low-latency kernels only, a mutant runs over the emulated transport
+    only, and a negative slot count is no count: each is refused before any device is touched,
+    naming why. NVSHMEM's device transport carries the normal ops too: a normal-only Buffer
+    over it is refused only for want of the symmetric heap."""
     module, reason = cuda.load_extension()
     if module is None:
         pytest.skip(f"the CUDA extension is not built here: {reason}")
@@ -112,8 +108,7 @@ def test_what_a_device_transport_does_not_carry_is_refused_by_name():
         c.transport_mutant = mutant
         return c
 
-    with pytest.raises(RuntimeError, match=r"JAX_EP_DEVICE_TRANSPORT=nvshmem\) carries the "
-                                           r"low-latency ops only"):
+    with pytest.raises(RuntimeError, match="set JAX_EP_TRANSPORT=nvshmem too"):
         module.create_buffer(2**40, [[0, 1]], config(3))
     with pytest.raises(RuntimeError, match=r"no_fence .* breaks the low-latency put-protocol "
                                            r"kernels only \(the normal kernels issue no fence"):
@@ -161,19 +156,23 @@ def _run_suite_over(transport, *pytest_args, suite=SUITE, seed=7, **extra_env):
     return proc.returncode, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
+def _nvshmem_env():
+    """What a child needs to run over NVSHMEM's device API (one PE: the process itself); skips
+    where jax_ep was built without NVSHMEM."""
+    module, _ = cuda.load_extension()
+    if not module.nvshmem_built():
+        pytest.skip("jax_ep was built without NVSHMEM (the nvidia-nvshmem wheel's headers "
+                    "and device library)")
+    return {"JAX_EP_TRANSPORT": "nvshmem"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", ["mapped", "emulated", "nvshmem"])
 def test_low_latency_ops_over_a_device_transport(transport):
     """Over NVSHMEM's device API the process is one PE whose puts reach itself (issue 20: the
     NVSHMEM build forced onto its put path for peers that do have a mapping)."""
     require_gpus(1)
-    extra = {}
-    if transport == "nvshmem":
-        module, _ = cuda.load_extension()
-        if not module.nvshmem_built():
-            pytest.skip("jax_ep was built without NVSHMEM (the nvidia-nvshmem wheel's headers "
-                        "and device library)")
-        extra = {"JAX_EP_TRANSPORT": "nvshmem"}
+    extra = _nvshmem_env() if transport == "nvshmem" else {}
     # Every chain length, alone and with a fused call between the halves (the two channels);
     # not XLA work between them (the stores path's suite covers that): ~1 minute a transport.
     rc, output = _run_suite_over(
@@ -183,17 +182,21 @@ def test_low_latency_ops_over_a_device_transport(transport):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("transport", "seed"),
-                         [("mapped", 0), ("emulated", 7), ("emulated", 8), ("emulated", 9)])
+                         [("mapped", 0), ("emulated", 7), ("emulated", 8), ("emulated", 9),
+                          ("nvshmem", 0)])
 def test_normal_ops_over_a_device_transport(transport, seed):
     """The normal-mode suite in a child process per transport (and per emulator seed). Its
     ranks are the GPUs of one process: on one GPU a single rank, whose transport carries the
     combine's barrier word to itself only; the fake-hosts digests below move rows between
-    ranks. The plan kernel's grid shapes (up to ~170k tokens a rank) stay with the mapped
-    transport: one proxy command per row is too slow for them."""
+    ranks. Over NVSHMEM's device API the process is one PE, as for the low-latency suite. The
+    plan kernel's grid shapes (up to ~170k tokens a rank) stay with the mapped transport: one
+    proxy command per row is too slow for them."""
     require_gpus(1)
+    extra = _nvshmem_env() if transport == "nvshmem" else {}
     selected = ("(cuda or plan_grid) and not hundred_buffers" if transport == "mapped"
                 else "cuda and not hundred_buffers")
-    rc, output = _run_suite_over(transport, "-k", selected, suite=NORMAL_SUITE, seed=seed)
+    rc, output = _run_suite_over(transport, "-k", selected, suite=NORMAL_SUITE, seed=seed,
+                                 **extra)
     assert rc == 0 and " passed" in output and "failed" not in output, output
 
 

@@ -25,13 +25,13 @@ constexpr int kTransportRegions = 4;
 
 // How the ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the kernels' own stores
 // through peer mappings (NVLink). The others run the put-protocol kernels of
-// kernels/low_latency/low_latency_transport.h, and for kMapped and kEmulated the normal-mode
-// kernels' transport path (kernels/normal/normal_transport.cuh), written for peers without a
-// mapping (docs/transport.md): kMapped performs each put as stores through the peer mapping;
+// kernels/low_latency/low_latency_transport.h and the normal-mode kernels' transport path
+// (kernels/normal/normal_transport.cuh), written for peers without a mapping
+// (docs/transport.md): kMapped performs each put as stores through the peer mapping;
 // kEmulated hands every command to a host proxy per rank, which delivers it with copy-engine
 // copies, adversarially (the test transport of issue 20); kNvshmem performs it with NVSHMEM's
-// device API (the workspace on NVSHMEM's symmetric heap, JAX_EP_TRANSPORT=nvshmem; the
-// low-latency ops only: the normal ops keep their stores).
+// device API (the workspace on NVSHMEM's symmetric heap, JAX_EP_TRANSPORT=nvshmem; the kernels
+// are the NVSHMEM plugin's).
 enum class DeviceTransport : int32_t { kStores = 0, kMapped = 1, kEmulated = 2, kNvshmem = 3 };
 
 // Static configuration of a Buffer, identical on every rank.
@@ -53,7 +53,7 @@ struct BufferConfig {
   // Over a device transport: send slots per push warp of a normal transfer kernel (0: as many as
   // the send region holds; fewer makes a warp restage slots within a call, as tests want).
   int normal_send_slots = 0;
-  DeviceTransport device_transport = DeviceTransport::kStores;  // kNvshmem: low_latency only
+  DeviceTransport device_transport = DeviceTransport::kStores;
   uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
   // Tests only: the ops' put-protocol kernels break one rule (transport/mutant.h), so that a
   // test with one process per rank shows the emulated transport catches it. The normal

@@ -4,6 +4,8 @@
 
 #include <mutex>
 
+#include "kernels/normal/normal_nvshmem.h"
+
 namespace jax_ep {
 namespace {
 
@@ -14,7 +16,19 @@ struct Plugin {
   int (*combine)(const LowLatencyTransportLaunch*, const LowLatencyTransportCombine*,
                  cudaStream_t) = nullptr;
   int (*library_of_kernels)(void**, char*, size_t) = nullptr;
+  // The normal mode's kernels (kernels/normal/normal_nvshmem.h).
+  int (*dispatch_plan)(int, int, const normal_dispatch::DispatchPlanArgs*, cudaStream_t) = nullptr;
+  int (*dispatch_transfer)(int, size_t, const normal_dispatch::DispatchTransferArgs*,
+                           cudaStream_t) = nullptr;
+  int (*combine_plan)(const normal_combine::CombinePlanArgs*, cudaStream_t) = nullptr;
+  int (*combine_transfer)(int, int, const normal_combine::CombineTransferArgs*,
+                          cudaStream_t) = nullptr;
 };
+
+template <typename Function>
+void resolve(void* library, const char* name, Function* function) {
+  *function = reinterpret_cast<Function>(dlsym(library, name));
+}
 
 Plugin plugin;  // written once under plugin_mutex, before any launch can use it
 std::mutex plugin_mutex;
@@ -33,14 +47,17 @@ std::string nvshmem_plugin_load(const std::string& path) {
   }
   Plugin loaded;
   loaded.library = library;
-  loaded.dispatch =
-      reinterpret_cast<decltype(loaded.dispatch)>(dlsym(library, "jax_ep_nvshmem_dispatch"));
-  loaded.combine =
-      reinterpret_cast<decltype(loaded.combine)>(dlsym(library, "jax_ep_nvshmem_combine"));
-  loaded.library_of_kernels = reinterpret_cast<decltype(loaded.library_of_kernels)>(
-      dlsym(library, "jax_ep_nvshmem_library"));
+  resolve(library, "jax_ep_nvshmem_dispatch", &loaded.dispatch);
+  resolve(library, "jax_ep_nvshmem_combine", &loaded.combine);
+  resolve(library, "jax_ep_nvshmem_library", &loaded.library_of_kernels);
+  resolve(library, "jax_ep_nvshmem_normal_dispatch_plan", &loaded.dispatch_plan);
+  resolve(library, "jax_ep_nvshmem_normal_dispatch_transfer", &loaded.dispatch_transfer);
+  resolve(library, "jax_ep_nvshmem_normal_combine_plan", &loaded.combine_plan);
+  resolve(library, "jax_ep_nvshmem_normal_combine_transfer", &loaded.combine_transfer);
   if (loaded.dispatch == nullptr || loaded.combine == nullptr ||
-      loaded.library_of_kernels == nullptr) {
+      loaded.library_of_kernels == nullptr || loaded.dispatch_plan == nullptr ||
+      loaded.dispatch_transfer == nullptr || loaded.combine_plan == nullptr ||
+      loaded.combine_transfer == nullptr) {
     dlclose(library);
     return "jax_ep: " + path + " lacks the jax_ep_nvshmem_* entry points (a stale build?)";
   }
@@ -60,6 +77,35 @@ cudaError_t launch_low_latency_transport_combine_nvshmem(const LowLatencyTranspo
                                                          cudaStream_t stream) {
   if (plugin.combine == nullptr) return cudaErrorNotSupported;
   return static_cast<cudaError_t>(plugin.combine(&launch, &op, stream));
+}
+
+cudaError_t launch_dispatch_plan_nvshmem(int rank_slots, int num_blocks,
+                                         const normal_dispatch::DispatchPlanArgs& args,
+                                         cudaStream_t stream) {
+  if (plugin.dispatch_plan == nullptr) return cudaErrorNotSupported;
+  return static_cast<cudaError_t>(plugin.dispatch_plan(rank_slots, num_blocks, &args, stream));
+}
+
+cudaError_t launch_dispatch_transfer_nvshmem(int num_blocks, size_t shared_bytes,
+                                             const normal_dispatch::DispatchTransferArgs& args,
+                                             cudaStream_t stream) {
+  if (plugin.dispatch_transfer == nullptr) return cudaErrorNotSupported;
+  return static_cast<cudaError_t>(
+      plugin.dispatch_transfer(num_blocks, shared_bytes, &args, stream));
+}
+
+cudaError_t launch_combine_plan_nvshmem(const normal_combine::CombinePlanArgs& args,
+                                        cudaStream_t stream) {
+  if (plugin.combine_plan == nullptr) return cudaErrorNotSupported;
+  return static_cast<cudaError_t>(plugin.combine_plan(&args, stream));
+}
+
+cudaError_t launch_combine_transfer_nvshmem(int element_bytes, int num_blocks,
+                                            const normal_combine::CombineTransferArgs& args,
+                                            cudaStream_t stream) {
+  if (plugin.combine_transfer == nullptr) return cudaErrorNotSupported;
+  return static_cast<cudaError_t>(
+      plugin.combine_transfer(element_bytes, num_blocks, &args, stream));
 }
 
 std::string nvshmem_transport_library(void** library) {

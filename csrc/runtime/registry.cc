@@ -174,11 +174,6 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
     message << "jax_ep: normal_send_slots must be >= 0, got " << config.normal_send_slots;
     return message.str();
   }
-  if (config.device_transport == DeviceTransport::kNvshmem && !config.low_latency) {
-    return "jax_ep: the NVSHMEM device transport (JAX_EP_DEVICE_TRANSPORT=nvshmem) carries the "
-           "low-latency ops only: create the Buffer with low_latency=True, or use mapped or "
-           "emulated for the normal ops";
-  }
   return "";
 }
 
@@ -281,7 +276,8 @@ std::string allocate_rank(RankContext& ctx) {
   if (config.device_transport != DeviceTransport::kStores && config.low_latency) {
     RETURN_MESSAGE_IF_CUDA_ERROR(device, preload_low_latency_transport_kernels());
   }
-  if (normal_over_transport(config)) {
+  // Over kNvshmem the normal kernels are the plugin's (not preloaded, as its low-latency ones).
+  if (normal_over_transport(config) && config.device_transport != DeviceTransport::kNvshmem) {
     preload_normal_transport_kernels();
     RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaGetLastError());  // from the preload
   }
@@ -412,7 +408,9 @@ size_t normal_send_region_offset(const BufferConfig& config) {
 
 // Every rank's transport regions as seen from `ctx`'s device, [rank][kTransportRegions]: the
 // low-latency kernels' two (null in a Buffer without them), the normal-mode area (the
-// workspace's start) and its send region (null over kNvshmem); null for ranks not mapped yet.
+// workspace's start) and its send region (the workspace's end); null for ranks not mapped yet.
+// Over kNvshmem only this rank's row is read: its addresses are symmetric (the workspace is one
+// allocation on the symmetric heap, so a region's offset in it names the same bytes at every PE).
 void transport_region_table(const RankContext& ctx, char* table[kTransportRegions * kMaxRanks]) {
   low_latency_transport_region_table(ctx, table);
   const bool normal = normal_over_transport(ctx.config);

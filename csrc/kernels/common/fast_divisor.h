@@ -8,9 +8,9 @@
 #include <cstdint>
 
 #ifdef __CUDACC__
-#define JAX_EP_HOST_DEVICE __host__ __device__
+#define JAX_EP_DIVISOR_HOST_DEVICE __host__ __device__
 #else
-#define JAX_EP_HOST_DEVICE
+#define JAX_EP_DIVISOR_HOST_DEVICE
 #endif
 
 namespace jax_ep {
@@ -30,7 +30,7 @@ struct FastDivisor {
     shift2 = l < 1 ? 0 : l - 1;
   }
 
-  JAX_EP_HOST_DEVICE uint32_t divide(uint32_t n) const {
+  JAX_EP_DIVISOR_HOST_DEVICE uint32_t divide(uint32_t n) const {
     const uint32_t high = static_cast<uint32_t>((static_cast<uint64_t>(n) * multiplier) >> 32);
     return (high + ((n - high) >> shift1)) >> shift2;
   }
@@ -38,4 +38,4 @@ struct FastDivisor {
 
 }  // namespace jax_ep
 
-#undef JAX_EP_HOST_DEVICE
+#undef JAX_EP_DIVISOR_HOST_DEVICE

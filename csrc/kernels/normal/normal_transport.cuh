@@ -9,7 +9,9 @@
 //     are XLA operands, which are not), then put_signal sets its row flag at the peer;
 //   - a count or barrier word is a signal (kSet).
 // A kernel is written once, templated on its path; `if constexpr (is_stores_path<Path>)` keeps
-// the stores kernels what they were.
+// the stores kernels what they were. MakeNormalTransport is specialised here for the mapped and
+// emulated transports, and for NVSHMEM's in the plugin (plugins/nvshmem_transport_kernels.cu),
+// the only code built against NVSHMEM's headers.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +39,8 @@ struct NormalTransportArgs {
   // Tests only: the push warps break one rule (signal_before_data, reuse_before_quiet,
   // unregistered_source, no_final_quiet; the normal kernels have no fence to drop).
   transport::Mutant mutant = transport::Mutant::kNone;
+  // kNvshmem: every rank's NVSHMEM PE (last, so the other fields keep their offsets).
+  int pe_of_rank[kMaxRanks] = {};
 };
 
 inline NormalTransportArgs normal_transport_args(const RankContext& ctx) {
@@ -48,6 +52,7 @@ inline NormalTransportArgs normal_transport_args(const RankContext& ctx) {
   args.max_slots_per_warp = ctx.config.normal_send_slots;
   args.layout = normal_layout(ctx.config);
   args.mutant = ctx.config.transport_mutant;
+  for (int r = 0; r < ctx.config.num_ranks; ++r) args.pe_of_rank[r] = ctx.pes[r];
   return args;
 }
 

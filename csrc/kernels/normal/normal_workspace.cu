@@ -12,8 +12,7 @@ size_t normal_workspace_bytes(const BufferConfig& config) {
 }
 
 bool normal_over_transport(const BufferConfig& config) {
-  return config.device_transport == DeviceTransport::kMapped ||
-         config.device_transport == DeviceTransport::kEmulated;
+  return config.device_transport != DeviceTransport::kStores;
 }
 
 // As large as the data region: every row a call may push fits, whatever its size (the handlers

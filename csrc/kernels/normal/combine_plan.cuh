@@ -1,0 +1,106 @@
+// The normal-mode combine's plan kernel (launcher: combine.cu), templated on the path by which it
+// crosses ranks (normal_transport.cuh). In a header so that the NVSHMEM plugin
+// (plugins/nvshmem_transport_kernels.cu) instantiates it with its transport, as combine.cu does
+// with the others.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/limits.h"
+#include "kernels/common/sync.cuh"
+#include "kernels/normal/normal_transport.cuh"
+#include "kernels/normal/normal_workspace.h"
+
+namespace jax_ep {
+namespace normal_combine {
+
+// One warp per owner segment bound (R + 1 of them), plus threads for the barrier.
+constexpr int kCombinePlanThreads = (kMaxRanks + 1) * kWarpSize;
+
+struct CombinePlanArgs {
+  const int32_t* recv_src;         // [C]
+  const int32_t* num_recv_tokens;  // []
+  int num_tokens;
+  int capacity;
+  int num_ranks;
+  int rank;
+  const uint64_t* seq;
+  NormalPlan* plan;
+  const uint64_t* barrier;            // this rank's barrier words [src]
+  uint64_t* peer_barrier[kMaxRanks];  // every rank's barrier words
+  WaitContext wait;
+  NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
+};
+
+// First index i in [0, n] with values[i] >= key, for ascending `values`, by the whole warp: each
+// round samples 32 evenly spaced entries and keeps the gap holding the bound (a 32-ary search:
+// 3 dependent loads for 32k rows). Unsorted input gives some index in [0, n], never an access
+// outside [0, n).
+__device__ __forceinline__ int warp_lower_bound(const int32_t* values, int n, int key, int lane) {
+  int lo = 0;
+  int hi = n;
+  while (hi > lo) {
+    const int span = hi - lo;
+    if (span <= kWarpSize) {
+      const bool less = lane < span && __ldg(values + lo + lane) < key;
+      return lo + __popc(__ballot_sync(0xffffffffu, less));
+    }
+    const int stride = (span + kWarpSize - 1) / kWarpSize;
+    const int at = lo + lane * stride;
+    const bool less = at < hi && __ldg(values + at) < key;
+    const int num_less = __popc(__ballot_sync(0xffffffffu, less));
+    const int new_lo = num_less > 0 ? lo + (num_less - 1) * stride + 1 : lo;
+    hi = min(hi, lo + num_less * stride);
+    lo = new_lo;
+  }
+  return lo;
+}
+
+// Role: entry barrier of a combine and the owner segments of y. One block of
+// kCombinePlanThreads: threads r < R release-store the tag into rank r's barrier word [rank];
+// warp s <= R finds the first row whose recv_src >= s * T (rows of owner s are
+// [bound[s], bound[s+1])); then threads r < R wait for rank r's barrier word (>= tag).
+// Synchronisation: as the dispatch count exchange, a rank enters only after its previous call
+// finished, so after the barrier every peer is done with its data region and row flags.
+// Over a transport (Path a TransportPath), warp 0 signals the words instead (kSet, the tag),
+// this rank's own included: every rank waits for all R words.
+template <typename Path>
+__global__ void __launch_bounds__(kCombinePlanThreads, 1)
+    combine_plan_kernel(const CombinePlanArgs args) {
+  const Path path = PathOf<Path>::of(args.transport);
+  __shared__ int bounds[kMaxRanks + 1];
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int num_ranks = args.num_ranks;
+  const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
+
+  if constexpr (is_stores_path<Path>) {
+    if (tid < num_ranks) st_release_sys(args.peer_barrier[tid] + args.rank, tag);
+  } else if (warp == 0) {
+    auto t = make_normal_transport(path, args.rank, 0, args.wait);
+    const size_t word = path.args.layout.barrier + sizeof(uint64_t) * args.rank;
+    for (int peer = 0; peer < num_ranks; ++peer) {
+      t.signal(peer, in_normal_area(word), tag, transport::SignalOp::kSet, lane);
+    }
+  }
+
+  const int num_valid = max(0, min(__ldg(args.num_recv_tokens), args.capacity));
+  if (warp <= num_ranks) {
+    const int bound = warp_lower_bound(args.recv_src, num_valid, warp * args.num_tokens, lane);
+    if (lane == 0) bounds[warp] = bound;
+  }
+  __syncthreads();
+  if (tid < num_ranks) {
+    args.plan->recv_prefix[tid] = bounds[tid];
+    args.plan->recv_count[tid] = max(0, bounds[tid + 1] - bounds[tid]);
+  }
+  if (tid == 0) args.plan->num_recv = num_valid;
+
+  if (tid < num_ranks) wait_flag(args.wait, args.barrier + tid, tag, tid);
+}
+
+}  // namespace normal_combine
+}  // namespace jax_ep

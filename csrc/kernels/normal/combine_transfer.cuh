@@ -1,0 +1,261 @@
+// The normal-mode combine's transfer kernel (launcher: combine.cu), templated on the path by
+// which it crosses ranks (normal_transport.cuh). In a header so that the NVSHMEM plugin
+// (plugins/nvshmem_transport_kernels.cu) instantiates it with its transport, as combine.cu does
+// with the others.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/copy.cuh"
+#include "kernels/common/limits.h"
+#include "kernels/common/sync.cuh"
+#include "kernels/normal/normal_transport.cuh"
+#include "kernels/normal/normal_workspace.h"
+
+namespace jax_ep {
+namespace normal_combine {
+
+constexpr int kTransferThreads = kNormalTransferThreads;
+constexpr int kTransferWarps = kTransferThreads / kWarpSize;
+// Tokens of one reduce work item: two per warp of the block.
+constexpr int kTokensPerItem = 2 * kTransferWarps;
+// 16-byte vectors each lane of a reducing warp loads per source before it adds.
+constexpr int kReduceUnroll = 2;
+
+struct CombineTransferArgs {
+  const char* y;  // [C, y_bytes_per_row]
+  int64_t y_bytes_per_row;
+  const float* y_w;  // [C, num_w]
+  int num_w;
+  const int32_t* send_pos;  // [T, R]
+  const int32_t* recv_src;  // [C]
+  int num_tokens;
+  int capacity;
+  int num_ranks;
+  int rank;
+  int max_tokens;
+  char* combined;     // [T, y_bytes_per_row]
+  float* combined_w;  // [T, num_w]
+  // Workspace of this rank.
+  const NormalPlan* plan;
+  uint64_t* seq;
+  uint32_t* work_counter;
+  uint32_t* done_counter;
+  const char* rows;  // data region: rows [src][token]
+  const uint64_t* row_flags;
+  char* peer_rows[kMaxRanks];
+  uint64_t* peer_row_flags[kMaxRanks];
+  int64_t region_bytes_per_row;
+  int num_push_blocks;
+  WaitContext wait;
+  NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
+};
+
+// float32 accumulation of 16-byte vectors of Element.
+template <typename Element>
+struct VectorMath;
+
+template <>
+struct VectorMath<__nv_bfloat16> {
+  static constexpr int kPerVector = 8;
+  __device__ static void add(float (&acc)[kPerVector], const int4& v) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < kPerVector / 2; ++i) {
+      const float2 f = __bfloat1622float2(pairs[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  __device__ static int4 pack(const float (&acc)[kPerVector]) {
+    int4 v;
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < kPerVector / 2; ++i) {
+      pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    }
+    return v;
+  }
+};
+
+template <>
+struct VectorMath<float> {
+  static constexpr int kPerVector = 4;
+  __device__ static void add(float (&acc)[kPerVector], const int4& v) {
+    acc[0] += __int_as_float(v.x);
+    acc[1] += __int_as_float(v.y);
+    acc[2] += __int_as_float(v.z);
+    acc[3] += __int_as_float(v.w);
+  }
+  __device__ static int4 pack(const float (&acc)[kPerVector]) {
+    return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                     __float_as_int(acc[3]));
+  }
+};
+
+// combined[token] = sum over ranks r (ascending) with 0 <= send_pos[token, r] < C of that
+// rank's row: y itself for this rank, the data region row [r][token] for the others (lane r
+// first acquires its row flag). One warp, float32, rounded once.
+template <typename Element>
+__device__ __forceinline__ void reduce_token(const CombineTransferArgs& args, int token,
+                                             uint64_t tag, int lane) {
+  using Math = VectorMath<Element>;
+  const int num_ranks = args.num_ranks;
+  const int rank = args.rank;
+  const int pos =
+      lane < num_ranks ? __ldg(args.send_pos + static_cast<int64_t>(token) * num_ranks + lane) : -1;
+  const bool valid = lane < num_ranks && pos >= 0 && pos < args.capacity;
+  if (valid && lane != rank) {
+    wait_flag(args.wait, args.row_flags + static_cast<int64_t>(lane) * args.max_tokens + token, tag,
+              lane);
+  }
+  const uint32_t sources = __ballot_sync(0xffffffffu, valid);
+  const int own_pos = __shfl_sync(0xffffffffu, pos, rank);
+  __syncwarp();  // orders each lane's acquire before every lane's loads of that source's row
+
+  const char* own_row = args.y + static_cast<int64_t>(max(own_pos, 0)) * args.y_bytes_per_row;
+  auto source_row = [&](int r) -> const char* {
+    return r == rank ? own_row
+                     : args.rows + (static_cast<int64_t>(r) * args.num_tokens + token) *
+                                       args.region_bytes_per_row;
+  };
+
+  const int64_t num_vectors = args.y_bytes_per_row / kBytesPerVector;
+  int4* out = reinterpret_cast<int4*>(args.combined + token * args.y_bytes_per_row);
+  for (int64_t base = lane; base < num_vectors; base += kWarpSize * kReduceUnroll) {
+    int4 loaded[kReduceUnroll][kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if ((sources >> r) & 1u) {
+        const int4* row = reinterpret_cast<const int4*>(source_row(r));
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          const int64_t idx = base + u * kWarpSize;
+          if (idx < num_vectors)
+            loaded[u][r] = r == rank ? ld_nc_v4(row + idx) : ld_cg_v4(row + idx);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int64_t idx = base + u * kWarpSize;
+      if (idx >= num_vectors) continue;
+      float acc[Math::kPerVector];
+#pragma unroll
+      for (int i = 0; i < Math::kPerVector; ++i) acc[i] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) {
+        if ((sources >> r) & 1u) Math::add(acc, loaded[u][r]);
+      }
+      st_v4(out + idx, Math::pack(acc));
+    }
+  }
+
+  for (int c = lane; c < args.num_w; c += kWarpSize) {
+    float sum = 0.0f;
+    for (int r = 0; r < num_ranks; ++r) {
+      if (!((sources >> r) & 1u)) continue;
+      if (r == rank) {
+        sum += __ldg(args.y_w + static_cast<int64_t>(own_pos) * args.num_w + c);
+      } else {
+        sum += ld_cg_f32(reinterpret_cast<const float*>(source_row(r) + args.y_bytes_per_row) + c);
+      }
+    }
+    args.combined_w[static_cast<int64_t>(token) * args.num_w + c] = sum;
+  }
+}
+
+// Role: the data movement of one combine, as work items claimed in this order:
+//   [push roles] [reduce items of kTokensPerItem tokens]
+// - push role p: warp g = p*W + w handles entries q = g, g+P*W, ... of (k, owner) in k-major
+//   order over the other ranks: row recv_prefix[owner] + k of y (token = recv_src - owner*T)
+//   goes to the owner's data region row [rank][token] (y bytes, then y_w), then __syncwarp +
+//   release-store of tag into the owner's row flag [rank][token].
+// - reduce item: one warp per token (reduce_token), waiting per source row.
+// Grid: ctx.normal_blocks blocks of kTransferThreads; deadlock-free without co-residency for the
+// same reason as the dispatch transfer (all push roles are claimed before any reduce item). The
+// last block to finish stores the call's sequence number.
+// Over a transport (Path a TransportPath) a push warp stages each row in its send slots and
+// puts it with its flag (RowSender), and quiets before it leaves its role, as in the dispatch.
+template <typename Element, typename Path>
+__global__ void __launch_bounds__(kTransferThreads, 1)
+    combine_transfer_kernel(const CombineTransferArgs args) {
+  const Path path = PathOf<Path>::of(args.transport);
+  __shared__ NormalPlan plan;
+  __shared__ int claimed_item;
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int num_ranks = args.num_ranks;
+  const int rank = args.rank;
+  const int num_tokens = args.num_tokens;
+  const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
+
+  if (tid < static_cast<int>(sizeof(NormalPlan) / sizeof(int))) {
+    reinterpret_cast<int*>(&plan)[tid] = __ldg(reinterpret_cast<const int*>(args.plan) + tid);
+  }
+  __syncthreads();
+
+  const int num_peers = num_ranks - 1;
+  int max_rows = 0;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (r != rank) max_rows = max(max_rows, plan.recv_count[r]);
+  }
+  const int num_push_items = num_peers > 0 ? args.num_push_blocks : 0;
+  const int num_reduce_items = (num_tokens + kTokensPerItem - 1) / kTokensPerItem;
+  const int num_items = num_push_items + num_reduce_items;
+
+  for (;;) {
+    int item = claim_work_item(args.work_counter, &claimed_item);
+    if (item >= num_items) break;
+
+    if (item < num_push_items) {
+      const int64_t num_push_warps = static_cast<int64_t>(args.num_push_blocks) * kTransferWarps;
+      const int64_t num_entries = static_cast<int64_t>(max_rows) * num_peers;
+      const int64_t push_warp = static_cast<int64_t>(item) * kTransferWarps + warp;
+      RowSender<Path> sender(path, rank, args.wait, push_warp, num_push_warps,
+                             args.region_bytes_per_row);
+      for (int64_t q = push_warp; q < sender.end(num_entries); q += sender.stride(num_push_warps)) {
+        const int k = static_cast<int>(q / num_peers);
+        const int owner = (rank + 1 + static_cast<int>(q % num_peers)) % num_ranks;
+        if (k >= plan.recv_count[owner]) continue;
+        const int row = plan.recv_prefix[owner] + k;
+        if (row >= plan.num_recv) continue;
+        const int token = __ldg(args.recv_src + row) - owner * num_tokens;
+        if (token < 0 || token >= num_tokens) continue;  // inconsistent handle: drop the row
+        char* const rows = sender.rows(args.peer_rows, owner);
+        const int64_t region_row = static_cast<int64_t>(rank) * num_tokens + token;
+        const int64_t at = sender.next_row(region_row, lane);
+        char* dst = rows + at * args.region_bytes_per_row;
+        warp_copy_vectors<true>(reinterpret_cast<int4*>(dst),
+                                reinterpret_cast<const int4*>(args.y + static_cast<int64_t>(row) *
+                                                                           args.y_bytes_per_row),
+                                args.y_bytes_per_row / kBytesPerVector, lane);
+        float* dst_w = reinterpret_cast<float*>(dst + args.y_bytes_per_row);
+        for (int c = lane; c < args.num_w; c += kWarpSize) {
+          dst_w[c] = __ldg(args.y_w + static_cast<int64_t>(row) * args.num_w + c);
+        }
+        const auto flag_index = [&] {
+          return static_cast<int64_t>(rank) * args.max_tokens + token;
+        };
+        sender.send(args.peer_row_flags, owner, region_row, at, flag_index, tag, lane);
+      }
+      sender.finish(lane);
+      continue;
+    }
+    item -= num_push_items;
+
+    const int end = min(num_tokens, (item + 1) * kTokensPerItem);
+    for (int token = item * kTokensPerItem + warp; token < end; token += kTransferWarps) {
+      reduce_token<Element>(args, token, tag, lane);
+    }
+  }
+
+  finish_transfer_block(args.work_counter, args.done_counter, args.seq, tag);
+}
+
+}  // namespace normal_combine
+}  // namespace jax_ep
