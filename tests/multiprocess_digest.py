@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import os
 import sys
+import traceback
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -124,4 +125,13 @@ def low_latency_mode(mesh, backend, x, idx, w):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "cuda", *sys.argv[2:3])
+    try:
+        main(sys.argv[1] if len(sys.argv) > 1 else "cuda", *sys.argv[2:3])
+    except BaseException:
+        # A failed rank (a kernel that trapped: a caught protocol mutant) leaves at once.
+        # jax.distributed's shutdown at exit would wait for the peer, which may itself wait for
+        # this rank's data; the launcher ends the others only once one process has exited.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
