@@ -326,10 +326,10 @@ def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_dige
     sets only after it has read the row, so the last quiet of a push warp orders nothing that
     is not ordered already; no_fence is refused, the normal kernels issue no fence.)"""
     for seed in range(2):
-        # The run bounded as a whole: a caught mutant may trap a kernel (a wait past its
-        # bound) and leave the other process waiting for it. The waits keep the correct runs'
-        # bound, so a slow emulator cannot pass for a caught mutant. Not yet seen to finish on
-        # a GPU (twelfth session: the first case ran past 130 s without this bound).
+        # A caught mutant traps a kernel (a wait past its bound): that rank leaves at once
+        # (multiprocess_digest's os._exit) and the launcher ends its peer after the grace; the
+        # run is bounded as a whole too. The waits keep the correct runs' bound, so a slow
+        # emulator cannot pass for a caught mutant.
         proc = _two_processes_digest("emulated", seed, mutant, part="normal",
                                      bound=("--timeout", "150", "--grace", "5"), **RESTAGING)
         output = proc.stdout + proc.stderr
