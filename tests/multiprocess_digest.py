@@ -8,7 +8,9 @@ cached dispatch, combine, layout, low-latency dispatch fp8/bf16 and combine, gra
 dispatch+combine loss); the lines of the two layouts must be equal (tests/test_gpu_multiprocess.py).
 With ``normal`` only the normal-mode ops (6 lines), with ``low_latency`` only the low-latency
 ops (3 lines): what a device transport carries, one Buffer at a time
-(tests/test_device_transport.py).
+(tests/test_device_transport.py). A process that fails leaves at once, without waiting for its
+peers at exit; ``DIGEST_FAIL_PROCESS=<index>`` makes that process fail first thing (a test of
+that).
 """
 
 import dataclasses
@@ -61,6 +63,8 @@ def digest(name, tree):
 
 
 def main(backend, parts="all"):
+    if os.environ.get("DIGEST_FAIL_PROCESS") == str(jax.process_index()):
+        raise RuntimeError("this process fails on purpose (DIGEST_FAIL_PROCESS)")
     devices = jax.devices("gpu") if backend == "cuda" else jax.devices("cpu")
     mesh = Mesh(np.array(devices), ("ep",))
     R = mesh.shape["ep"]

@@ -179,6 +179,21 @@ def test_two_processes_give_the_bits_of_one():
     assert digest_lines(proc.stdout) == single
 
 
+def test_a_failed_process_leaves_at_once_and_the_launcher_ends_its_peer():
+    """The digest script's failed process exits at once (no wait for its peer in
+    jax.distributed's shutdown), so the launcher ends the other, which waits in the first
+    program for it, after --grace: a caught protocol mutant's run (tests/test_device_transport.py)
+    then costs seconds, not the launcher's --timeout. (Here on CPU the peer would give up by
+    itself after 30 s, gloo's wait for the failed process, and both exit then.)"""
+    proc, seconds = run_launcher("-n", "2", "--devices-per-process", "2", "--timeout", "90",
+                                 "--grace", "3", "--", sys.executable,
+                                 str(launching.DIGEST_SCRIPT), "xla", "normal",
+                                 extra_env={"DIGEST_FAIL_PROCESS": "1"}, timeout=150)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fails on purpose" in proc.stdout + proc.stderr
+    assert seconds < 25, f"{seconds:.0f} s: the failed process did not leave at once"
+
+
 PROTOCOL_SCRIPT = textwrap.dedent("""
     import os, sys, time
     import jax, numpy as np
