@@ -131,7 +131,7 @@ def low_latency_mode(mesh, backend, x, idx, w):
 if __name__ == "__main__":
     try:
         main(sys.argv[1] if len(sys.argv) > 1 else "cuda", *sys.argv[2:3])
-    except BaseException:
+    except Exception:
         # A failed rank (a kernel that trapped: a caught protocol mutant) leaves at once.
         # jax.distributed's shutdown at exit would wait for the peer, which may itself wait for
         # this rank's data; the launcher ends the others only once one process has exited.
