@@ -11,6 +11,10 @@
 #   devtransport  tests/test_device_transport.py alone (the ops over every device transport,
 #           in child processes: several minutes; SUITE_ARGS
 #           "--ignore=tests/test_device_transport.py" keeps it out of the suite)
+#   mutants  issue 20: the normal-mode protocol mutants under the ops (two fake hosts, two seeds
+#           each; ~35 s a caught run, ~4 min)
+#   seeds20  issue 20's bar for the normal mode: the fake-hosts normal digests under 20 emulator
+#           seeds, two runs each (JAX_EP_TRANSPORT_SEEDS=20; a call of its own)
 #   cublaslt  scripts/cublaslt_probe.sh: cuBLASLt's grouped matmul on the expert GEMMs' products
 #           (issue 21; ~1 min)
 #   launchfloor  benchmarks/launch_floor.py: a custom call's cost by how its kernel launches
@@ -40,6 +44,11 @@ has transport && step transport "${TRANSPORT_S:-200}" pytest -m gpu -q -p no:cac
 # The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
 has devtransport && step devtransport "${DEVTRANSPORT_S:-500}" pytest -m gpu -q \
   -p no:cacheprovider -rs --durations=10 tests/test_device_transport.py
+has mutants && step mutants "${MUTANTS_S:-330}" env CUDA_DEVICE_MAX_CONNECTIONS=32 pytest -m gpu \
+  -v -p no:cacheprovider -rs --durations=0 tests/test_device_transport.py -k normal_protocol_mutant
+has seeds20 && step seeds20 "${SEEDS20_S:-540}" env CUDA_DEVICE_MAX_CONNECTIONS=32 \
+  JAX_EP_TRANSPORT_SEEDS=20 pytest -m gpu -q -s -p no:cacheprovider -rs --durations=0 \
+  tests/test_device_transport.py -k normal_ops_across_fake_hosts
 has shared && step shared 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 290 -- \
   pytest -m gpu -q -p no:cacheprovider tests/test_split_chains.py tests/test_low_latency_split.py \
   tests/test_faults.py --deselect \
