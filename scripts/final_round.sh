@@ -5,8 +5,8 @@
 #   step    profile_ops (kernel times) and bench_step (what a program pays per step: with the
 #           stand-in expert, and --bare: the op pairs alone)
 #   shared  2 processes sharing the GPU (jax_ep.launch --processes-per-gpu 2): the chains of split
-#           halves, the split ops and the adversarial routings over CUDA IPC peers
-#   fakehosts  the shared section's tests as two fake hosts over the emulated transport (issue 20)
+#           halves, the split ops and the adversarial routings, over CUDA IPC peers and as two
+#           fake hosts over the emulated transport (SHARED_K=one_host or two_fake_hosts: one)
 #   transport  tests/test_transport_gpu.py alone (issue 20's emulated transport; SUITE_ARGS
 #           "--ignore=tests/test_transport_gpu.py" keeps it out of the suite)
 #   devtransport  tests/test_device_transport.py alone (the ops over every device transport,
@@ -50,18 +50,8 @@ has mutants && step mutants "${MUTANTS_S:-330}" env CUDA_DEVICE_MAX_CONNECTIONS=
 has seeds20 && step seeds20 "${SEEDS20_S:-540}" env CUDA_DEVICE_MAX_CONNECTIONS=32 \
   JAX_EP_TRANSPORT_SEEDS=20 pytest -m gpu -q -s -p no:cacheprovider -rs --durations=0 \
   tests/test_device_transport.py -k normal_ops_across_fake_hosts
-# What two processes sharing the GPU run (XLA's collectives, which the deselected test needs,
-# fail there: NCCL refuses two ranks on one GPU).
-shared_tests=(tests/test_split_chains.py tests/test_low_latency_split.py tests/test_faults.py
-  --deselect tests/test_low_latency_split.py::test_gradients_through_send_and_recv_equal_fused)
-has shared && step shared 300 python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout 290 -- \
-  pytest -m gpu -q -p no:cacheprovider "${shared_tests[@]}"
-# The same as two fake hosts over the emulated transport (FAKEHOSTS_TESTS adds files, e.g.
-# tests/test_normal.py), the digests' bound on a kernel wait.
-has fakehosts && step fakehosts "${FAKEHOSTS_S:-400}" env JAX_EP_DEVICE_TRANSPORT=emulated \
-  CUDA_DEVICE_MAX_CONNECTIONS=32 JAX_EP_TIMEOUT_S=20 python3 -m jax_ep.launch -n 2 \
-  --processes-per-gpu 2 --fake-hosts 2 --timeout "$(( ${FAKEHOSTS_S:-400} - 10 ))" -- \
-  pytest -m gpu -q -p no:cacheprovider -rs "${shared_tests[@]}" ${FAKEHOSTS_TESTS:-}
+has shared && step shared "${SHARED_S:-580}" pytest -m gpu -q -p no:cacheprovider -rs \
+  --durations=0 tests/test_gpu_multiprocess.py -k "pair_on_one_gpu${SHARED_K:+ and $SHARED_K}"
 if has step; then
   (cd /tmp && step profile 200 python3 "$R/benchmarks/profile_ops.py" --out "$OUT" --tokens 4096 \
      --ll-tokens 128 --ops dispatch_bf16,combine,ll_dispatch_fp8,ll_dispatch_bf16,ll_combine,ll_dispatch_split_fp8,ll_combine_split
