@@ -42,14 +42,14 @@ has suite && step gpu_suite "${SUITE_S:-330}" pytest -m gpu -q -p no:cacheprovid
   --durations=15 ${SUITE_ARGS:-}
 has transport && step transport "${TRANSPORT_S:-200}" pytest -m gpu -q -p no:cacheprovider -rs \
   --durations=10 tests/test_transport_gpu.py
-# The low-latency backward passes use XLA's all_to_all, which NCCL refuses on a shared GPU.
 has devtransport && step devtransport "${DEVTRANSPORT_S:-500}" pytest -m gpu -q \
   -p no:cacheprovider -rs --durations=10 tests/test_device_transport.py
-has mutants && step mutants "${MUTANTS_S:-330}" env CUDA_DEVICE_MAX_CONNECTIONS=32 pytest -m gpu \
-  -v -p no:cacheprovider -rs --durations=0 tests/test_device_transport.py -k normal_protocol_mutant
-has seeds20 && step seeds20 "${SEEDS20_S:-540}" env CUDA_DEVICE_MAX_CONNECTIONS=32 \
-  JAX_EP_TRANSPORT_SEEDS=20 pytest -m gpu -q -s -p no:cacheprovider -rs --durations=0 \
-  tests/test_device_transport.py -k normal_ops_across_fake_hosts
+# (The tests give their child processes the transport's environment themselves.)
+has mutants && step mutants "${MUTANTS_S:-330}" pytest -m gpu -v -p no:cacheprovider -rs \
+  --durations=0 tests/test_device_transport.py -k normal_protocol_mutant
+has seeds20 && step seeds20 "${SEEDS20_S:-540}" env JAX_EP_TRANSPORT_SEEDS=20 pytest -m gpu -q -s \
+  -p no:cacheprovider -rs --durations=0 tests/test_device_transport.py \
+  -k normal_ops_across_fake_hosts
 has shared && step shared "${SHARED_S:-580}" pytest -m gpu -q -p no:cacheprovider -rs \
   --durations=0 tests/test_gpu_multiprocess.py -k "pair_on_one_gpu${SHARED_K:+ and $SHARED_K}"
 if has step; then

@@ -26,6 +26,16 @@ def child_env(platform, extra_env=None):
     return env
 
 
+def device_transport_env(transport, seed=0, **extra_env):
+    """What a child process needs to run the ops over ``JAX_EP_DEVICE_TRANSPORT=transport``
+    (``seed``: the emulator's, rank r with seed + r), plus ``extra_env``."""
+    return {"JAX_EP_DEVICE_TRANSPORT": transport, "JAX_EP_EMULATOR_SEED": str(seed),
+            # The proxy's copies must not queue behind the kernel that waits for them.
+            "CUDA_DEVICE_MAX_CONNECTIONS": "32",
+            # A kernel wait's bound, for runs slowed by the emulator and by a shared GPU.
+            "JAX_EP_TIMEOUT_S": "20", **extra_env}
+
+
 def run_launcher(*args, platform="cpu", timeout=300, extra_env=None, cwd=ROOT):
     """``(CompletedProcess, seconds)`` of one launcher run (``--platform`` is passed through).
     Children of ``python -c`` import from ``cwd`` first: pass another folder than the source

@@ -144,10 +144,7 @@ def test_a_protocol_mutant_is_named_and_needs_a_device_transport(monkeypatch):
 
 def _run_suite_over(transport, *pytest_args, suite=SUITE, seed=7, **extra_env):
     """`suite`'s GPU cases in a child process with the transport set."""
-    env = dict(os.environ, JAX_EP_DEVICE_TRANSPORT=transport, JAX_EP_EMULATOR_SEED=str(seed),
-               **extra_env,
-               # The proxy's copies must not queue behind the kernel that waits for them.
-               CUDA_DEVICE_MAX_CONNECTIONS="32", JAX_EP_TIMEOUT_S="20")
+    env = dict(os.environ, **launching.device_transport_env(transport, seed, **extra_env))
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: jax_ep must be the installed
         proc = subprocess.run(
             [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p",
@@ -213,9 +210,8 @@ def _two_processes_digest(transport, seed=0, mutant="none", part="low_latency", 
     one GPU: as two hosts (launcher --fake-hosts 2) over the emulated transport; the mapped
     transport needs a peer mapping, so jax_ep keeps it within a host, and its run is the two
     processes as one (as is the stores path's). `bound`: launcher flags that bound the run."""
-    env = {"JAX_EP_DEVICE_TRANSPORT": transport, "JAX_EP_EMULATOR_SEED": str(seed),
-           "JAX_EP_TRANSPORT_MUTANT": mutant, "CUDA_DEVICE_MAX_CONNECTIONS": "32",
-           "JAX_EP_TIMEOUT_S": "20", **extra_env}
+    env = launching.device_transport_env(transport, seed, JAX_EP_TRANSPORT_MUTANT=mutant,
+                                         **extra_env)
     hosts = ("--fake-hosts", "2") if transport == "emulated" else ()
     with tempfile.TemporaryDirectory() as cwd:
         proc, _ = launching.run_launcher(

@@ -86,9 +86,7 @@ def test_the_op_suite_passes_in_both_processes_of_a_pair_on_one_gpu(hosts):
     flags, env = ("-n", "2", "--processes-per-gpu", "2"), {}
     if hosts == "two_fake_hosts":
         flags += ("--fake-hosts", "2")
-        env = {"JAX_EP_DEVICE_TRANSPORT": "emulated", "JAX_EP_EMULATOR_SEED": "0",
-               # The proxy's copies must not queue behind the kernel that waits for them.
-               "CUDA_DEVICE_MAX_CONNECTIONS": "32", "JAX_EP_TIMEOUT_S": "20"}
+        env = launching.device_transport_env("emulated")
     tests = [str(launching.ROOT / "tests" / name) for name in PAIR_SUITE]
     with tempfile.TemporaryDirectory() as cwd:  # children import the installed jax_ep
         proc, _ = launching.run_launcher(
