@@ -4,8 +4,8 @@
 #   suite   the README's GPU command (pytest -m gpu, the default build)
 #   step    profile_ops (kernel times) and bench_step (what a program pays per step: with the
 #           stand-in expert, and --bare: the op pairs alone)
-#   shared  2 processes sharing the GPU (jax_ep.launch --processes-per-gpu 2): the chains of split
-#           halves, the split ops and the adversarial routings, over CUDA IPC peers and as two
+#   shared  2 processes sharing the GPU (jax_ep.launch --processes-per-gpu 2): the normal ops, the
+#           split ops, their chains and the adversarial routings, over CUDA IPC peers and as two
 #           fake hosts over the emulated transport (SHARED_K=one_host or two_fake_hosts: one)
 #   transport  tests/test_transport_gpu.py alone (issue 20's emulated transport; SUITE_ARGS
 #           "--ignore=tests/test_transport_gpu.py" keeps it out of the suite)
