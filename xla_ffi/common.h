@@ -32,6 +32,14 @@ namespace ffi = ::xla::ffi;
     if (status_ != cudaSuccess) return ::jax_ep::cuda_error((op), #expr, status_); \
   } while (0)
 
+// Defines the handler `name` of `impl` with the binding `...` twice: `name`, which XLA may
+// capture in a command buffer, and `name##OnStream`, which it never captures (EP_ADD_TARGETS,
+// targets.h, registers both).
+#define EP_DEFINE_HANDLERS(name, impl, ...)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, __VA_ARGS__,                     \
+                                {::xla::ffi::Traits::kCmdBufferCompatible}); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##OnStream, impl, __VA_ARGS__)
+
 inline ffi::Error cuda_error(const char* op, const char* what, cudaError_t status) {
   std::ostringstream message;
   message << op << ": " << what << " failed: " << cudaGetErrorName(status) << " ("

@@ -265,100 +265,94 @@ ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t device, int64_
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, LowLatencyDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Attr<bool>("use_fp8")                     // use_fp8
-                                  .Attr<bool>("round_scale")                 // round_scale
-                                  .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
-                                  .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                                  .Ret<ffi::AnyBuffer>()   // recv_x [E_loc, R*T_max, H] f8/bf16
-                                  .Ret<ffi::AnyBuffer>()   // recv_scales [E_loc, R*T_max, S'] f32
-                                  .Ret<ffi::AnyBuffer>()   // recv_count [E_loc] s32
-                                  .Ret<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
-                                  .Ret<ffi::AnyBuffer>(),  // recv_k [E_loc, R*T_max] s32
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(LowLatencyDispatchHandler, LowLatencyDispatchImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Attr<bool>("use_fp8")                     // use_fp8
+                       .Attr<bool>("round_scale")                 // round_scale
+                       .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
+                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                       .Ret<ffi::AnyBuffer>()    // recv_x [E_loc, R*T_max, H] f8/bf16
+                       .Ret<ffi::AnyBuffer>()    // recv_scales [E_loc, R*T_max, S'] f32
+                       .Ret<ffi::AnyBuffer>()    // recv_count [E_loc] s32
+                       .Ret<ffi::AnyBuffer>()    // recv_src [E_loc, R*T_max] s32
+                       .Ret<ffi::AnyBuffer>());  // recv_k [E_loc, R*T_max] s32
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, LowLatencyDispatchSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Attr<bool>("use_fp8")                     // use_fp8
-                                  .Attr<bool>("round_scale")                 // round_scale
-                                  .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
-                                  .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                                  .Arg<ffi::AnyBuffer>()                     // after (unread)
-                                  .Ret<ffi::AnyBuffer>(),                    // ticket [1] s32
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(LowLatencyDispatchSendHandler, LowLatencyDispatchSendImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Attr<bool>("use_fp8")                     // use_fp8
+                       .Attr<bool>("round_scale")                 // round_scale
+                       .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
+                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                       .Arg<ffi::AnyBuffer>()                     // after (unread)
+                       .Ret<ffi::AnyBuffer>());                   // ticket [1] s32
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, LowLatencyDispatchRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Attr<bool>("use_fp8")                     // use_fp8
-                                  .Attr<bool>("round_scale")                 // round_scale
-                                  .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
-                                  .Arg<ffi::AnyBuffer>()                     // ticket [1] s32
-                                  .Ret<ffi::AnyBuffer>()   // recv_x [E_loc, R*T_max, H] f8/bf16
-                                  .Ret<ffi::AnyBuffer>()   // recv_scales [E_loc, R*T_max, S'] f32
-                                  .Ret<ffi::AnyBuffer>()   // recv_count [E_loc] s32
-                                  .Ret<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
-                                  .Ret<ffi::AnyBuffer>(),  // recv_k [E_loc, R*T_max] s32
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(LowLatencyDispatchRecvHandler, LowLatencyDispatchRecvImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Attr<bool>("use_fp8")                     // use_fp8
+                       .Attr<bool>("round_scale")                 // round_scale
+                       .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
+                       .Arg<ffi::AnyBuffer>()                     // ticket [1] s32
+                       .Ret<ffi::AnyBuffer>()    // recv_x [E_loc, R*T_max, H] f8/bf16
+                       .Ret<ffi::AnyBuffer>()    // recv_scales [E_loc, R*T_max, S'] f32
+                       .Ret<ffi::AnyBuffer>()    // recv_count [E_loc] s32
+                       .Ret<ffi::AnyBuffer>()    // recv_src [E_loc, R*T_max] s32
+                       .Ret<ffi::AnyBuffer>());  // recv_k [E_loc, R*T_max] s32
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, LowLatencyCombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()   // y [E_loc, R*T_max, H] bf16
-                                  .Arg<ffi::AnyBuffer>()   // topk_idx [T, K] s32
-                                  .Arg<ffi::AnyBuffer>()   // topk_weights [T, K] f32
-                                  .Arg<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
-                                  .Arg<ffi::AnyBuffer>()   // recv_k [E_loc, R*T_max] s32
-                                  .Arg<ffi::AnyBuffer>()   // recv_count [E_loc] s32
-                                  .Ret<ffi::AnyBuffer>(),  // out [T, H] bf16
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(LowLatencyCombineHandler, LowLatencyCombineImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Arg<ffi::AnyBuffer>()                     // y [E_loc, R*T_max, H] bf16
+                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                       .Arg<ffi::AnyBuffer>()                     // topk_weights [T, K] f32
+                       .Arg<ffi::AnyBuffer>()                     // recv_src [E_loc, R*T_max] s32
+                       .Arg<ffi::AnyBuffer>()                     // recv_k [E_loc, R*T_max] s32
+                       .Arg<ffi::AnyBuffer>()                     // recv_count [E_loc] s32
+                       .Ret<ffi::AnyBuffer>());                   // out [T, H] bf16
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, LowLatencyCombineSendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()   // y [E_loc, R*T_max, H] bf16
-                                  .Arg<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
-                                  .Arg<ffi::AnyBuffer>()   // recv_k [E_loc, R*T_max] s32
-                                  .Arg<ffi::AnyBuffer>()   // recv_count [E_loc] s32
-                                  .Arg<ffi::AnyBuffer>()   // after (unread)
-                                  .Ret<ffi::AnyBuffer>(),  // ticket [1] s32
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(LowLatencyCombineSendHandler, LowLatencyCombineSendImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Arg<ffi::AnyBuffer>()                     // y [E_loc, R*T_max, H] bf16
+                       .Arg<ffi::AnyBuffer>()                     // recv_src [E_loc, R*T_max] s32
+                       .Arg<ffi::AnyBuffer>()                     // recv_k [E_loc, R*T_max] s32
+                       .Arg<ffi::AnyBuffer>()                     // recv_count [E_loc] s32
+                       .Arg<ffi::AnyBuffer>()                     // after (unread)
+                       .Ret<ffi::AnyBuffer>());                   // ticket [1] s32
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, LowLatencyCombineRecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()   // y [E_loc, R*T_max, H] bf16
-                                  .Arg<ffi::AnyBuffer>()   // topk_idx [T, K] s32
-                                  .Arg<ffi::AnyBuffer>()   // topk_weights [T, K] f32
-                                  .Arg<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
-                                  .Arg<ffi::AnyBuffer>()   // recv_k [E_loc, R*T_max] s32
-                                  .Arg<ffi::AnyBuffer>()   // recv_count [E_loc] s32
-                                  .Arg<ffi::AnyBuffer>()   // ticket [1] s32
-                                  .Ret<ffi::AnyBuffer>(),  // out [T, H] bf16
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(LowLatencyCombineRecvHandler, LowLatencyCombineRecvImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Arg<ffi::AnyBuffer>()                     // y [E_loc, R*T_max, H] bf16
+                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                       .Arg<ffi::AnyBuffer>()                     // topk_weights [T, K] f32
+                       .Arg<ffi::AnyBuffer>()                     // recv_src [E_loc, R*T_max] s32
+                       .Arg<ffi::AnyBuffer>()                     // recv_k [E_loc, R*T_max] s32
+                       .Arg<ffi::AnyBuffer>()                     // recv_count [E_loc] s32
+                       .Arg<ffi::AnyBuffer>()                     // ticket [1] s32
+                       .Ret<ffi::AnyBuffer>());                   // out [T, H] bf16
 
 void add_low_latency_targets(std::vector<FfiTarget>& targets) {
-  targets.push_back(EP_FFI_TARGET("low_latency_dispatch", LowLatencyDispatchHandler));
-  targets.push_back(EP_FFI_TARGET("low_latency_dispatch_send", LowLatencyDispatchSendHandler));
-  targets.push_back(EP_FFI_TARGET("low_latency_dispatch_recv", LowLatencyDispatchRecvHandler));
-  targets.push_back(EP_FFI_TARGET("low_latency_combine", LowLatencyCombineHandler));
-  targets.push_back(EP_FFI_TARGET("low_latency_combine_send", LowLatencyCombineSendHandler));
-  targets.push_back(EP_FFI_TARGET("low_latency_combine_recv", LowLatencyCombineRecvHandler));
+  EP_ADD_TARGETS(targets, "low_latency_dispatch", LowLatencyDispatchHandler);
+  EP_ADD_TARGETS(targets, "low_latency_dispatch_send", LowLatencyDispatchSendHandler);
+  EP_ADD_TARGETS(targets, "low_latency_dispatch_recv", LowLatencyDispatchRecvHandler);
+  EP_ADD_TARGETS(targets, "low_latency_combine", LowLatencyCombineHandler);
+  EP_ADD_TARGETS(targets, "low_latency_combine_send", LowLatencyCombineSendHandler);
+  EP_ADD_TARGETS(targets, "low_latency_combine_recv", LowLatencyCombineRecvHandler);
 }
 
 }  // namespace jax_ep

@@ -300,71 +300,67 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, f
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LayoutHandler, LayoutImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                                  .Ret<ffi::AnyBuffer>()   // num_tokens_per_rank [R] s32
-                                  .Ret<ffi::AnyBuffer>()   // num_tokens_per_expert [E] s32
-                                  .Ret<ffi::AnyBuffer>(),  // is_token_in_rank [T, R] pred
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(LayoutHandler, LayoutImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                       .Ret<ffi::AnyBuffer>()                     // num_tokens_per_rank [R] s32
+                       .Ret<ffi::AnyBuffer>()                     // num_tokens_per_expert [E] s32
+                       .Ret<ffi::AnyBuffer>());                   // is_token_in_rank [T, R] pred
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchHandler, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()   // x [T, H] D or f8e4m3fn
-                                  .Arg<ffi::AnyBuffer>()   // x_scales [T, S'] f32
-                                  .Arg<ffi::AnyBuffer>()   // topk_idx [T, K] s32
-                                  .Arg<ffi::AnyBuffer>()   // topk_weights [T, K] f32
-                                  .Ret<ffi::AnyBuffer>()   // recv_x [C, H] dtype of x
-                                  .Ret<ffi::AnyBuffer>()   // recv_scales [C, S'] f32
-                                  .Ret<ffi::AnyBuffer>()   // recv_topk_idx [C, K] s32
-                                  .Ret<ffi::AnyBuffer>()   // recv_topk_weights [C, K] f32
-                                  .Ret<ffi::AnyBuffer>()   // num_recv_tokens [] s32
-                                  .Ret<ffi::AnyBuffer>()   // num_recv_tokens_per_expert [E_loc]
-                                  .Ret<ffi::AnyBuffer>()   // send_pos [T, R] s32
-                                  .Ret<ffi::AnyBuffer>(),  // recv_src [C] s32
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(DispatchHandler, DispatchImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Arg<ffi::AnyBuffer>()                     // x [T, H] D or f8e4m3fn
+                       .Arg<ffi::AnyBuffer>()                     // x_scales [T, S'] f32
+                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
+                       .Arg<ffi::AnyBuffer>()                     // topk_weights [T, K] f32
+                       .Ret<ffi::AnyBuffer>()                     // recv_x [C, H] dtype of x
+                       .Ret<ffi::AnyBuffer>()                     // recv_scales [C, S'] f32
+                       .Ret<ffi::AnyBuffer>()                     // recv_topk_idx [C, K] s32
+                       .Ret<ffi::AnyBuffer>()                     // recv_topk_weights [C, K] f32
+                       .Ret<ffi::AnyBuffer>()                     // num_recv_tokens [] s32
+                       .Ret<ffi::AnyBuffer>()    // num_recv_tokens_per_expert [E_loc]
+                       .Ret<ffi::AnyBuffer>()    // send_pos [T, R] s32
+                       .Ret<ffi::AnyBuffer>());  // recv_src [C] s32
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CachedDispatchHandler, CachedDispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()   // x [T, W] D, f32 or f8e4m3fn
-                                  .Arg<ffi::AnyBuffer>()   // x_scales [T, S'] f32
-                                  .Arg<ffi::AnyBuffer>()   // w [T, K'] f32
-                                  .Arg<ffi::AnyBuffer>()   // send_pos [T, R] s32
-                                  .Arg<ffi::AnyBuffer>()   // recv_src [C] s32
-                                  .Arg<ffi::AnyBuffer>()   // num_recv_tokens [] s32
-                                  .Ret<ffi::AnyBuffer>()   // recv_x [C, W] dtype of x
-                                  .Ret<ffi::AnyBuffer>()   // recv_scales [C, S'] f32
-                                  .Ret<ffi::AnyBuffer>(),  // recv_w [C, K'] f32
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(CachedDispatchHandler, CachedDispatchImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Arg<ffi::AnyBuffer>()                     // x [T, W] D, f32 or f8e4m3fn
+                       .Arg<ffi::AnyBuffer>()                     // x_scales [T, S'] f32
+                       .Arg<ffi::AnyBuffer>()                     // w [T, K'] f32
+                       .Arg<ffi::AnyBuffer>()                     // send_pos [T, R] s32
+                       .Arg<ffi::AnyBuffer>()                     // recv_src [C] s32
+                       .Arg<ffi::AnyBuffer>()                     // num_recv_tokens [] s32
+                       .Ret<ffi::AnyBuffer>()                     // recv_x [C, W] dtype of x
+                       .Ret<ffi::AnyBuffer>()                     // recv_scales [C, S'] f32
+                       .Ret<ffi::AnyBuffer>());                   // recv_w [C, K'] f32
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineHandler, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Attr<int64_t>("buffer_id")                // buffer_id
-                                  .Arg<ffi::AnyBuffer>()                     // y [C, H] D
-                                  .Arg<ffi::AnyBuffer>()                     // y_w [C, K'] f32
-                                  .Arg<ffi::AnyBuffer>()                     // send_pos [T, R] s32
-                                  .Arg<ffi::AnyBuffer>()                     // recv_src [C] s32
-                                  .Arg<ffi::AnyBuffer>()   // num_recv_tokens [] s32
-                                  .Ret<ffi::AnyBuffer>()   // combined [T, H] D
-                                  .Ret<ffi::AnyBuffer>(),  // combined_w [T, K'] f32
-                              {ffi::Traits::kCmdBufferCompatible});
+EP_DEFINE_HANDLERS(CombineHandler, CombineImpl,
+                   ffi::Ffi::Bind()
+                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<ffi::DeviceOrdinal>()                 // device
+                       .Attr<int64_t>("buffer_id")                // buffer_id
+                       .Arg<ffi::AnyBuffer>()                     // y [C, H] D
+                       .Arg<ffi::AnyBuffer>()                     // y_w [C, K'] f32
+                       .Arg<ffi::AnyBuffer>()                     // send_pos [T, R] s32
+                       .Arg<ffi::AnyBuffer>()                     // recv_src [C] s32
+                       .Arg<ffi::AnyBuffer>()                     // num_recv_tokens [] s32
+                       .Ret<ffi::AnyBuffer>()                     // combined [T, H] D
+                       .Ret<ffi::AnyBuffer>());                   // combined_w [T, K'] f32
 
 void add_normal_targets(std::vector<FfiTarget>& targets) {
-  targets.push_back(EP_FFI_TARGET("layout", LayoutHandler));
-  targets.push_back(EP_FFI_TARGET("dispatch", DispatchHandler));
-  targets.push_back(EP_FFI_TARGET("cached_dispatch", CachedDispatchHandler));
-  targets.push_back(EP_FFI_TARGET("combine", CombineHandler));
+  EP_ADD_TARGETS(targets, "layout", LayoutHandler);
+  EP_ADD_TARGETS(targets, "dispatch", DispatchHandler);
+  EP_ADD_TARGETS(targets, "cached_dispatch", CachedDispatchHandler);
+  EP_ADD_TARGETS(targets, "combine", CombineHandler);
 }
 
 }  // namespace jax_ep

@@ -24,6 +24,16 @@ struct FfiTarget {
 #define EP_FFI_TARGET(op, handler) \
   ::jax_ep::FfiTarget { op, EP_TARGET_NAME(op), reinterpret_cast<void*>(handler) }
 
+// Every op has two targets of one handler (EP_DEFINE_HANDLERS, common.h): "<op>", which XLA may
+// capture in a command buffer (a CUDA graph on its compute stream), and "<op>_on_stream", which
+// it never captures, so that an op assigned to another stream (a stream annotation) runs there,
+// beside the compute stream's graphs.
+#define EP_ADD_TARGETS(targets, op, handler)                                \
+  do {                                                                      \
+    (targets).push_back(EP_FFI_TARGET(op, handler));                        \
+    (targets).push_back(EP_FFI_TARGET(op "_on_stream", handler##OnStream)); \
+  } while (0)
+
 // The normal mode's targets (normal_handlers.cc).
 void add_normal_targets(std::vector<FfiTarget>& targets);
 // The low-latency targets, fused ops and send/receive halves (low_latency_handlers.cc).
