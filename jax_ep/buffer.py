@@ -71,6 +71,15 @@ class Buffer:
         CUDA graphs). The CUDA kernels always count on the device, for free.
       lowering_only: build a CUDA Buffer without touching devices: it traces, lowers and
         exports (e.g. ``jax.export`` for platform cuda from a CPU machine) but cannot run.
+      num_sms: SM budget of this Buffer's kernels, normal and low-latency (CUDA backend): each
+        launch takes at most this many SMs (one block per SM), leaving the others to compute
+        that runs beside it. Default: the normal kernels take every SM, the low-latency ones
+        all but 8 (``$JAX_EP_NORMAL_BLOCKS`` / ``$JAX_EP_LOW_LATENCY_BLOCKS`` tune them).
+      overlap: run every op asynchronously (CUDA backend): its kernels on a stream of the
+        Buffer's own (highest priority), joined by XLA's stream at the op's wait, so that
+        compute between the start and the wait overlaps it (``jax_ep.moe``'s two-micro-batch
+        layer places another micro-batch's experts there). The ops then run outside XLA's
+        command buffers (a CUDA graph cannot hold a fork and a join of two calls).
 
     Buffer ids are handed out in creation order within a process (1, 2, ...) and baked into the
     compiled programs; an exported program runs in a process whose Buffer of the same
@@ -79,7 +88,8 @@ class Buffer:
 
     def __init__(self, mesh, axis_name, *, num_experts, hidden, max_tokens_per_rank, num_topk,
                  dtype=jnp.bfloat16, low_latency=False, backend="auto", capacity=None,
-                 timeout_s=None, report_errors=True, lowering_only=False):
+                 timeout_s=None, report_errors=True, lowering_only=False, num_sms=None,
+                 overlap=False):
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
@@ -115,6 +125,8 @@ class Buffer:
                 raise ValueError(f"capacity must be at most num_ranks * max_tokens_per_rank = "
                                  f"{max_capacity}, got {capacity}")
         self._capacity = capacity
+        self.num_sms = None if num_sms is None else _positive_int("num_sms", num_sms)
+        self.overlap = bool(overlap)
         self.timeout_s = (settings.value("JAX_EP_TIMEOUT_S")
                           if timeout_s is None else float(timeout_s))
         if not self.timeout_s > 0:
@@ -172,7 +184,9 @@ class Buffer:
         return (f"Buffer(id={self.buffer_id}, backend={self.backend!r}, ranks={self.num_ranks}, "
                 f"experts={self.num_experts}, hidden={self.hidden}, "
                 f"max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.num_topk}, "
-                f"dtype={self.dtype.name}, low_latency={self.low_latency})")
+                f"dtype={self.dtype.name}, low_latency={self.low_latency}"
+                + (f", num_sms={self.num_sms}" if self.num_sms else "")
+                + (", overlap=True" if self.overlap else "") + ")")
 
     # ------------------------------------------------------------------------------ set-up
     def _resolve_backend(self, backend, lowering_only):
@@ -265,6 +279,10 @@ class Buffer:
         grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
                  for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks",
                              "normal_send_slots")}
+        if self.num_sms is not None:  # one block per SM, within the budget
+            grids.update(normal_blocks=self.num_sms, low_latency_blocks=self.num_sms)
+            if grids["normal_push_blocks"] > self.num_sms:
+                grids["normal_push_blocks"] = 0
         config = cuda.buffer_config(
             module, num_ranks=self.num_ranks, num_experts=self.num_experts, hidden=self.hidden,
             max_tokens_per_rank=self.max_tokens_per_rank, num_topk=self.num_topk,
@@ -279,8 +297,20 @@ class Buffer:
             raise ValueError(f"JAX_EP_TRANSPORT_MUTANT={mutant!r}: {error}") from None
         return config
 
+    def _check_num_sms(self):
+        """``num_sms`` within every local GPU's multiprocessors."""
+        if self.num_sms is None:
+            return
+        counts = {getattr(d, "core_count", None) for d in self.mesh.devices.flat
+                  if d.process_index == jax.process_index()}
+        fewest = min((c for c in counts if c), default=None)
+        if fewest is not None and self.num_sms > fewest:
+            raise ValueError(f"num_sms must be at most the GPUs' {fewest} multiprocessors, got "
+                             f"{self.num_sms}")
+
     def _allocate(self):
         if self.backend == "cuda":
+            self._check_num_sms()
             cuda.register_targets()
             module, _ = cuda.load_extension()
             multiprocess = ipc.spans_processes(self.mesh.devices.flat)
@@ -320,6 +350,8 @@ class Buffer:
         if self._allocated:
             module, _ = cuda.load_extension()
             self._allocated = False
+            if self.overlap:
+                module.release_side_streams(self.buffer_id)
             if self.transport == "nvshmem":
                 nvshmem.release(self, module)  # a collective: every process closes
             elif ipc.spans_processes(self.mesh.devices.flat):

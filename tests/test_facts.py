@@ -37,8 +37,8 @@ def _ops_the_backend_calls():
 def test_every_op_the_backend_calls_has_a_target():
     ops = _ops_the_backend_calls()
     assert len(ops) == 10, ops  # the scan still sees every call
-    # Each op has a twin that XLA never captures in a command buffer (for a stream of its own).
-    assert set(_C.target_names()) == ops | {f"{op}_on_stream" for op in ops}
+    # Each op has an async twin (Buffer(overlap=True)), joined by the wait target.
+    assert set(_C.target_names()) == ops | {f"{op}_async" for op in ops} | {"wait"}
 
 
 def test_target_names_are_the_registered_ones_with_one_version():

@@ -12,6 +12,7 @@
 
 #include "runtime/context.h"
 #include "runtime/registry.h"
+#include "side_stream.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
@@ -33,12 +34,13 @@ namespace ffi = ::xla::ffi;
   } while (0)
 
 // Defines the handler `name` of `impl` with the binding `...` twice: `name`, which XLA may
-// capture in a command buffer, and `name##OnStream`, which it never captures (EP_ADD_TARGETS,
-// targets.h, registers both).
+// capture in a command buffer, and `name##Async`, which launches `impl` on the Buffer's side
+// stream and returns (side_stream.h; XLA never captures it). EP_ADD_TARGETS (targets.h)
+// registers both.
 #define EP_DEFINE_HANDLERS(name, impl, ...)                                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, __VA_ARGS__,                     \
                                 {::xla::ffi::Traits::kCmdBufferCompatible}); \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##OnStream, impl, __VA_ARGS__)
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Async, ::jax_ep::OnSideStream<impl>::Call, __VA_ARGS__)
 
 inline ffi::Error cuda_error(const char* op, const char* what, cudaError_t status) {
   std::ostringstream message;

@@ -17,6 +17,7 @@ std::vector<jax_ep::FfiTarget> all_targets() {
   std::vector<jax_ep::FfiTarget> targets;
   jax_ep::add_normal_targets(targets);
   jax_ep::add_low_latency_targets(targets);
+  jax_ep::add_side_stream_targets(targets);
   return targets;
 }
 
@@ -58,6 +59,7 @@ NB_MODULE(_C, m) {
       "13000): the CUDA runtime is linked statically, so the driver must support this major "
       "version, and at least this minor version to JIT-compile its PTX.");
   jax_ep::add_runtime_functions(m);
+  jax_ep::add_side_stream_functions(m);
   jax_ep::add_fact_functions(m);
   jax_ep::add_transport_test_functions(m);
   jax_ep::add_low_latency_transport_test_functions(m);

@@ -25,19 +25,23 @@ struct FfiTarget {
   ::jax_ep::FfiTarget { op, EP_TARGET_NAME(op), reinterpret_cast<void*>(handler) }
 
 // Every op has two targets of one handler (EP_DEFINE_HANDLERS, common.h): "<op>", which XLA may
-// capture in a command buffer (a CUDA graph on its compute stream), and "<op>_on_stream", which
-// it never captures, so that an op assigned to another stream (a stream annotation) runs there,
-// beside the compute stream's graphs.
-#define EP_ADD_TARGETS(targets, op, handler)                                \
-  do {                                                                      \
-    (targets).push_back(EP_FFI_TARGET(op, handler));                        \
-    (targets).push_back(EP_FFI_TARGET(op "_on_stream", handler##OnStream)); \
+// capture in a command buffer (a CUDA graph on its compute stream), and "<op>_async", which
+// launches the op on the Buffer's side stream and returns; the "wait" target joins it
+// (side_stream.h).
+#define EP_ADD_TARGETS(targets, op, handler)                         \
+  do {                                                               \
+    (targets).push_back(EP_FFI_TARGET(op, handler));                 \
+    (targets).push_back(EP_FFI_TARGET(op "_async", handler##Async)); \
   } while (0)
 
 // The normal mode's targets (normal_handlers.cc).
 void add_normal_targets(std::vector<FfiTarget>& targets);
 // The low-latency targets, fused ops and send/receive halves (low_latency_handlers.cc).
 void add_low_latency_targets(std::vector<FfiTarget>& targets);
+// The "wait" target of the asynchronous ops (side_stream.cc).
+void add_side_stream_targets(std::vector<FfiTarget>& targets);
+// release_side_streams (side_stream.cc).
+void add_side_stream_functions(nanobind::module_& m);
 // create_buffer / destroy_buffer / read_errors / workspace_bytes ... (runtime_bindings.cc).
 void add_runtime_functions(nanobind::module_& m);
 // The kernels' constants Python reads instead of copying: wait phases, rank limit, fp8 scale

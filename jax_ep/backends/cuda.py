@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_ep import _vma, fp8
 from jax_ep._types import DispatchHandle, Layout
+from jax_ep.backends import deferred
 from jax_ep.backends.custom_call import custom_call
 
 
@@ -143,10 +144,30 @@ class CudaBackend:
         # kernel runs twice (jaxlib 0.11.2: a second low-latency receive then waits for a call
         # that never comes). Optimization barriers hide the slices from that pass; they vanish
         # after scheduling (a sliced operand is then copied once, a plain one not at all).
-        operands = jax.lax.optimization_barrier(operands)
-        results = custom_call(target_name(op), result_types, *operands,
-                              buffer_id=np.int64(self.buf.buffer_id), **attrs)
-        return jax.lax.optimization_barrier(results)
+        operands = tuple(jax.lax.optimization_barrier(operands))
+        buffer_id = np.int64(self.buf.buffer_id)
+        if not self.buf.overlap:
+            results = custom_call(target_name(op), result_types, *operands, buffer_id=buffer_id,
+                                  **attrs)
+            return jax.lax.optimization_barrier(results)
+        # An overlap Buffer: the op starts on the Buffer's side stream; its wait follows at once,
+        # or after the compute of an enclosing deferred.overlap.
+        raw = custom_call(target_name(f"{op}_async"), result_types, *operands,
+                          buffer_id=buffer_id, **attrs)
+        started = deferred.collector()
+        if started is not None:
+            started.ops.append((self, raw, operands))
+            return raw
+        return jax.lax.optimization_barrier(self.wait(raw, operands))
+
+    def wait(self, raw, operands, after=()):
+        """The results ``raw`` of an op's async start, once XLA's stream has waited for its
+        kernels (the same buffers: aliased). ``operands`` (the start's) stay alive until then;
+        the wait comes after every value of ``after`` (never read)."""
+        every = _vma.align(self.buf.axis_name, [*raw, *operands, *after])
+        return custom_call(target_name("wait"), [jax.typeof(r) for r in every[:len(raw)]],
+                           *every, buffer_id=np.int64(self.buf.buffer_id),
+                           aliases=tuple((i, i) for i in range(len(raw))))
 
     def layout(self, topk_idx):
         T = topk_idx.shape[0]

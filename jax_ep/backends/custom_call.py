@@ -29,44 +29,36 @@ custom_call_p.multiple_results = True
 
 # Outside any trace: the one call, compiled once per target, types and attributes.
 @functools.partial(jax.jit, static_argnames=("target_name", "result_avals", "attributes",
-                                             "frontend_attributes"))
-def _impl(*operands, target_name, result_avals, attributes, frontend_attributes):
+                                             "aliases"))
+def _impl(*operands, target_name, result_avals, attributes, aliases):
     return custom_call_p.bind(*operands, target_name=target_name, result_avals=result_avals,
-                              attributes=attributes, frontend_attributes=frontend_attributes)
+                              attributes=attributes, aliases=aliases)
 
 
 custom_call_p.def_impl(_impl)
 
 
 @custom_call_p.def_abstract_eval
-def _abstract_eval(*operands, target_name, result_avals, attributes, frontend_attributes):
-    del operands, target_name, attributes, frontend_attributes
+def _abstract_eval(*operands, target_name, result_avals, attributes, aliases):
+    del operands, target_name, attributes, aliases
     return result_avals
 
 
-def _lowering(ctx, *operands, target_name, result_avals, attributes, frontend_attributes):
+def _lowering(ctx, *operands, target_name, result_avals, attributes, aliases):
     del result_avals  # ctx.avals_out
-    rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True)
-    results = rule(ctx, *operands, **dict(attributes))
-    if frontend_attributes:
-        op = results[0].owner
-        existing = op.attributes["mhlo.frontend_attributes"] if (
-            "mhlo.frontend_attributes" in op.attributes) else None
-        merged = {a.name: a.attr for a in existing} if existing is not None else {}
-        merged |= {k: mlir.ir.StringAttr.get(v) for k, v in frontend_attributes}
-        op.attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(merged)
-    return results
+    rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True,
+                                operand_output_aliases=dict(aliases) or None)
+    return rule(ctx, *operands, **dict(attributes))
 
 
 mlir.register_lowering(custom_call_p, _lowering)
 
 
-def custom_call(target_name, result_avals, *operands, frontend_attributes=(), **attributes):
+def custom_call(target_name, result_avals, *operands, aliases=(), **attributes):
     """Calls FFI target ``target_name`` on ``operands`` with ``attributes`` (scalars: they are
-    hashed), returning a tuple of arrays typed ``result_avals``. ``frontend_attributes``
-    (name, value) string pairs are set on the HLO custom call (XLA reads e.g. its stream
-    assignment from them)."""
+    hashed), returning a tuple of arrays typed ``result_avals``. ``aliases``: (operand index,
+    result index) pairs whose buffers XLA shares (a result written in place of its operand)."""
     return tuple(custom_call_p.bind(*operands, target_name=target_name,
                                     result_avals=tuple(result_avals),
                                     attributes=tuple(sorted(attributes.items())),
-                                    frontend_attributes=tuple(frontend_attributes)))
+                                    aliases=tuple(aliases)))

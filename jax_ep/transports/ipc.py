@@ -83,6 +83,7 @@ def configuration(buf) -> dict:
             "max_tokens_per_rank": buf.max_tokens_per_rank, "num_topk": buf.num_topk,
             "capacity": buf.capacity, "dtype": buf.dtype.name, "low_latency": buf.low_latency,
             "timeout_s": buf.timeout_s, "axis_name": str(buf.axis_name),
+            "overlap": buf.overlap,
             "groups": [[d.id for d in g] for g in buf._ep_group_devices()]}
 
 

@@ -94,8 +94,9 @@ cudaError_t launch_plan_on_path(const RankContext& ctx, int num_blocks, cudaStre
 cudaError_t launch_plan(const RankContext& ctx, DispatchPlanArgs args, cudaStream_t stream) {
   int num_sms = 0;
   CUDA_RETURN_IF_ERROR(device_num_sms(ctx.device, ctx.num_sms, &num_sms));
-  const int num_blocks =
-      std::max(1, std::min(ceil_div(args.num_tokens, kPlanTokensPerBlock), num_sms));
+  // Within the Buffer's SM budget (ctx.normal_blocks: Buffer(num_sms=...), one block per SM).
+  const int num_blocks = std::max(
+      1, std::min({ceil_div(args.num_tokens, kPlanTokensPerBlock), num_sms, ctx.normal_blocks}));
   args.tokens_per_block = ceil_div(args.num_tokens, num_blocks);
   if (args.num_ranks <= 1) return launch_plan_on_path<1>(ctx, num_blocks, stream, args);
   if (args.num_ranks <= 2) return launch_plan_on_path<2>(ctx, num_blocks, stream, args);

@@ -1,0 +1,84 @@
+"""Asynchronous ops held open across compute: the starts of a ``Buffer(overlap=True)``'s ops
+traced inside ``overlap``'s communication function are waited for only after its compute.
+
+Sharding model: per rank, inside ``jax.shard_map`` under ``jax.jit``, like the ops.
+
+A ``Buffer(overlap=True)`` runs each op as two custom calls (``cuda.py``): ``<op>_async``,
+which launches the op's kernels on the Buffer's side stream and returns at once, and ``wait``,
+whose results are the op's (aliased: no copy) once XLA's stream has waited for those kernels.
+Called plainly, an op's wait follows its start. ``overlap(comm, compute, *args)`` pins the
+schedule by data dependences, which XLA keeps: the compute's arguments pass an optimization
+barrier with a result of the first start (so every compute op comes after the starts), and
+each wait takes the compute's results as operands it never reads (so it comes after all of
+them); the waits also take the starts' operands, which XLA then keeps alive until the kernels
+have read them.
+
+``comm`` may only call jax_ep ops (of overlap Buffers, chained or not) and return their results
+rearranged: anything else it computes from an op's result would read it before the wait. The
+reference backend and ``Buffer(overlap=False)`` have nothing to hold open: there ``overlap``
+runs ``comm`` then ``compute``, and XLA orders them by their data alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+import jax
+from jax.extend.core import get_opaque_trace_state
+
+_local = threading.local()
+
+
+class _Started:
+    """The async ops started inside one ``collect()``: (backend, raw results, operands), and
+    the trace they must belong to."""
+
+    def __init__(self):
+        self.ops = []
+        self.trace = get_opaque_trace_state()
+
+
+@contextlib.contextmanager
+def collect():
+    """While open, an overlap Buffer's op leaves its wait to the collector."""
+    stack = _local.__dict__.setdefault("stack", [])
+    started = _Started()
+    stack.append(started)
+    try:
+        yield started
+    finally:
+        stack.pop()
+
+
+def collector():
+    """The innermost open ``collect()`` when the caller traces at its level, else None: an op
+    traced deeper (inside a ``custom_vjp``, an inner ``jit``) waits for itself, since its
+    results cannot leave that trace unwaited."""
+    stack = getattr(_local, "stack", None)
+    if not stack or stack[-1].trace != get_opaque_trace_state():
+        return None
+    return stack[-1]
+
+
+def overlap(comm: Callable, compute: Callable, *compute_args):
+    """``(comm(), compute(*compute_args))``, the ops of ``comm`` running beside ``compute``.
+
+    Returns both results; ``comm``'s are the waited ones. Not differentiable by itself (the
+    two-micro-batch schedule of ``jax_ep.moe`` has its own backward, which overlaps too).
+    """
+    with collect() as started:
+        comm_out = comm()
+    if not started.ops:
+        return comm_out, compute(*compute_args)
+    token = started.ops[0][1][0]
+    compute_args, token = jax.lax.optimization_barrier((compute_args, token))
+    compute_out = compute(*compute_args)
+    after = [leaf for leaf in jax.tree.leaves(compute_out) if isinstance(leaf, jax.Array)]
+    waited = {}
+    for backend, raw, operands in started.ops:
+        results = jax.lax.optimization_barrier(backend.wait(raw, operands, (*after, token)))
+        waited.update({id(r): w for r, w in zip(raw, results, strict=True)})
+    leaves, treedef = jax.tree.flatten(comm_out)
+    return jax.tree.unflatten(treedef, [waited.get(id(leaf), leaf) for leaf in leaves]), compute_out
