@@ -4,7 +4,10 @@
     it runs), `moe_ffn` (re-exported here; the module docstring describes the layer and its
     sharding model);
   - `tiled_matmul`: `grouped_matmul`, the portable tiled grouped matmul;
-  - `grouped_gemm`: library grouped GEMMs on Hopper GPUs and the `matmul="auto"` choice.
+  - `grouped_gemm`: library grouped GEMMs on Hopper GPUs and the `matmul="auto"` choice;
+  - `two_batch`: two micro-batches whose communication runs under each other's compute;
+  - `stages`: the MoE layer's stages for it (normal and low-latency), and the decode layer
+    `low_latency_moe_ffn`.
 
 The MoE helpers sit on top of the public ops; nothing below them imports this package.
 """
@@ -23,8 +26,20 @@ from jax_ep.moe.layer import (
     swiglu_experts,
     unpermute,
 )
+from jax_ep.moe.stages import (
+    combine_stage,
+    dispatch_stage,
+    expert_stage,
+    low_latency_combine_stage,
+    low_latency_dispatch_stage,
+    low_latency_expert_stage,
+    low_latency_moe_ffn,
+)
+from jax_ep.moe.two_batch import Comm, Compute, two_batch
 
 __all__ = [
+    "Comm",
+    "Compute",
     "DEFAULT_MATMUL",
     "MATMULS",
     "PermuteState",
@@ -36,5 +51,13 @@ __all__ = [
     "permute",
     "router",
     "swiglu_experts",
+    "combine_stage",
+    "dispatch_stage",
+    "expert_stage",
+    "low_latency_combine_stage",
+    "low_latency_dispatch_stage",
+    "low_latency_expert_stage",
+    "low_latency_moe_ffn",
+    "two_batch",
     "unpermute",
 ]

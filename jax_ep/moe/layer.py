@@ -485,6 +485,7 @@ def moe_ffn(
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
     precision: jax.lax.PrecisionLike = None,
     matmul: str = DEFAULT_MATMUL,
+    micro_batches: int = 1,
 ) -> jax.Array:
     """Expert-parallel MoE feed-forward with SwiGLU experts, for one rank inside `shard_map`.
 
@@ -510,6 +511,11 @@ def moe_ffn(
         precision: precision of the expert matmuls (see `swiglu_experts`).
         matmul: how the expert matmuls run: `"auto"` (default), `"tokamax"`,
             `"tokamax+mosaic"`, `"mosaic"`, `"tiled"` or `"ragged_dot"` (see `swiglu_experts`).
+        micro_batches: 1, or 2: the first and second half of the tokens (T even) are two
+            micro-batches whose dispatches and combines run under each other's experts, in the
+            forward and the backward pass (`jax_ep.moe.two_batch`; concurrent with a Buffer
+            made with `overlap=True`). Each token's result is the one micro_batches=1 gives
+            for the same half on its own.
 
     Returns:
         `[T, H]` in `x`'s dtype; tokens routed nowhere give 0.
@@ -531,6 +537,16 @@ def moe_ffn(
         raise ValueError(
             f"moe_ffn: w_down must be [{num_local}, {ffn}, {hidden}], got {w_down.shape}"
         )
+    if micro_batches not in (1, 2):
+        raise ValueError(f"moe_ffn: micro_batches must be 1 or 2, got {micro_batches!r}")
+    if micro_batches == 2:
+        from jax_ep.moe import stages  # noqa: PLC0415 - stages builds on this module
+
+        def experts(params, x_sorted, group_sizes):
+            return swiglu_experts(x_sorted, group_sizes, *params, activation=activation,
+                                  precision=precision, matmul=matmul)
+        return stages.two_batch_moe_ffn(buf, x, topk_idx, topk_weights, experts,
+                                        (w_gate, w_up, w_down))
     d = dispatch(buf, x, topk_idx, topk_weights)
     # A received row has at most min(K, E_loc) local experts: no more sorted rows are needed.
     num_rows = d.recv_x.shape[0] * min(buf.num_topk, num_local)
