@@ -115,16 +115,15 @@ def _two_batch(stages, params, state_a, state_b):
 
 
 def _two_batch_fwd(stages, params, state_a, state_b):
+    if any(isinstance(s, Comm) and s.backward is None for s in stages):
+        raise ValueError("two_batch: a Comm stage without a backward (decode stages) is not "
+                         "differentiable")
     (out_a, out_b), extras = _forward(stages, params, state_a, state_b, record=True)
     return (out_a, out_b), (params, extras)
 
 
 def _two_batch_bwd(stages, residuals, cotangents):
     params, extras = residuals
-    for stage in stages:
-        if isinstance(stage, Comm) and stage.backward is None:
-            raise ValueError("two_batch: a Comm stage without a backward (decode stages) is not "
-                             "differentiable")
     n = len(stages)
     is_comm = [isinstance(s, Comm) for s in reversed(stages)]
     ct_params = [None, None]

@@ -1,0 +1,287 @@
+"""Two micro-batches (jax_ep.moe.two_batch) and the asynchronous ops under them.
+
+CPU (reference backend): the two-micro-batch layer computes what one batch per half computes,
+forward and backward, normal and low-latency; the schedule's data dependences, read from the
+program lowered for the CUDA backend (no GPU needed), put every compute op of an overlapped
+pair between its communication's start and its wait; mutants of the dependences are caught.
+GPU: the same layer on a Buffer(overlap=True) is bit for bit the layer on a serial Buffer, and
+a wait left out (the mutant) gives wrong rows.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ep_mesh, require_gpus
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import moe
+from jax_ep.backends import cuda, deferred
+
+T, H, E, K, F = 16, 128, 8, 2, 64
+
+
+def _inputs(rng, mesh, dtype=jnp.float32):
+    R = mesh.shape["ep"]
+    x = jnp.asarray(rng.standard_normal((R * T, H)), dtype)
+    idx = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(R * T)]),
+                      jnp.int32)
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+    weights = [jnp.asarray(rng.standard_normal(s) * 0.05, dtype)
+               for s in ((E, H, F), (E, H, F), (E, F, H))]
+    return x, idx, w, weights
+
+
+def _layer(buf, mesh, micro_batches, matmul="tiled"):
+    def body(x, idx, w, wg, wu, wd):
+        return moe.moe_ffn(buf, x, idx, w, wg, wu, wd, matmul=matmul, micro_batches=micro_batches)
+    return jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+
+
+def _grads(layer, x, idx, w, weights):
+    def loss(x, w, *weights):
+        return jnp.sum(layer(x, idx, w, *weights).astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, w, *weights)
+
+
+def _buffer(mesh, backend, **kw):
+    return jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
+                         backend=backend, report_errors=False, **kw)
+
+
+def test_two_micro_batches_compute_what_each_half_computes(rng):
+    mesh = ep_mesh("xla", 2)
+    buf = _buffer(mesh, "xla", dtype=jnp.float32)
+    x, idx, w, weights = _inputs(rng, mesh)
+    one, two = _layer(buf, mesh, 1), _layer(buf, mesh, 2)
+    np.testing.assert_array_equal(jax.jit(two)(x, idx, w, *weights),
+                                  jax.jit(one)(x, idx, w, *weights))
+    g_two = _grads(two, x, idx, w, weights)
+    # Per half on its own (rows [0, T/2) and [T/2, T) of each rank): the two-batch layer's
+    # token gradients are the halves', and its weight gradients their sum (one add).
+    halves = [(slice(r * T + h * T // 2, r * T + (h + 1) * T // 2)) for h in (0, 1)
+              for r in range(2)]
+
+    def half(h):
+        rows = np.concatenate([np.arange(T * 2)[s] for s in halves[2 * h:2 * h + 2]])
+        return _grads(one, x[rows], idx[rows], w[rows], weights), rows
+
+    (g_a, rows_a), (g_b, rows_b) = half(0), half(1)
+    for i in (0, 1):  # d x, d topk_weights
+        np.testing.assert_array_equal(g_two[i][rows_a], g_a[i])
+        np.testing.assert_array_equal(g_two[i][rows_b], g_b[i])
+    for i in (2, 3, 4):  # the experts' weights
+        np.testing.assert_array_equal(g_two[i], g_b[i] + g_a[i])
+
+
+def test_a_dropped_micro_batch_fails_the_comparison(rng):
+    """The comparison above bites: the two-batch layer with B's combine left out (B's rows
+    zero) differs."""
+    mesh = ep_mesh("xla", 2)
+    buf = _buffer(mesh, "xla", dtype=jnp.float32)
+    x, idx, w, weights = _inputs(rng, mesh)
+    stages = [moe.dispatch_stage(buf),
+              moe.expert_stage(buf, lambda p, xs, g: moe.swiglu_experts(xs, g, *p,
+                                                                        matmul="tiled")),
+              moe.combine_stage(buf)]
+
+    def body(x, idx, w, *weights):
+        half = T // 2
+        (a, _), (b, _) = moe.two_batch(stages, tuple(weights), ((x[:half], idx[:half],
+                                                                  w[:half]), None),
+                                       ((x[half:], idx[half:], w[half:]), None))
+        return jnp.concatenate([a[0], jnp.zeros_like(b[0])])
+    broken = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    assert not np.array_equal(broken(x, idx, w, *weights),
+                              jax.jit(_layer(buf, mesh, 1))(x, idx, w, *weights))
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_decode_two_micro_batches_equal_one(rng, use_fp8):
+    mesh = ep_mesh("xla", 2)
+    buf = _buffer(mesh, "xla", low_latency=True)
+    x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
+
+    def run(micro_batches):
+        def body(x, idx, w, *weights):
+            return moe.low_latency_moe_ffn(
+                buf, x, idx, w, lambda p, xs, g: moe.swiglu_experts(xs, g, *p, matmul="tiled"),
+                tuple(weights), use_fp8=use_fp8, micro_batches=micro_batches)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            x, idx, w, *weights)
+
+    one, two = run(1), run(2)
+    np.testing.assert_array_equal(two, one)
+    # Against the normal-mode layer (same experts, another path): bf16 roundings apart.
+    normal = jax.jit(_layer(_buffer(mesh, "xla"), mesh, 1))(x, idx, w, *weights)
+    scale = np.abs(np.asarray(normal, np.float32)).max(axis=-1, keepdims=True)
+    err = np.abs(np.asarray(one, np.float32) - np.asarray(normal, np.float32))
+    assert (err <= (0.1 if use_fp8 else 0.02) * scale).all()
+
+
+def test_decode_stages_have_no_backward(rng):
+    mesh = ep_mesh("xla", 2)
+    buf = _buffer(mesh, "xla", low_latency=True)
+    x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
+
+    def loss(x):
+        def body(x, idx, w, *weights):
+            return moe.low_latency_moe_ffn(
+                buf, x, idx, w, lambda p, xs, g: moe.swiglu_experts(xs, g, *p, matmul="tiled"),
+                tuple(weights), micro_batches=2)
+        out = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
+            x, idx, w, *weights)
+        return jnp.sum(out.astype(jnp.float32))
+    with pytest.raises(ValueError, match="without a backward"):
+        jax.jit(jax.grad(loss))(x)
+
+
+def test_bad_arguments_are_named(rng):
+    mesh = ep_mesh("xla", 2)
+    buf = _buffer(mesh, "xla")
+    x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
+    with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
+        jax.jit(_layer(buf, mesh, 3))(x, idx, w, *weights)
+    with pytest.raises(ValueError, match="even number of tokens"):
+        jax.jit(_layer(buf, mesh, 2))(x[:2 * (T - 1)], idx[:2 * (T - 1)], w[:2 * (T - 1)],
+                                      *weights)
+    with pytest.raises(ValueError, match="alternate"):
+        moe.two_batch([moe.dispatch_stage(buf), moe.combine_stage(buf)], (), None, None)
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="num_sms must be a positive integer"):
+            _buffer(mesh, "xla", num_sms=bad)
+
+
+# --------------------------------------------------- the schedule's dependences (lowered)
+def _lowered_overlap(monkeypatch=None):
+    """StableHLO of one overlapped pair over a CUDA Buffer(overlap=True): B's dispatch beside
+    a matmul (lowered for platform cuda on any machine)."""
+    pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+    mesh = ep_mesh("xla", 1)
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
+                        backend="cuda", lowering_only=True, overlap=True)
+    stage = moe.dispatch_stage(buf)
+
+    def body(x, idx, w, a):
+        (flow, _), product = deferred.overlap(lambda: stage.forward(((x, idx, w), None))[0],
+                                              lambda a: a @ a.T, a)
+        return flow[0], product
+    args = (jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, K), jnp.int32),
+            jax.ShapeDtypeStruct((T, K), jnp.float32), jax.ShapeDtypeStruct((T, T), jnp.float32))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _dependence_problems(text):
+    """What the lowered program lacks of the overlap's order: the matmul must depend on the
+    async start, the wait on the matmul; the dispatch results returned must be the wait's."""
+    uses, defs = {}, {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(%[\w.]+)(?::\d+)? = (.*)", line)
+        if m:
+            defs[m.group(1)] = m.group(2)
+            uses[m.group(1)] = set(re.findall(r"(%[\w.]+)(?:#\d+)?", m.group(2)))
+
+    def find(pattern):
+        return [name for name, rhs in defs.items() if re.search(pattern, rhs)]
+
+    def reaches(src, dst, seen=None):
+        seen = set() if seen is None else seen
+        if src == dst:
+            return True
+        seen.add(dst)
+        return any(reaches(src, u, seen) for u in uses.get(dst, ()) if u not in seen)
+
+    start = find(r"custom_call @jax_ep_dispatch_async_")
+    wait = find(r"custom_call @jax_ep_wait_")
+    dot = find(r"dot_general")
+    if not (start and wait and dot):
+        return [f"missing ops: start {start}, wait {wait}, dot {dot}"]
+    problems = []
+    if not reaches(start[0], dot[0]):
+        problems.append("the matmul does not depend on the async start")
+    if not reaches(dot[0], wait[0]):
+        problems.append("the wait does not depend on the matmul")
+    if not reaches(start[0], wait[0]):
+        problems.append("the wait does not take the start's results")
+    returned = re.findall(r"return (.*?) :", text)
+    if returned and not reaches(wait[0], re.findall(r"%[\w.]+", returned[-1])[0]):
+        problems.append("the returned rows are not the wait's")
+    return problems
+
+
+def test_overlap_pins_compute_between_start_and_wait():
+    assert _dependence_problems(_lowered_overlap()) == []
+
+
+@pytest.mark.parametrize("mutant", ["no_barrier", "no_after", "no_wait"])
+def test_a_missing_dependence_is_caught(monkeypatch, mutant):
+    """Each dependence the schedule relies on, removed in turn, is reported."""
+    pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+    if mutant == "no_barrier":
+        monkeypatch.setattr(deferred.jax.lax, "optimization_barrier", lambda values: values)
+    elif mutant == "no_after":
+        real = cuda.CudaBackend.wait
+        monkeypatch.setattr(cuda.CudaBackend, "wait",
+                            lambda self, raw, operands, after=(): real(self, raw, operands))
+    else:
+        monkeypatch.setattr(cuda.CudaBackend, "wait",
+                            lambda self, raw, operands, after=(): raw)
+    assert _dependence_problems(_lowered_overlap()) != []
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_sms", [None, 16])
+def test_overlap_buffer_gives_the_serial_buffers_bits(rng, num_sms):
+    require_gpus(1)
+    mesh = ep_mesh("cuda")
+    x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
+    serial = _buffer(mesh, "cuda")
+    overlapped = _buffer(mesh, "cuda", overlap=True, num_sms=num_sms)
+    for matmul in ("tiled", "auto"):
+        want = jax.jit(_layer(serial, mesh, 2, matmul))(x, idx, w, *weights)
+        got = jax.jit(_layer(overlapped, mesh, 2, matmul))(x, idx, w, *weights)
+        np.testing.assert_array_equal(got, want)
+        for g, h in zip(_grads(_layer(overlapped, mesh, 2, matmul), x, idx, w, weights),
+                        _grads(_layer(serial, mesh, 2, matmul), x, idx, w, weights),
+                        strict=True):
+            np.testing.assert_array_equal(g, h)
+    # Without command buffers too (the async ops never enter them; the rest does not either).
+    f = jax.jit(_layer(overlapped, mesh, 2)).lower(x, idx, w, *weights).compile(
+        compiler_options={"xla_gpu_enable_command_buffer": ""})
+    np.testing.assert_array_equal(f(x, idx, w, *weights),
+                                  jax.jit(_layer(serial, mesh, 2))(x, idx, w, *weights))
+    overlapped.close()
+    serial.close()
+
+
+@pytest.mark.gpu
+def test_a_left_out_wait_reads_rows_before_they_arrive(rng, monkeypatch):
+    """The mutant: results taken from the async start without its wait, and summed at once on
+    XLA's stream, while one SM still copies them: the sums differ from the serial ones."""
+    require_gpus(1)
+    mesh = ep_mesh("cuda", 1)
+    tokens, hidden = 4096, 7168
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=64, hidden=hidden, max_tokens_per_rank=tokens,
+                        num_topk=8, backend="cuda", overlap=True, num_sms=1)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(64, 8, replace=False) for _ in range(tokens)]),
+                      jnp.int32)
+    w = jnp.asarray(rng.random((tokens, 8)), jnp.float32)
+    stage = moe.dispatch_stage(buf)
+
+    def body(x, idx, w):
+        (flow, _), _ = deferred.overlap(lambda: stage.forward(((x, idx, w), None))[0],
+                                        lambda a: a + 1, w)
+        return jnp.sum(flow[0].astype(jnp.float32), axis=1)
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    want = np.asarray(program(x, idx, w))
+    monkeypatch.setattr(cuda.CudaBackend, "wait", lambda self, raw, operands, after=(): raw)
+    got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"),
+                                           out_specs=P("ep")))(x, idx, w))
+    assert not np.array_equal(got, want)
+    buf.close()
