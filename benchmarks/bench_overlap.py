@@ -1,0 +1,428 @@
+"""Communication hidden behind compute: one model segment, two micro-batches, with and without
+overlap, and the device timeline.
+
+    python benchmarks/bench_overlap.py [--shapes bench,deepseek] [--modes train,decode]
+        [--num-sms 24] [--gemm-sms 0] [--steps 10] [--repeats 3] [--out DIR] [--quick] [--sm-curve]
+
+The segment, per micro-batch (half of each rank's tokens): attention stand-in + router ->
+dispatch -> experts (SwiGLU, ``--matmul``) -> combine -> attention stand-in, as the stages of
+``jax_ep.moe.two_batch`` (so each communication stage runs under the other micro-batch's
+compute); train runs forward + backward, decode the forward over the low-latency ops. The
+attention stand-in is ``x + gelu(x W1) W2`` with ``W1, W2 [H, H]``. Per case, each measured as
+the loop of ``--steps`` steps dispatched back to back (the host runs ahead) and awaited once,
+per step, the median of ``--repeats``:
+
+- ``serial_us``: the segment on a serial Buffer (one stream, XLA's command buffers);
+- ``overlapped_us``: on ``Buffer(overlap=True, num_sms=--num-sms)``;
+- ``compute_us``: the same compute with the communication stages replaced by nothing (each
+  rank's own rows, routed locally: at EP=1 exactly the serial step's compute);
+- ``comm_us``: dispatch and combine alone (serial Buffer), the same routing;
+- ``hidden_fraction``: of jax_ep's kernel time in the overlapped step's timeline (a profiler
+  trace of ``--steps`` steps), the share during which a compute kernel ran on another stream.
+
+``--gemm-sms N`` (bench-only, jax's Mosaic GPU grouped GEMMs): their persistent grid of one
+CTA per SM is cut to N CTAs during the trace, leaving the other SMs to our kernels; 0 keeps it.
+The peers (``all_to_all``, ``ragged_all_to_all``, XLA's scheduler overlapping them by itself)
+get rows of their own where they move rows (EP >= 2); at EP=1 they move nothing and their rows
+say so. ``--sm-curve``: each op's kernel time against its SM budget (``num_sms``), from a
+profiler trace. Records ``overlap-<mode>-<shape>.json`` and ``sm-curve.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import bench_common as bc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import timeline
+from jax.sharding import PartitionSpec as P
+
+jax_ep, _IMPORT_ERROR = bc.import_jax_ep()
+
+SHAPES = {  # hidden, ffn, experts, topk; train / decode tokens per rank
+    "bench": dict(hidden=2048, ffn=1024, experts=64, topk=8, train=4096, decode=128),
+    "deepseek": dict(hidden=7168, ffn=2048, experts=256, topk=8, train=4096, decode=128),
+}
+QUICK = dict(hidden=256, ffn=128, experts=8, topk=2, train=64, decode=16)
+SM_BUDGETS = (16, 24, 32, 48, 66)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="bench,deepseek",
+                   help="comma-separated: bench (H=2048, F=1024, 64 experts) and/or deepseek "
+                        "(H=7168, F=2048, 256 experts), top-8 (default both)")
+    p.add_argument("--modes", default="train,decode",
+                   help="train (T=4096 per rank, forward + backward) and/or decode (T=128, "
+                        "low-latency ops, forward)")
+    p.add_argument("--num-sms", type=int, default=24,
+                   help="SM budget of the overlapped Buffer's kernels (default 24)")
+    p.add_argument("--gemm-sms", type=int, default=0,
+                   help="CTAs of jax's Mosaic GPU grouped GEMMs in the overlapped step (0: "
+                        "their default, one per SM)")
+    p.add_argument("--matmul", default="auto", help="expert matmul (jax_ep.moe.MATMULS)")
+    p.add_argument("--steps", type=int, default=10, help="steps per timed loop and per trace")
+    p.add_argument("--repeats", type=int, default=3, help="timed loops per program (median)")
+    p.add_argument("--sm-curve", action="store_true",
+                   help="also record each op's kernel time against its SM budget")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU: checks the script)")
+    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
+                   help="folder of the JSON records")
+    p.add_argument("--note", default="", help="free text stored in the records")
+    return p.parse_args(argv)
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------- the segment
+def attention_standin(w1, w2, x):
+    h = jax.nn.gelu(jnp.dot(x, w1, preferred_element_type=jnp.float32)).astype(x.dtype)
+    return x + jnp.dot(h, w2, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def make_stages(kind, buf, shape, matmul, num_ranks):
+    """The segment's stages; ``kind``: "ep" (jax_ep ops), "none" (no communication: each rank's
+    own rows, routed to its local experts) or "comm" (the ops without the experts)."""
+    from jax_ep import moe
+
+    topk, experts = shape["topk"], shape["experts"]
+    num_local = experts // num_ranks
+
+    def pre(params, state):
+        (x,), _ = state
+        # Communication alone: the router only (its routing), no attention.
+        h = x if kind == "comm" else attention_standin(params["w1"], params["w2"], x)
+        logits = jnp.dot(h, params["router"], preferred_element_type=jnp.float32)
+        idx, w, _ = moe.router(logits, topk)
+        if kind == "none":  # every token to its own rank's experts
+            idx = idx % num_local
+        return (h, idx, w), h
+
+    def post(params, state):
+        (combined,), h = state
+        if kind == "comm":
+            return (h + combined,), None
+        return (attention_standin(params["w1"], params["w2"], h + combined),), None
+
+    def swiglu(params, xs, group_sizes):
+        return moe.swiglu_experts(xs, group_sizes, *params["experts"], matmul=matmul)
+
+    if kind == "ep":
+        comm = [moe.dispatch_stage(buf), moe.combine_stage(buf)]
+        experts_stage = moe.expert_stage(buf, swiglu)
+    else:
+        comm = [local_dispatch_stage(), local_combine_stage()]
+        experts_stage = local_expert_stage(num_local, swiglu)
+    if kind == "comm":
+        comm = [moe.dispatch_stage(buf), moe.combine_stage(buf)]
+        experts_stage = moe.Compute(lambda params, state: ((state[0][0], state[0][3]),
+                                                           state[1]))
+    return [moe.Compute(pre), comm[0], experts_stage, comm[1], moe.Compute(post)]
+
+
+def local_dispatch_stage():
+    """Each rank's own rows as its received rows (no kernel)."""
+    from jax_ep import moe
+
+    def forward(state):
+        (h, idx, w), carry = state
+        return ((h, idx, w, None), carry), idx.shape
+
+    def backward(idx_shape, ct):
+        (ct_h, _, ct_w, _), ct_carry = ct
+        return (ct_h, np.zeros(idx_shape, jax.dtypes.float0), ct_w), ct_carry
+    return moe.Comm(forward, backward)
+
+
+def local_combine_stage():
+    from jax_ep import moe
+
+    def forward(state):
+        (y, _), carry = state
+        return ((y,), carry), None
+
+    def backward(_, ct):
+        (ct_y,), ct_carry = ct
+        return (ct_y, None), ct_carry
+    return moe.Comm(forward, backward)
+
+
+def local_expert_stage(num_local, swiglu):
+    from jax_ep import moe
+
+    def fn(params, state):
+        (x, idx, w, handle), carry = state
+        num_rows = x.shape[0] * min(idx.shape[1], num_local)
+        xs, sizes, perm = moe.permute(x, idx, num_local, num_rows=num_rows)
+        y = moe.unpermute(swiglu(params, xs, sizes), perm, w).astype(x.dtype)
+        return (y, handle), carry
+    return moe.Compute(fn)
+
+
+def decode_stages(kind, buf, shape, matmul, num_ranks):
+    """Decode: the low-latency ops (forward only)."""
+    from jax_ep import moe
+
+    stages = make_stages("none" if kind == "none" else "ep", buf, shape, matmul, num_ranks)
+
+    def swiglu(params, xs, group_sizes):
+        return moe.swiglu_experts(xs, group_sizes, *params["experts"], matmul=matmul)
+    if kind == "none":
+        return stages
+    experts_stage = moe.low_latency_expert_stage(buf, swiglu)
+    if kind == "comm":
+        experts_stage = moe.Compute(lambda params, state: (
+            (state[0][0].astype(jnp.bfloat16), *state[0][2:]), state[1]))
+    return [stages[0], moe.low_latency_dispatch_stage(buf), experts_stage,
+            moe.low_latency_combine_stage(buf), stages[4]]
+
+
+def make_params(shape, num_ranks, key, dtype=jnp.bfloat16):
+    h, f, e = shape["hidden"], shape["ffn"], shape["experts"]
+    ks = jax.random.split(key, 5)
+
+    def init(k, s, scale):
+        return (jax.random.normal(k, s, jnp.float32) * scale).astype(dtype)
+    local = e // num_ranks
+    # Per rank (shard_map over "ep"): the attention stand-in and router replicated, the experts
+    # this rank's own; stored as [R * ...] arrays sharded along axis 0.
+    return {
+        "w1": init(ks[0], (num_ranks * h, h), h ** -0.5),
+        "w2": init(ks[1], (num_ranks * h, h), h ** -0.5),
+        "router": init(ks[2], (num_ranks * h, e), h ** -0.5).astype(jnp.float32),
+        "experts": (init(ks[3], (num_ranks * local, h, 2 * f), h ** -0.5), None,
+                    init(ks[4], (num_ranks * local, f, h), f ** -0.5)),
+    }
+
+
+# ------------------------------------------------------------------------------- programs
+@contextlib.contextmanager
+def mosaic_grid(num_ctas):
+    """jax's Mosaic GPU grouped GEMMs with ``num_ctas`` CTAs instead of one per SM (their
+    work loop strides over whatever grid it has), while programs are traced. 0: unchanged."""
+    if not num_ctas:
+        yield
+        return
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    plgpu = ragged_dot_mgpu.plgpu
+    original = plgpu.kernel
+
+    def kernel(body, *args, grid=None, grid_names=None, **kwargs):
+        if grid_names == ("sm",):
+            grid = (num_ctas,)
+        return original(body, *args, grid=grid, grid_names=grid_names, **kwargs)
+    plgpu.kernel = kernel
+    try:
+        yield
+    finally:
+        plgpu.kernel = original
+
+
+def build_program(mesh, stages, params, x, mode, gemm_sms):
+    """A jitted step over the global ``x [R*T, H]``: two_batch of the stages (train: the grad of
+    a loss w.r.t. the parameters and x)."""
+    from jax_ep import moe
+
+    def segment_once(params, x):
+        half = x.shape[0] // 2
+        ((a,), _), ((b,), _) = moe.two_batch(stages, params, ((x[:half],), None),
+                                             ((x[half:],), None))
+        return jnp.concatenate([a, b])
+
+    if mode == "train":
+        def body(params, x):
+            def loss(params, x):
+                return jnp.sum(jnp.square(segment_once(params, x).astype(jnp.float32)))
+            return jax.grad(loss, argnums=(0, 1))(params, x)
+    else:
+        body = segment_once
+    specs = (jax.tree.map(lambda _: P("ep"), params), P("ep"))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("ep")))
+    with mosaic_grid(gemm_sms):
+        return fn.lower(params, x).compile()
+
+
+def loop_us(compiled, args, steps, repeats):
+    """Per step: ``steps`` calls dispatched back to back and awaited once; median of repeats."""
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / steps * 1e6)
+    return statistics.median(times)
+
+
+def is_ours(name):
+    return "jax_ep" in name
+
+
+def measure(compiled, args, args_ns):
+    wall = loop_us(compiled, args, args_ns.steps, args_ns.repeats)
+    events = timeline.kernels(compiled, *args, calls=args_ns.steps)
+    hidden = timeline.hidden_fraction(events, is_ours)
+    return {"wall_us": wall, "busy_us": timeline.busy_us(events) / args_ns.steps,
+            "ours_us": hidden["ours_us"] / args_ns.steps,
+            "hidden_us": hidden["hidden_us"] / args_ns.steps,
+            "hidden_fraction": hidden["hidden_fraction"], "streams": hidden["streams"]}
+
+
+def run_case(mesh, shape_name, mode, a):
+    shape = QUICK if a.quick else SHAPES[shape_name]
+    num_ranks = mesh.shape["ep"]
+    tokens = shape[mode]
+    key = jax.random.key(0)
+    params = jax.device_put(make_params(shape, num_ranks, key), bc.sharded(mesh))
+    x = jax.device_put(
+        (jax.random.normal(jax.random.key(1), (num_ranks * tokens, shape["hidden"]))
+         ).astype(jnp.bfloat16), bc.sharded(mesh))
+    low_latency = mode == "decode"
+    common = dict(num_experts=shape["experts"], hidden=shape["hidden"],
+                  max_tokens_per_rank=tokens // 2, num_topk=shape["topk"],
+                  low_latency=low_latency, report_errors=False)
+    on_gpu = bc.on_gpu()
+    serial = jax_ep.Buffer(mesh, "ep", **common)
+    overlapped = jax_ep.Buffer(mesh, "ep", overlap=True, num_sms=a.num_sms if on_gpu else None,
+                               **common)
+    stages_of = decode_stages if low_latency else make_stages
+    rows = {}
+    for name, buf, kind, gemm in (("serial", serial, "ep", 0),
+                                  ("overlapped", overlapped, "ep", a.gemm_sms),
+                                  ("compute", serial, "none", 0),
+                                  ("comm", serial, "comm", 0)):
+        t = time.time()
+        stages = stages_of(kind, buf, shape, a.matmul, num_ranks)
+        compiled = build_program(mesh, stages, params, x, mode, gemm if on_gpu else 0)
+        rows[name] = measure(compiled, (params, x), a)
+        rows[name]["compile_and_run_s"] = round(time.time() - t, 1)
+        log(f"  {mode} {shape_name} {name}: {rows[name]['wall_us']:.1f} us/step, "
+            f"ours {rows[name]['ours_us']:.1f} us, hidden {rows[name]['hidden_fraction']}")
+    serial.close()
+    overlapped.close()
+    peers = {impl: ("not run: at EP=1 it moves nothing (XLA turns it into a local copy)"
+                    if num_ranks == 1 else "not run: the peers' two-micro-batch step is not "
+                    "written yet") for impl in ("all_to_all", "ragged_all_to_all")}
+    return {
+        "op": "overlap_step", "mode": mode, "shape": shape_name, "ranks": num_ranks,
+        "tokens": tokens, "hidden": shape["hidden"], "ffn": shape["ffn"],
+        "experts": shape["experts"], "topk": shape["topk"], "matmul": a.matmul,
+        "num_sms": a.num_sms, "gemm_sms": a.gemm_sms,
+        "serial_us": rows["serial"]["wall_us"], "overlapped_us": rows["overlapped"]["wall_us"],
+        "compute_us": rows["compute"]["wall_us"], "comm_us": rows["comm"]["wall_us"],
+        "hidden_fraction": rows["overlapped"]["hidden_fraction"],
+        "saved_us": rows["serial"]["wall_us"] - rows["overlapped"]["wall_us"],
+        "programs": rows, "peers": peers,
+    }
+
+
+# ------------------------------------------------------------------------------- SM curve
+def sm_curve(mesh, a):
+    """Kernel time of each op (device time, profiler) against the Buffer's num_sms."""
+    shape = QUICK if a.quick else SHAPES["deepseek"]
+    num_ranks = mesh.shape["ep"]
+    tokens, ll_tokens = shape["train"], shape["decode"]
+    rng = np.random.default_rng(0)
+
+    def routing(t):
+        idx = np.stack([rng.choice(shape["experts"], shape["topk"], replace=False)
+                        for _ in range(num_ranks * t)]).astype(np.int32)
+        w = rng.random((num_ranks * t, shape["topk"]), dtype=np.float32)
+        return jax.device_put(idx, bc.sharded(mesh)), jax.device_put(w, bc.sharded(mesh))
+
+    x = jax.device_put(jnp.ones((num_ranks * tokens, shape["hidden"]), jnp.bfloat16) * 0.5,
+                       bc.sharded(mesh))
+    xl = x[:num_ranks * ll_tokens]
+    idx, w = routing(tokens)
+    il, wl = routing(ll_tokens)
+    budgets = [b for b in SM_BUDGETS if b < jax.devices()[0].core_count] + [None] if bc.on_gpu() \
+        else [None]
+    points = []
+    for budget in budgets:
+        nb = jax_ep.Buffer(mesh, "ep", num_experts=shape["experts"], hidden=shape["hidden"],
+                           max_tokens_per_rank=tokens, num_topk=shape["topk"],
+                           report_errors=False, num_sms=budget)
+        lb = jax_ep.Buffer(mesh, "ep", num_experts=shape["experts"], hidden=shape["hidden"],
+                           max_tokens_per_rank=ll_tokens, num_topk=shape["topk"],
+                           low_latency=True, report_errors=False, num_sms=budget)
+
+        def normal(x, idx, w, nb=nb):
+            d = jax_ep.dispatch(nb, x, idx, w)
+            return jax_ep.combine(nb, d.recv_x, d.handle)[0]
+
+        def decode(x, idx, w, lb=lb):
+            d = jax_ep.low_latency_dispatch(lb, x, idx, use_fp8=False)
+            return jax_ep.low_latency_combine(lb, d.recv_x, idx, w, d.handle)
+
+        def decode_fp8(x, idx, w, lb=lb):
+            return jax_ep.low_latency_dispatch(lb, x, idx, use_fp8=True).recv_count
+        per_op = {}
+        for program, fn, args in (("normal", normal, (x, idx, w)),
+                                  ("decode", decode, (xl, il, wl)),
+                                  ("decode_fp8", decode_fp8, (xl, il, wl))):
+            compiled = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"),
+                                             out_specs=P("ep"))).lower(*args).compile()
+            events = timeline.kernels(compiled, *args, calls=a.steps)
+            for k in events:
+                if is_ours(k.name):
+                    name = f"{program}/{kernel_role(k.name)}"
+                    per_op.setdefault(name, []).append(k.duration_ns / 1e3)
+        point = {"num_sms": budget or jax.devices()[0].core_count if bc.on_gpu() else None,
+                 "kernel_us": {n: statistics.median(v) for n, v in sorted(per_op.items())}}
+        points.append(point)
+        log(f"  num_sms {point['num_sms']}: {point['kernel_us']}")
+        nb.close()
+        lb.close()
+    return {"op": "sm_curve", "ranks": num_ranks, "tokens": tokens, "ll_tokens": ll_tokens,
+            "hidden": shape["hidden"], "experts": shape["experts"], "topk": shape["topk"],
+            "points": points}
+
+
+def kernel_role(name):
+    """A kernel's role from its (demangled) name: the plan and transfer kernels of the normal
+    dispatch and combine, the low-latency dispatch and combine."""
+    for key in ("dispatch_plan", "dispatch_transfer", "combine_plan", "combine_transfer"):
+        if key in name:
+            return key
+    return "dispatch" if "dispatch" in name else "combine" if "combine" in name else name[:40]
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    if jax_ep is None:
+        raise SystemExit(f"jax_ep: {_IMPORT_ERROR}")
+    mesh = bc.make_mesh()
+    header = {**bc.result_header(argv), "note": a.note}
+    table = []
+    for shape_name in a.shapes.split(","):
+        for mode in a.modes.split(","):
+            log(f"{mode} {shape_name}:")
+            record = {**header, **run_case(mesh, shape_name, mode, a)}
+            path = os.path.join(a.out, f"{bc.machine_name()}-overlap-{mode}-{shape_name}.json")
+            bc.write_json(path, record)
+            table.append(record)
+    if a.sm_curve:
+        record = {**header, **sm_curve(mesh, a)}
+        bc.write_json(os.path.join(a.out, f"{bc.machine_name()}-sm-curve.json"), record)
+    log("\nmode    shape     serial_us  overlapped_us  compute_us  comm_us  hidden  saved/comm")
+    for r in table:
+        hidden = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.3f}"
+        saved = r["saved_us"] / r["comm_us"] if r["comm_us"] else float("nan")
+        log(f"{r['mode']:7s} {r['shape']:9s} {r['serial_us']:9.1f} {r['overlapped_us']:14.1f} "
+            f"{r['compute_us']:11.1f} {r['comm_us']:8.1f} {hidden:>7} {saved:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
