@@ -62,8 +62,12 @@ def parse_args(argv):
     p.add_argument("--modes", default="train,decode",
                    help="train (T=4096 per rank, forward + backward) and/or decode (T=128, "
                         "low-latency ops, forward)")
-    p.add_argument("--num-sms", type=int, default=24,
-                   help="SM budget of the overlapped Buffer's kernels (default 24)")
+    p.add_argument("--num-sms", default="24",
+                   help="SM budgets of the overlapped Buffer's kernels, comma-separated, 0 = all "
+                        "SMs (default 24); one overlapped program each")
+    p.add_argument("--cases", default="",
+                   help="mode:shape pairs to run instead of --modes x --shapes, e.g. "
+                        "train:bench,decode:deepseek")
     p.add_argument("--gemm-sms", type=int, default=0,
                    help="CTAs of jax's Mosaic GPU grouped GEMMs in the overlapped step (0: "
                         "their default, one per SM)")
@@ -98,9 +102,10 @@ def make_stages(kind, buf, shape, matmul, num_ranks):
     num_local = experts // num_ranks
 
     def pre(params, state):
-        (x,), _ = state
-        # Communication alone: the router only (its routing), no attention.
-        h = x if kind == "comm" else attention_standin(params["w1"], params["w2"], x)
+        (x, idx, w), _ = state
+        if kind == "comm":  # the ops alone: the routing the program was given, no compute
+            return (x, idx, w), x
+        h = attention_standin(params["w1"], params["w2"], x)
         logits = jnp.dot(h, params["router"], preferred_element_type=jnp.float32)
         idx, w, _ = moe.router(logits, topk)
         if kind == "none":  # every token to its own rank's experts
@@ -110,7 +115,7 @@ def make_stages(kind, buf, shape, matmul, num_ranks):
     def post(params, state):
         (combined,), h = state
         if kind == "comm":
-            return (h + combined,), None
+            return (combined,), None
         return (attention_standin(params["w1"], params["w2"], h + combined),), None
 
     def swiglu(params, xs, group_sizes):
@@ -228,28 +233,30 @@ def mosaic_grid(num_ctas):
         plgpu.kernel = original
 
 
-def build_program(mesh, stages, params, x, mode, gemm_sms):
-    """A jitted step over the global ``x [R*T, H]``: two_batch of the stages (train: the grad of
-    a loss w.r.t. the parameters and x)."""
+def build_program(mesh, stages, inputs, mode, gemm_sms):
+    """A jitted step over the global ``inputs = (params, x [R*T, H], topk_idx, topk_weights)``
+    (the routing only for the communication-alone program): two_batch of the stages (train: the
+    grad of a loss w.r.t. the parameters and x)."""
     from jax_ep import moe
 
-    def segment_once(params, x):
+    def segment(params, x, idx, w):
         half = x.shape[0] // 2
-        ((a,), _), ((b,), _) = moe.two_batch(stages, params, ((x[:half],), None),
-                                             ((x[half:],), None))
+        ((a,), _), ((b,), _) = moe.two_batch(
+            stages, params, ((x[:half], idx[:half], w[:half]), None),
+            ((x[half:], idx[half:], w[half:]), None))
         return jnp.concatenate([a, b])
 
     if mode == "train":
-        def body(params, x):
+        def body(params, x, idx, w):
             def loss(params, x):
-                return jnp.sum(jnp.square(segment_once(params, x).astype(jnp.float32)))
+                return jnp.sum(jnp.square(segment(params, x, idx, w).astype(jnp.float32)))
             return jax.grad(loss, argnums=(0, 1))(params, x)
     else:
-        body = segment_once
-    specs = (jax.tree.map(lambda _: P("ep"), params), P("ep"))
+        body = segment
+    specs = (jax.tree.map(lambda _: P("ep"), inputs[0]), P("ep"), P("ep"), P("ep"))
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("ep")))
     with mosaic_grid(gemm_sms):
-        return fn.lower(params, x).compile()
+        return fn.lower(*inputs).compile()
 
 
 def loop_us(compiled, args, steps, repeats):
@@ -279,50 +286,78 @@ def measure(compiled, args, args_ns):
             "hidden_fraction": hidden["hidden_fraction"], "streams": hidden["streams"]}
 
 
+def routing_for(mesh, params, x, topk):
+    """The router's choice on ``x`` (the communication-alone program's routing)."""
+    from jax_ep import moe
+
+    def route(router, x):
+        logits = jnp.dot(x, router, preferred_element_type=jnp.float32)
+        idx, w, _ = moe.router(logits, topk)
+        return idx, w
+    return jax.jit(jax.shard_map(route, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+        params["router"], x)
+
+
 def run_case(mesh, shape_name, mode, a):
     shape = QUICK if a.quick else SHAPES[shape_name]
     num_ranks = mesh.shape["ep"]
     tokens = shape[mode]
-    key = jax.random.key(0)
-    params = jax.device_put(make_params(shape, num_ranks, key), bc.sharded(mesh))
+    params = jax.device_put(make_params(shape, num_ranks, jax.random.key(0)), bc.sharded(mesh))
     x = jax.device_put(
         (jax.random.normal(jax.random.key(1), (num_ranks * tokens, shape["hidden"]))
          ).astype(jnp.bfloat16), bc.sharded(mesh))
+    inputs = (params, x, *routing_for(mesh, params, x, shape["topk"]))
     low_latency = mode == "decode"
     common = dict(num_experts=shape["experts"], hidden=shape["hidden"],
                   max_tokens_per_rank=tokens // 2, num_topk=shape["topk"],
                   low_latency=low_latency, report_errors=False)
     on_gpu = bc.on_gpu()
-    serial = jax_ep.Buffer(mesh, "ep", **common)
-    overlapped = jax_ep.Buffer(mesh, "ep", overlap=True, num_sms=a.num_sms if on_gpu else None,
-                               **common)
+    budgets = [int(b) for b in str(a.num_sms).split(",")]
+    buffers = {"serial": jax_ep.Buffer(mesh, "ep", **common)}
+    for budget in budgets:
+        buffers[f"overlapped_sms{budget}"] = jax_ep.Buffer(
+            mesh, "ep", overlap=True, num_sms=(budget or None) if on_gpu else None, **common)
     stages_of = decode_stages if low_latency else make_stages
+    programs = [("serial", "serial", "ep", 0)]
+    programs += [(f"overlapped_sms{b}", f"overlapped_sms{b}", "ep", a.gemm_sms) for b in budgets]
+    programs += [("compute", "serial", "none", 0), ("comm", "serial", "comm", 0)]
     rows = {}
-    for name, buf, kind, gemm in (("serial", serial, "ep", 0),
-                                  ("overlapped", overlapped, "ep", a.gemm_sms),
-                                  ("compute", serial, "none", 0),
-                                  ("comm", serial, "comm", 0)):
+    for name, buf_name, kind, gemm in programs:
         t = time.time()
-        stages = stages_of(kind, buf, shape, a.matmul, num_ranks)
-        compiled = build_program(mesh, stages, params, x, mode, gemm if on_gpu else 0)
-        rows[name] = measure(compiled, (params, x), a)
+        try:
+            stages = stages_of(kind, buffers[buf_name], shape, a.matmul, num_ranks)
+            compiled = build_program(mesh, stages, inputs, mode, gemm if on_gpu else 0)
+            rows[name] = measure(compiled, inputs, a)
+            del compiled
+        except Exception as e:  # noqa: BLE001 - one program's failure leaves the others' rows
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:600], "wall_us": None,
+                          "hidden_fraction": None, "ours_us": None}
         rows[name]["compile_and_run_s"] = round(time.time() - t, 1)
-        log(f"  {mode} {shape_name} {name}: {rows[name]['wall_us']:.1f} us/step, "
-            f"ours {rows[name]['ours_us']:.1f} us, hidden {rows[name]['hidden_fraction']}")
-    serial.close()
-    overlapped.close()
+        log(f"  {mode} {shape_name} {name}: {rows[name]['wall_us']} us/step, "
+            f"ours {rows[name]['ours_us']} us, hidden {rows[name]['hidden_fraction']}"
+            + (f" ERROR {rows[name]['error'][:200]}" if "error" in rows[name] else ""))
+    for buf in buffers.values():
+        buf.close()
     peers = {impl: ("not run: at EP=1 it moves nothing (XLA turns it into a local copy)"
                     if num_ranks == 1 else "not run: the peers' two-micro-batch step is not "
                     "written yet") for impl in ("all_to_all", "ragged_all_to_all")}
+    first = rows[f"overlapped_sms{budgets[0]}"]
+
+    def saved(row):
+        if row.get("wall_us") is None or rows["serial"].get("wall_us") is None:
+            return None
+        return rows["serial"]["wall_us"] - row["wall_us"]
     return {
         "op": "overlap_step", "mode": mode, "shape": shape_name, "ranks": num_ranks,
         "tokens": tokens, "hidden": shape["hidden"], "ffn": shape["ffn"],
         "experts": shape["experts"], "topk": shape["topk"], "matmul": a.matmul,
-        "num_sms": a.num_sms, "gemm_sms": a.gemm_sms,
-        "serial_us": rows["serial"]["wall_us"], "overlapped_us": rows["overlapped"]["wall_us"],
+        "num_sms": budgets[0], "gemm_sms": a.gemm_sms,
+        "serial_us": rows["serial"]["wall_us"], "overlapped_us": first["wall_us"],
         "compute_us": rows["compute"]["wall_us"], "comm_us": rows["comm"]["wall_us"],
-        "hidden_fraction": rows["overlapped"]["hidden_fraction"],
-        "saved_us": rows["serial"]["wall_us"] - rows["overlapped"]["wall_us"],
+        "hidden_fraction": first["hidden_fraction"], "saved_us": saved(first),
+        "by_num_sms": {b: {"overlapped_us": rows[f"overlapped_sms{b}"]["wall_us"],
+                           "hidden_fraction": rows[f"overlapped_sms{b}"]["hidden_fraction"],
+                           "saved_us": saved(rows[f"overlapped_sms{b}"])} for b in budgets},
         "programs": rows, "peers": peers,
     }
 
@@ -406,22 +441,28 @@ def main(argv=None):
     mesh = bc.make_mesh()
     header = {**bc.result_header(argv), "note": a.note}
     table = []
-    for shape_name in a.shapes.split(","):
-        for mode in a.modes.split(","):
-            log(f"{mode} {shape_name}:")
-            record = {**header, **run_case(mesh, shape_name, mode, a)}
-            path = os.path.join(a.out, f"{bc.machine_name()}-overlap-{mode}-{shape_name}.json")
-            bc.write_json(path, record)
-            table.append(record)
     if a.sm_curve:
         record = {**header, **sm_curve(mesh, a)}
         bc.write_json(os.path.join(a.out, f"{bc.machine_name()}-sm-curve.json"), record)
+    cases = ([tuple(c.split(":")) for c in a.cases.split(",")] if a.cases else
+             [(m, s) for s in a.shapes.split(",") for m in a.modes.split(",")])
+    for mode, shape_name in cases:
+        log(f"{mode} {shape_name}:")
+        record = {**header, **run_case(mesh, shape_name, mode, a)}
+        path = os.path.join(a.out, f"{bc.machine_name()}-overlap-{mode}-{shape_name}.json")
+        bc.write_json(path, record)
+        table.append(record)
     log("\nmode    shape     serial_us  overlapped_us  compute_us  comm_us  hidden  saved/comm")
+    def cell(value, digits=1):
+        return "-" if value is None else f"{value:.{digits}f}"
     for r in table:
-        hidden = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.3f}"
-        saved = r["saved_us"] / r["comm_us"] if r["comm_us"] else float("nan")
-        log(f"{r['mode']:7s} {r['shape']:9s} {r['serial_us']:9.1f} {r['overlapped_us']:14.1f} "
-            f"{r['compute_us']:11.1f} {r['comm_us']:8.1f} {hidden:>7} {saved:10.2f}")
+        for budget, row in r["by_num_sms"].items():
+            ratio = (row["saved_us"] / r["comm_us"] if row["saved_us"] is not None
+                     and r["comm_us"] else None)
+            log(f"{r['mode']:7s} {r['shape']:9s} {cell(r['serial_us']):>9} "
+                f"{cell(row['overlapped_us']):>14} {cell(r['compute_us']):>11} "
+                f"{cell(r['comm_us']):>8} {cell(row['hidden_fraction'], 3):>7} "
+                f"{cell(ratio, 2):>10}  num_sms={budget or 'all'}")
 
 
 if __name__ == "__main__":
