@@ -31,12 +31,17 @@ class MoEFeedForward(nnx.Module):
         ffn: hidden width F of each expert.
         batch_axes: mesh axes the batch dimension is split over.
         rngs: NNX random streams.
+        micro_batches: 2 splits each device's tokens into two micro-batches whose dispatches
+            and combines run under each other's experts (`moe_ffn`; overlapped when `buf` was
+            made with `overlap=True`).
     """
 
-    def __init__(self, buf: jax_ep.Buffer, ffn: int, batch_axes: tuple[str, ...], *, rngs):
+    def __init__(self, buf: jax_ep.Buffer, ffn: int, batch_axes: tuple[str, ...], *, rngs,
+                 micro_batches: int = 1):
         hidden, num_experts = buf.hidden, buf.num_experts
         self.buf = buf
         self.batch_axes = batch_axes
+        self.micro_batches = micro_batches
         self.router = nnx.Linear(
             hidden, num_experts, use_bias=False, rngs=rngs,
             kernel_init=nnx.initializers.normal(0.02),
@@ -76,7 +81,7 @@ class MoEFeedForward(nnx.Module):
                 x.reshape(b * s, h).astype(self.buf.dtype),
                 topk_idx.reshape(b * s, -1),
                 topk_weights.reshape(b * s, -1),
-                w_gate_up, None, w_down,
+                w_gate_up, None, w_down, micro_batches=self.micro_batches,
             )
             return y.reshape(b, s, h).astype(x.dtype)
 
@@ -88,14 +93,14 @@ class Block(nnx.Module):
     """Pre-norm block: causal self-attention then the MoE feed-forward, both residual."""
 
     def __init__(self, buf: jax_ep.Buffer, num_heads: int, ffn: int,
-                 batch_axes: tuple[str, ...], *, rngs):
+                 batch_axes: tuple[str, ...], *, rngs, micro_batches: int = 1):
         hidden = buf.hidden
         self.attn_norm = nnx.RMSNorm(hidden, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
             num_heads, hidden, use_bias=False, decode=False, rngs=rngs
         )
         self.ffn_norm = nnx.RMSNorm(hidden, rngs=rngs)
-        self.moe = MoEFeedForward(buf, ffn, batch_axes, rngs=rngs)
+        self.moe = MoEFeedForward(buf, ffn, batch_axes, rngs=rngs, micro_batches=micro_batches)
 
     def __call__(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         x = x + self.attn(self.attn_norm(x), mask=mask)
@@ -115,18 +120,20 @@ class MoETransformer(nnx.Module):
         ffn: hidden width of each expert.
         batch_axes: mesh axes the batch is split over.
         rngs: NNX random streams.
+        micro_batches: 1, or 2 (each MoE layer in two overlapped micro-batches).
     """
 
     def __init__(self, buf: jax_ep.Buffer, *, vocab_size: int, max_seq_len: int,
                  num_layers: int, num_heads: int, ffn: int, batch_axes: tuple[str, ...],
-                 rngs):
+                 rngs, micro_batches: int = 1):
         hidden = buf.hidden
         # Tied input/output embedding: std 1/sqrt(hidden) keeps the initial logits O(1).
         self.embed = nnx.Embed(vocab_size, hidden, rngs=rngs,
                                embedding_init=nnx.initializers.normal(hidden ** -0.5))
         self.pos = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (max_seq_len, hidden)))
         self.blocks = nnx.List(
-            [Block(buf, num_heads, ffn, batch_axes, rngs=rngs) for _ in range(num_layers)]
+            [Block(buf, num_heads, ffn, batch_axes, rngs=rngs, micro_batches=micro_batches)
+             for _ in range(num_layers)]
         )
         self.norm = nnx.RMSNorm(hidden, rngs=rngs)
 

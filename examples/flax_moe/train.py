@@ -65,6 +65,7 @@ class Config:
     data_parallel: int = 1
     dtype: str = "float32"
     backend: str = "auto"
+    micro_batches: int = 1
     seed: int = 0
     log_every: int = 25
     plot: str = "loss.png"
@@ -94,10 +95,12 @@ def train(cfg: Config) -> dict:
         num_experts=cfg.experts, hidden=cfg.hidden,
         max_tokens_per_rank=cfg.batch // num_devices * cfg.seq,
         num_topk=cfg.topk, dtype=jnp.dtype(cfg.dtype), backend=cfg.backend,
+        overlap=cfg.micro_batches == 2,
     )
     model = MoETransformer(
         buf, vocab_size=lang.vocab_size, max_seq_len=cfg.seq, num_layers=cfg.layers,
         num_heads=cfg.heads, ffn=cfg.ffn, batch_axes=batch_axes, rngs=nnx.Rngs(cfg.seed),
+        micro_batches=cfg.micro_batches,
     )
     shard_model(model, mesh)
     schedule = optax.warmup_cosine_decay_schedule(
@@ -219,6 +222,9 @@ def parse_args(argv=None) -> Config:
                    help="dtype of the tokens jax_ep moves and of the expert matmuls")
     p.add_argument("--backend", default=d.backend, choices=["auto", "cuda", "xla"],
                    help="jax_ep backend")
+    p.add_argument("--micro-batches", type=int, default=d.micro_batches, choices=[1, 2],
+                   help="2: each MoE layer in two micro-batches whose communication overlaps "
+                        "the other's experts (jax_ep.moe.moe_ffn; Buffer(overlap=True))")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps per loss line")
     p.add_argument("--plot", default=d.plot,
