@@ -68,6 +68,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
+    bc.add_note_argument(p)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         lib = ctypes.cdll.LoadLibrary(build(workdir))
@@ -84,7 +85,7 @@ def main():
         print(f"{label:<32} {rows[-1]['per_call_us']:6.2f} +- "
               f"{rows[-1]['per_call_us_stderr']:4.2f} us per call", flush=True)
     path = os.path.join(args.out, f"{bc.machine_name()}-{bc.today()}-launch_floor.json")
-    bc.write_json(path, {**bc.result_header(sys.argv[1:]), "records": rows})
+    bc.write_json(path, {**bc.result_header(sys.argv[1:], args.note, __file__), "records": rows})
     print(f"wrote {path}")
 
 
