@@ -32,8 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "ep"
-# Each-way NVLink bandwidth between the two H200s when both directions run (docs/api.md,
-# "Measuring", reference figures).
+# The each-way NVLink rate that nvlink_share assumes (2x H200, both directions busy); bench_ep's
+# records carry it as method.nvlink_bytes_per_s.
 NVLINK_BYTES_PER_S = 283e9
 FP8_BLOCK = 128  # channels per fp8 scale (docs/api.md, "FP8 scales")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -9,10 +9,9 @@ CUDA graph; a chain of 4 would run thunk by thunk, below ``xla_gpu_graph_min_gra
 handlers copy a small array with one kernel launched as: a tiny plain kernel (XLA's own floor
 for a custom call), the low-latency kernels' shape (all SMs but 8, 512 threads) launched
 plainly, the same launched cooperatively as ours are, and cooperatively with 1 KiB of
-arguments. A chain of XLA's own elementwise ops is the reference. One H200, 2026-12-02
-(`1xH200-2026-12-02-launch_floor.json`, chains of 4-16, slope over 8-16): ~4.1 us per custom
-call whatever it launches (tiny 4.06, wide 4.33, cooperative 4.36, with 1 KiB of arguments
-4.58), against 0.23 us per XLA elementwise op. Writes ``<machine>-<date>-launch_floor.json``.
+arguments. A chain of XLA's own elementwise ops is the reference. Writes
+``<machine>-<date>-launch_floor.json``; the figures of one H200 are in docs/performance.md
+(``benchmarks/results/1xH200-launch_floor.json``).
 """
 
 from __future__ import annotations
