@@ -99,12 +99,12 @@ TOKAMAX_CONFIGS: dict[str, dict | None] = {
                      persistent=False, grid_minor_dim=0, grid_tile_width=1),
 }
 # jax's kernels: block sizes from their own tuning sweeps' ranges (block_k 64 = one 128-byte
-# swizzle of bfloat16). "rows" is the best of bench_moe_layer's sweep on an H200 (forward 479,
-# dx 417 TFLOP/s at the gate shape; 4 stages and grid_block_n 4 gave 453 / 400). grid_block_n
-# is the most output blocks a CTA group walks; each call uses the largest power of two up to it
-# that divides the output width in blocks (`_grid_block_n`). Chosen in the step, not per
-# product: the sweep's per-product winners (contract 5 stages / grid_block_n 8, rows 6 stages)
-# made the six GEMMs of a step 8% slower on one H200 (`-moe_experts_profile-configs-s14.json`).
+# swizzle of bfloat16). "rows" is the best of bench_moe_layer's sweep (`--sections products
+# --sweep`) on an H200 at the gate shape, forward and dx. grid_block_n is the most output blocks
+# a CTA group walks; each call uses the largest power of two up to it that divides the output
+# width in blocks (`_grid_block_n`). Chosen in the step, not per product: the sweep's
+# per-product winners (contract 5 stages / grid_block_n 8, rows 6 stages) made the six GEMMs of
+# a step slower on one H200 (`profile_moe_experts.py --variants gemms`, configs edited in turn).
 MOSAIC_CONFIGS: dict[str, dict] = {
     "rows": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=8),
     "contract": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
