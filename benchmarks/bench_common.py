@@ -15,6 +15,7 @@ import datetime
 import functools
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -127,7 +128,7 @@ def tree_header(argv: Sequence[str], note: str | None = None,
     commit, diff = tree_state.tree_state(REPO_ROOT)
     program = os.path.relpath(script or sys.argv[0], REPO_ROOT)
     return {"commit": commit, "dirty_diff_sha256": diff, "note": note,
-            "command": " ".join([program, *argv])}
+            "command": shlex.join([program, *argv])}
 
 
 def result_header(argv: Sequence[str], note: str | None = None,
