@@ -15,6 +15,7 @@ import datetime
 import functools
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -26,13 +27,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tree_state  # benchmarks/ is on sys.path wherever bench_common imports
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "ep"
-# Each-way NVLink bandwidth between the two H200s when both directions run (docs/api.md,
-# "Measuring", reference figures).
+# The each-way NVLink rate that nvlink_share assumes (2x H200, both directions busy); bench_ep's
+# records carry it as method.nvlink_bytes_per_s.
 NVLINK_BYTES_PER_S = 283e9
 FP8_BLOCK = 128  # channels per fp8 scale (docs/api.md, "FP8 scales")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -103,31 +105,39 @@ def machine_name() -> str:
 
 
 def git_commit() -> str:
-    """``$JAX_EP_COMMIT`` when set (the tree travelled to a GPU machine, whose copy may carry a
-    stale ``.git``: set it to ``git rev-parse --short HEAD`` before copying), else the
-    checkout's commit."""
-    if os.environ.get("JAX_EP_COMMIT"):
-        return os.environ["JAX_EP_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-            capture_output=True, text=True, timeout=30,
-        )
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """The commit the records name (``tree_state.tree_state``: ``$JAX_EP_COMMIT`` when set, for a
+    tree that travelled to a GPU machine whose copy may carry a stale ``.git``; else the
+    checkout's; ``"unknown"`` without either)."""
+    return tree_state.tree_state(REPO_ROOT)[0]
 
 
 def today() -> str:
     return datetime.date.today().isoformat()
 
 
-def result_header(argv: Sequence[str]) -> dict[str, Any]:
+def add_note_argument(parser) -> None:
+    """``--note TEXT``: free text stored in the record (what the run is for, what was special)."""
+    parser.add_argument("--note", help="free text stored in the result file's 'note'")
+
+
+def tree_header(argv: Sequence[str], note: str | None = None,
+                script: str | None = None) -> dict[str, Any]:
+    """The part of a record's header that says what ran: ``commit``, ``dirty_diff_sha256``
+    (``benchmarks/tree_state.py``: None for a clean tree), ``note`` and ``command`` (``script``,
+    the running script's ``__file__``, else ``sys.argv[0]``, then ``argv``)."""
+    commit, diff = tree_state.tree_state(REPO_ROOT)
+    program = os.path.relpath(script or sys.argv[0], REPO_ROOT)
+    return {"commit": commit, "dirty_diff_sha256": diff, "note": note,
+            "command": shlex.join([program, *argv])}
+
+
+def result_header(argv: Sequence[str], note: str | None = None,
+                  script: str | None = None) -> dict[str, Any]:
+    """A record's header: machine, date, the tree state and command (``tree_header``), JAX."""
     return {
         "machine": machine_name(),
         "date": today(),
-        "commit": git_commit(),
-        "command": " ".join([os.path.relpath(sys.argv[0], REPO_ROOT), *argv]),
+        **tree_header(argv, note, script),
         "jax_version": jax.__version__,
         "platform": jax.default_backend(),
         "processes": jax.process_count(),

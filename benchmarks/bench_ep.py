@@ -93,6 +93,7 @@ def parse_args(argv):
                         "buffer for XLA to allocate and hand back)")
     p.add_argument("--warmup", type=int, help="untimed runs of each program first (default 3)")
     p.add_argument("--tag", help="appended to the result file name: <machine>-<date>-<tag>.json")
+    bc.add_note_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float,
                    help="start no new case after this many minutes (the decomposer child gets "
@@ -682,7 +683,7 @@ def main(argv=None):
             child = ([], [], {DECOMPOSER_IMPL: "no GPU: ragged_all_to_all does not run on "
                                                "XLA:CPU"})
             log(f"[skip] {DECOMPOSER_IMPL}: {child[2][DECOMPOSER_IMPL]}")
-    header = bc.result_header(argv)  # initialises JAX here, after the child is done
+    header = bc.result_header(argv, args.note, __file__)  # initialises JAX, after the child
     os.makedirs(args.out, exist_ok=True)
     name = f"{header['machine']}-{header['date']}" + (f"-{args.tag}" if args.tag else "")
     prefix = os.path.join(args.out, name)

@@ -132,6 +132,7 @@ def parse_args(argv):
                    help="start no new measurement after this many minutes (default 2; none with "
                         "--quick); results so far are written and the table printed")
     p.add_argument("--tag", help="file name <machine>-<date>-moe_layer-<tag>.json")
+    bc.add_note_argument(p)
     p.add_argument("--sweep", action="store_true",
                    help="products section: try every tile config of SWEEP_CONFIGS per library "
                         "product and shape (records carry their config)")
@@ -877,7 +878,7 @@ def main(argv=None):
     num_ranks = mesh.shape[bc.AXIS]
     if args.experts % num_ranks:
         raise SystemExit(f"--experts {args.experts} is not a multiple of {num_ranks} ranks")
-    header = bc.result_header(argv)
+    header = bc.result_header(argv, args.note, __file__)
     name = f"{header['machine']}-{header['date']}-moe_layer" + (
         f"-{args.tag}" if args.tag else "")
     path = os.path.join(args.out, name + ".json")

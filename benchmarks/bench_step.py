@@ -99,7 +99,8 @@ def parse_args(argv):
                         "the slope of their wall times' least-squares line)")
     p.add_argument("--quick", action="store_true", help="small shapes, for CPU tests")
     p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
-    p.add_argument("--tag")
+    p.add_argument("--tag", help="file name <machine>-<date>-step-<tag>.json")
+    bc.add_note_argument(p)
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -504,7 +505,8 @@ def main(argv=None):
     if bc.is_reporter():
         name = f"{bc.machine_name()}-{bc.today()}-step" + (f"-{args.tag}" if args.tag else "")
         path = os.path.join(args.out, name + ".json")
-        bc.write_json(path, {**bc.result_header(sys.argv[1:] if argv is None else argv),
+        bc.write_json(path, {**bc.result_header(sys.argv[1:] if argv is None else argv,
+                                                      args.note, __file__),
                              "method": __doc__.split("\n\n")[2].strip(), "records": records})
         print(f"\nwrote {path}\n")
         print(HEADER)

@@ -57,6 +57,7 @@ def parse_args(argv):
     p.add_argument("--max-minutes", type=float,
                    help="start no new process after this many minutes (results so far are kept)")
     p.add_argument("--tag", help="appended to the file name: <machine>-<date>-first_call-<tag>")
+    bc.add_note_argument(p)
     p.add_argument("--child", help=argparse.SUPPRESS)  # "mode,case,impl" in a child process
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -292,9 +293,8 @@ def main(argv=None):
                 records.append(make_record(args, mode, got))
                 if header is None:  # the machine is known once a child has run
                     machine = next(iter(got.values()))["machine"]
-                    header = {"machine": machine, "date": bc.today(), "commit": bc.git_commit(),
-                              "command": " ".join([os.path.relpath(sys.argv[0], bc.REPO_ROOT),
-                                                   *argv]),
+                    header = {"machine": machine, "date": bc.today(),
+                              **bc.tree_header(argv, args.note, __file__),
                               "platform": next(iter(got.values()))["platform"]}
                     name = f"{machine}-{header['date']}-first_call" + (
                         f"-{args.tag}" if args.tag else "")

@@ -9,10 +9,9 @@ CUDA graph; a chain of 4 would run thunk by thunk, below ``xla_gpu_graph_min_gra
 handlers copy a small array with one kernel launched as: a tiny plain kernel (XLA's own floor
 for a custom call), the low-latency kernels' shape (all SMs but 8, 512 threads) launched
 plainly, the same launched cooperatively as ours are, and cooperatively with 1 KiB of
-arguments. A chain of XLA's own elementwise ops is the reference. One H200, 2026-12-02
-(`1xH200-2026-12-02-launch_floor.json`, chains of 4-16, slope over 8-16): ~4.1 us per custom
-call whatever it launches (tiny 4.06, wide 4.33, cooperative 4.36, with 1 KiB of arguments
-4.58), against 0.23 us per XLA elementwise op. Writes ``<machine>-<date>-launch_floor.json``.
+arguments. A chain of XLA's own elementwise ops is the reference. Writes
+``<machine>-<date>-launch_floor.json``; the figures of one H200 are in docs/performance.md
+(``benchmarks/results/1xH200-launch_floor.json``).
 """
 
 from __future__ import annotations
@@ -68,6 +67,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
+    bc.add_note_argument(p)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         lib = ctypes.cdll.LoadLibrary(build(workdir))
@@ -84,7 +84,7 @@ def main():
         print(f"{label:<32} {rows[-1]['per_call_us']:6.2f} +- "
               f"{rows[-1]['per_call_us_stderr']:4.2f} us per call", flush=True)
     path = os.path.join(args.out, f"{bc.machine_name()}-{bc.today()}-launch_floor.json")
-    bc.write_json(path, {**bc.result_header(sys.argv[1:]), "records": rows})
+    bc.write_json(path, {**bc.result_header(sys.argv[1:], args.note, __file__), "records": rows})
     print(f"wrote {path}")
 
 

@@ -55,6 +55,7 @@ def parse_args(argv):
                    help="also trace bench_moe_layer's program of this many unrolled steps "
                         "(distinct inputs, every output kept): per step wall, span and kernels")
     p.add_argument("--tag", help="file name <machine>-<date>-moe_experts_profile-<tag>.json")
+    bc.add_note_argument(p)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.variants = tuple(v for v in args.variants.split(",") if v)
@@ -170,8 +171,9 @@ def main(argv=None):
     # One rank's block: T * K rows over E experts; a set per unrolled step.
     inputs = bml.ExpertInputs(args, 1, max(1, args.unrolled))
     flops = 18.0 * inputs.used * args.hidden * args.ffn
-    payload = dict(bc.result_header(argv), shape={k: getattr(args, k) for k in DEFAULTS},
-                   resolved=resolved, flops_per_step=flops, results=[], errors=[])
+    payload = dict(bc.result_header(argv, args.note, __file__),
+                   shape={k: getattr(args, k) for k in DEFAULTS}, resolved=resolved,
+                   flops_per_step=flops, results=[], errors=[])
     for variant in args.variants:
         if variant == "gemms" and resolved not in grouped_gemm.LIBRARY_MATMULS:
             print(f"gemms: skipped ({resolved} is not a library matmul)")

@@ -8,16 +8,17 @@ start to last kernel end of each call). Unlike wall-clock differences this is pu
 it shows what the GPU spends and where the gaps are. The ``*_split`` ops run the low-latency
 ops as send + receive halves back to back: the two kernels' medians are the halves' device
 times (the receive's includes waiting for the peers' sends), the span is the pair's. Writes
-``profile.json`` into ``--out``.
+``<machine>-<date>-profile_ops[-<tag>].json`` into ``--out``: the header of
+``bench_common.result_header`` and ``results`` (per op: the stats printed, per device).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import statistics
+import sys
 import tempfile
 
 import bench_common  # benchmarks/ is sys.path[0] when run as a script
@@ -149,7 +150,10 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--out", default=".")
+    parser.add_argument("--out", default=os.path.join(bench_common.REPO_ROOT, "benchmarks",
+                                                      "results"))
+    parser.add_argument("--tag", help="file name <machine>-<date>-profile_ops-<tag>.json")
+    bench_common.add_note_argument(parser)
     parser.add_argument("--ops", type=lambda text: set(text.split(",")),
                         help="comma-separated subset of the ops (default: all)")
     parser.add_argument("--no-trace", action="store_true",
@@ -194,9 +198,13 @@ def main(argv=None):
             results[op] = _profile(program, (gidx, gw, *xs), marker, family, args.iters,
                                    f"{op} T={T}", trace=not args.no_trace)
         buf.close()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    tag = f"-{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"{bench_common.machine_name()}-{bench_common.today()}"
+                                  f"-profile_ops{tag}.json")
+    header = bench_common.result_header(sys.argv[1:] if argv is None else argv, args.note,
+                                        __file__)
+    bench_common.write_json(path, {**header, "results": results})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

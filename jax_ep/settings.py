@@ -119,7 +119,11 @@ SETTINGS = {s.name: s for s in (
             "ON: a diagnostic build whose low-latency kernels print when each block passes "
             "each phase (benchmarks/phase_timeline.py); slower kernels"),
     Setting("JAX_EP_COMMIT", "tooling", None, _text,
-            "commit recorded in benchmark results (a copied tree may carry a stale .git)"),
+            "commit recorded in benchmark results (a copied tree may carry a stale .git; "
+            "benchmarks/tree_state.py prints it)"),
+    Setting("JAX_EP_DIFF_SHA256", "tooling", None, _text,
+            "with JAX_EP_COMMIT: 'clean', or the SHA-256 of the tree's `git diff HEAD --binary`, "
+            "recorded in benchmark results (benchmarks/tree_state.py prints it)"),
     Setting("JAX_EP_TRANSPORT_SEEDS", "tooling", 3, _positive_int,
             "emulator seeds of tests/test_device_transport.py's fake-hosts digests"),
     Setting("JAX_EP_TEST_SEED", "tooling", None, _text,

@@ -17,9 +17,8 @@ OPS=ll_dispatch_fp8,ll_dispatch_bf16,ll_combine
 cd /tmp
 spans() { grep -E "op span" "$1" | sed 's/ \+/ /g'; }
 for t in ${PROBE_TOKENS:-1 16 128}; do
-  timeout 90 python3 "$PROFILE" --ll-tokens "$t" --ops $OPS --out "/tmp/probe_t$t" \
+  timeout 90 python3 "$PROFILE" --ll-tokens "$t" --ops $OPS --out "$OUT" --tag "ll-t$t" \
     > "$OUT/profile_t$t.log" 2>&1
-  cp "/tmp/probe_t$t/profile.json" "$OUT/profile_t$t.json" 2> /dev/null
   echo "T=$t"; spans "$OUT/profile_t$t.log"
 done
 for b in ${PROBE_BLOCKS:-32 64 132}; do

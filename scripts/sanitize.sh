@@ -22,8 +22,8 @@
 #             Use it on tests whose XLA work reads no unspecified row, e.g.
 #             SAN_TESTS=tests/test_split_chains.py SAN_K=every_slot_written
 #   SAN_EACH  1: one run per selected test id (logs and summary lines named by it). The tool
-#             itself dies (SIGSEGV) 15-25 s into a run, with our kernels alone instrumented too
-#             (2026-12-02): a run that ends before that gets its summary
+#             itself (compute-sanitizer 2025.3.1) can die (SIGSEGV) early in a run, with our
+#             kernels alone instrumented too: a run that ends before that gets its summary
 set -uo pipefail
 R="$PWD"; OUT="${OUT:-$R/gpu_out}"; LOGS="$OUT/sanitize"; mkdir -p "$LOGS"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PATH="/usr/local/cuda/bin:$PATH"
@@ -42,7 +42,7 @@ SHARED_DESELECT=(--deselect tests/test_gradients.py::test_low_latency_gradients
 compute-sanitizer --version | tail -1 > "$LOGS/version.txt"
 filter=()
 # Not `--help | grep -q`: under pipefail grep's early exit kills the writer with SIGPIPE and the
-# test fails, which left every kernel (XLA's too) instrumented until 2026-12-02.
+# test fails, which would leave every kernel (XLA's too) instrumented.
 help=$(compute-sanitizer --help 2>&1)
 [[ $help == *--kernel-name* && ${SAN_FILTER:-1} != 0 ]] && filter=(--kernel-name kns=_kernel)
 summary="$LOGS/summary.txt"  # appended to: several calls may each run some of the tools

@@ -4,9 +4,8 @@
 side-effecting (XLA neither removes nor merges it: what our communicating calls need), and the
 jaxpr gets a JAX effect. The effect costs every call of a program that holds one of our ops:
 ``jax.jit`` takes effectful programs off its C++ dispatch path and runs each call through
-Python, with runtime tokens (one H200, bench_step --bare: a call of a 2-layer program took
-620-920 us with the effect, 160-430 us without; NOTES.md). This primitive keeps the first and
-drops the second.
+Python, with runtime tokens (docs/decisions.md, "How the ops sit in XLA"). This primitive keeps
+the first and drops the second.
 
 What the missing JAX effect allows, and why it is safe: JAX may drop a call whose results are
 all unused (every rank runs the same program, so every rank drops the same call) and may

@@ -27,11 +27,10 @@ Forward and backward are three products, each a grouped GEMM:
 - `"auto"`: `JAX_EP_MOE_MATMUL` when set, else `"mosaic"` on Hopper GPUs where jax's kernels
   import and the rows are bfloat16 / float16, else `"tiled"`; `swiglu_experts` also falls back
   to `"tiled"` when the kernels cannot tile the expert widths (`supports`). Chosen by
-  measurement on an H200 (2026-12-02, the benchmark's shape, NOTES.md "MoE expert matmuls"):
-  jax's forward kernel ran the forward products in 872 us where tokamax's took 992, and the
-  whole fwd + bwd at 355 TFLOP/s with "mosaic" against 345 with "tokamax+mosaic". tokamax's own
-  dw kernel gave wrong gradients (`WRONG_ON_GPU`), masks every row block in registers before
-  its WGMMA, and its dx needs the weights transposed by XLA first.
+  measurement on an H200 at the benchmark's shape, where jax's forward kernel ran faster than
+  tokamax's (docs/decisions.md, "Kernels"; docs/performance.md has the figures kept). tokamax's
+  own dw kernel gave wrong gradients (`WRONG_ON_GPU`), masks every row block in registers
+  before its WGMMA, and its dx needs the weights transposed by XLA first.
 
 The library kernels take bfloat16 / float16 operands of one dtype and accumulate in float32; we
 ask for results in the operands' dtype (half the output traffic of float32, and the cotangents
@@ -62,11 +61,11 @@ __all__ = [
 ]
 
 MATMULS = ("auto", "tiled", "ragged_dot", "tokamax", "tokamax+mosaic", "mosaic")
-# Combinations refused on GPUs, and why (measured; NOTES.md, "MoE expert matmuls").
+# Combinations refused on GPUs, and why (measured; docs/decisions.md, "Kernels").
 WRONG_ON_GPU = {
     "tokamax": "gave wrong weight gradients on an H200 (tokamax 0.0.17's dw kernel with groups "
-               "that share row blocks: 12.5% of dw off, 2026-12-01); use 'tokamax+mosaic', "
-               "whose dw and dx run jax's Mosaic GPU kernels"}
+               "that share row blocks); use 'tokamax+mosaic', whose dw and dx run jax's Mosaic "
+               "GPU kernels"}
 # Environment variable naming what "auto" resolves to (one of MATMULS other than "auto").
 MATMUL_ENV = "JAX_EP_MOE_MATMUL"
 # What "auto" picks on Hopper GPUs where its kernels' libraries import (bfloat16 / float16 rows).
@@ -100,12 +99,12 @@ TOKAMAX_CONFIGS: dict[str, dict | None] = {
                      persistent=False, grid_minor_dim=0, grid_tile_width=1),
 }
 # jax's kernels: block sizes from their own tuning sweeps' ranges (block_k 64 = one 128-byte
-# swizzle of bfloat16). "rows" is the best of bench_moe_layer's sweep on an H200 (forward 479,
-# dx 417 TFLOP/s at the gate shape; 4 stages and grid_block_n 4 gave 453 / 400). grid_block_n
-# is the most output blocks a CTA group walks; each call uses the largest power of two up to it
-# that divides the output width in blocks (`_grid_block_n`). Chosen in the step, not per
-# product: the sweep's per-product winners (contract 5 stages / grid_block_n 8, rows 6 stages)
-# made the six GEMMs of a step 8% slower on one H200 (`-moe_experts_profile-configs-s14.json`).
+# swizzle of bfloat16). "rows" is the best of bench_moe_layer's sweep (`--sections products
+# --sweep`) on an H200 at the gate shape, forward and dx. grid_block_n is the most output blocks
+# a CTA group walks; each call uses the largest power of two up to it that divides the output
+# width in blocks (`_grid_block_n`). Chosen in the step, not per product: the sweep's
+# per-product winners (contract 5 stages / grid_block_n 8, rows 6 stages) made the six GEMMs of
+# a step slower on one H200 (`profile_moe_experts.py --variants gemms`, configs edited in turn).
 MOSAIC_CONFIGS: dict[str, dict] = {
     "rows": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=8),
     "contract": dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,

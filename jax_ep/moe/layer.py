@@ -362,11 +362,9 @@ def swiglu_experts(
             Or gate and up side by side in one weight: `w_gate` `[E_loc, H, 2F]` (gate columns
             first) and `w_up=None`. The same function in two grouped matmuls instead of three
             (forward, dx and dw of gate and up are one product each, six products in all
-            instead of nine, and dx needs no sum): fwd + bwd took 2.93 instead of 3.07 ms of
-            kernel time on an H200 at bench_moe_layer's shape (jax's kernels, their earlier
-            tile; `benchmarks/results/1xH200-2026-12-02-moe_experts_profile-scratch-1.json`).
-            Store the weight that way (the Flax example does); concatenating per step costs
-            more.
+            instead of nine, and dx needs no sum; less kernel time per step on an H200 at
+            bench_moe_layer's shape). Store the weight that way (the Flax example does);
+            concatenating per step costs more.
         activation: elementwise activation of the gate (SiLU for SwiGLU).
         precision: matmul precision of `"tiled"` / `"ragged_dot"` (e.g. `"highest"` to avoid
             TF32 on GPUs for float32); the library kernels take bfloat16 / float16 only.
