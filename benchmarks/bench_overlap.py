@@ -439,7 +439,7 @@ def main(argv=None):
     if jax_ep is None:
         raise SystemExit(f"jax_ep: {_IMPORT_ERROR}")
     mesh = bc.make_mesh()
-    header = {**bc.result_header(argv), "note": a.note}
+    header = bc.result_header(argv, note=a.note)
     table = []
     if a.sm_curve:
         record = {**header, **sm_curve(mesh, a)}
