@@ -5,7 +5,7 @@
   warp's own stores) and the emulated one (rings in pinned memory, the host proxy on its thread,
   copy-engine copies);
 - the low-latency dispatch and combine over a transport
-  (csrc/kernels/low_latency/low_latency_transport.h) against the NumPy oracle
+  (csrc/kernels/low_latency/transport.h) against the NumPy oracle
   (tests/transport_exchange.py).
 
 Every row a receiver sees must be the row that was sent, under many seeds of the proxy's

@@ -14,7 +14,7 @@
 
 #include "common.h"
 #include "kernels/common/limits.h"
-#include "kernels/low_latency/low_latency_launch.h"
+#include "kernels/low_latency/launch.h"
 #include "targets.h"
 
 namespace nb = nanobind;

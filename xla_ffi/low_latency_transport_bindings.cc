@@ -1,5 +1,5 @@
 // jax_ep._C.LowLatencyTransportForTests: the low-latency dispatch and combine over a device
-// transport (kernels/low_latency/low_latency_transport.h) with every rank of an EP group on the
+// transport (kernels/low_latency/transport.h) with every rank of an EP group on the
 // current GPU in one launch, for tests/test_transport_gpu.py. Over the emulated transport each
 // rank has its own ring, host proxy, copy executor and proxy thread (transport/emulated_ranks.h).
 // Inputs and outputs are host bytes: the test compares them with jax_ep.testing's oracle.
@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/low_latency/low_latency_transport.h"
+#include "kernels/low_latency/transport.h"
 #include "targets.h"
 #include "transport/emulated_ranks.h"
 

@@ -13,13 +13,13 @@
 #include <cstdio>
 
 #include "kernels/common/launch.h"
-#include "kernels/low_latency/low_latency_transport.h"
-#include "kernels/low_latency/low_latency_transport_kernels.cuh"
+#include "kernels/low_latency/transport.h"
+#include "kernels/low_latency/transport_kernels.cuh"
 #include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/combine_transfer.cuh"
 #include "kernels/normal/dispatch_plan.cuh"
 #include "kernels/normal/dispatch_transfer.cuh"
-#include "kernels/normal/normal_transport.cuh"
+#include "kernels/normal/transport.cuh"
 #include "transport/nvshmem_transport.cuh"
 
 namespace jax_ep {
@@ -96,7 +96,7 @@ __attribute__((visibility("default"))) int jax_ep_nvshmem_combine(
   return static_cast<int>(cudaGetLastError());
 }
 
-// The normal mode's kernels (kernels/normal/normal_nvshmem.h: _C fills the arguments and the grid
+// The normal mode's kernels (kernels/normal/nvshmem.h: _C fills the arguments and the grid
 // as for its own paths). A cudaError_t.
 __attribute__((visibility("default"))) int jax_ep_nvshmem_normal_dispatch_plan(
     int rank_slots, int num_blocks, const DispatchPlanArgs* args, cudaStream_t stream) {

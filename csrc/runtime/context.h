@@ -19,14 +19,14 @@ namespace jax_ep {
 constexpr int kMaxRanks = 8;
 
 // Regions per rank in the ops' table of a device transport (RankContext::transport_region_bases):
-// the low-latency kernels' two (kernels/low_latency/low_latency_transport.h), then the normal
+// the low-latency kernels' two (kernels/low_latency/transport.h), then the normal
 // mode's two (kernels/normal/normal.h).
 constexpr int kTransportRegions = 4;
 
 // How the ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the kernels' own stores
 // through peer mappings (NVLink). The others run the put-protocol kernels of
-// kernels/low_latency/low_latency_transport.h and the normal-mode kernels' transport path
-// (kernels/normal/normal_transport.cuh), written for peers without a mapping
+// kernels/low_latency/transport.h and the normal-mode kernels' transport path
+// (kernels/normal/transport.cuh), written for peers without a mapping
 // (docs/transport.md): kMapped performs each put as stores through the peer mapping;
 // kEmulated hands every command to a host proxy per rank, which delivers it with copy-engine
 // copies, adversarially (the test transport of issue 20); kNvshmem performs it with NVSHMEM's

@@ -4,7 +4,7 @@
 
 #include <mutex>
 
-#include "kernels/normal/normal_nvshmem.h"
+#include "kernels/normal/nvshmem.h"
 
 namespace jax_ep {
 namespace {
@@ -16,7 +16,7 @@ struct Plugin {
   int (*combine)(const LowLatencyTransportLaunch*, const LowLatencyTransportCombine*,
                  cudaStream_t) = nullptr;
   int (*library_of_kernels)(void**, char*, size_t) = nullptr;
-  // The normal mode's kernels (kernels/normal/normal_nvshmem.h).
+  // The normal mode's kernels (kernels/normal/nvshmem.h).
   int (*dispatch_plan)(int, int, const normal_dispatch::DispatchPlanArgs*, cudaStream_t) = nullptr;
   int (*dispatch_transfer)(int, size_t, const normal_dispatch::DispatchTransferArgs*,
                            cudaStream_t) = nullptr;

@@ -2,14 +2,14 @@
 // jax_ep._C (csrc/plugins/nvshmem_transport_kernels.cu), built only where NVSHMEM is found and
 // loaded only when a Buffer asks for JAX_EP_DEVICE_TRANSPORT=nvshmem: jax_ep._C itself imports
 // without NVSHMEM. These are its entry points as _C calls them (the low-latency launches in
-// low_latency_transport.h, the normal mode's in kernels/normal/normal_nvshmem.h).
+// low_latency/transport.h, the normal mode's in kernels/normal/nvshmem.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <string>
 
-#include "kernels/low_latency/low_latency_transport.h"
+#include "kernels/low_latency/transport.h"
 
 namespace jax_ep {
 

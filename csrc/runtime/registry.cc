@@ -21,9 +21,9 @@
 #include <utility>
 
 #include "kernels/common/limits.h"
-#include "kernels/low_latency/low_latency_over_transport.h"
+#include "kernels/low_latency/over_transport.h"
 #include "kernels/normal/normal.h"
-#include "kernels/normal/normal_workspace.h"
+#include "kernels/normal/workspace.h"
 #include "runtime/nvshmem_host.h"
 #include "transport/emulated_ranks.h"
 

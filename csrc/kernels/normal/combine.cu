@@ -16,9 +16,9 @@
 #include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/combine_transfer.cuh"
 #include "kernels/normal/normal.h"
-#include "kernels/normal/normal_nvshmem.h"
-#include "kernels/normal/normal_transport.cuh"
-#include "kernels/normal/normal_workspace.h"
+#include "kernels/normal/nvshmem.h"
+#include "kernels/normal/transport.cuh"
+#include "kernels/normal/workspace.h"
 
 namespace jax_ep {
 namespace {

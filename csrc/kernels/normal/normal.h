@@ -88,8 +88,8 @@ int64_t dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int n
 int64_t cached_dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int num_w);
 int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w);
 
-// The normal mode over a device transport (kernels/normal/normal_transport.cuh): true for every
-// device transport (kNvshmem's kernels are the plugin's, normal_nvshmem.h). Its two regions in
+// The normal mode over a device transport (kernels/normal/transport.cuh): true for every
+// device transport (kNvshmem's kernels are the plugin's, normal/nvshmem.h). Its two regions in
 // the ops' table (RankContext::transport_region_bases), after the low-latency kernels' two (over
 // kNvshmem both lie in the workspace, on the symmetric heap: this rank's addresses name the same
 // bytes on every PE):

@@ -44,7 +44,7 @@
 // flags right after the arrival, instead of after the first own-row sum as the fused op does,
 // publishes the same stores (all of phase 1's) a little earlier.
 //
-// Parity safety: as for dispatch (low_latency_dispatch.cu), with the combine sequence word and
+// Parity safety: as for dispatch (low_latency/dispatch.cu), with the combine sequence word and
 // the flag words of phase 3 as the words every rank waits for from every other rank in every
 // call: a rank starts combine n only after its combine n-1 saw every peer's flag of n-1, which a
 // peer publishes only after its combine n-2 ended, the last reader of the parity n % 2 region.
@@ -61,10 +61,10 @@
 #include "kernels/common/limits.h"
 #include "kernels/common/phase_timeline.cuh"
 #include "kernels/common/sync.cuh"
-#include "kernels/low_latency/low_latency_common.cuh"
-#include "kernels/low_latency/low_latency_launch.h"
-#include "kernels/low_latency/low_latency_layout.cuh"
-#include "kernels/low_latency/low_latency_over_transport.h"
+#include "kernels/low_latency/common.cuh"
+#include "kernels/low_latency/launch.h"
+#include "kernels/low_latency/layout.cuh"
+#include "kernels/low_latency/over_transport.h"
 
 namespace jax_ep {
 namespace {

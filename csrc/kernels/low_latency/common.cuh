@@ -21,8 +21,8 @@
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
-#include "kernels/low_latency/low_latency_launch.h"
-#include "kernels/low_latency/low_latency_layout.cuh"
+#include "kernels/low_latency/launch.h"
+#include "kernels/low_latency/layout.cuh"
 #include "runtime/context.h"
 
 namespace jax_ep {
@@ -30,7 +30,7 @@ namespace jax_ep {
 constexpr int kLowLatencyThreads = 512;
 constexpr int kLowLatencyWarps = kLowLatencyThreads / kWarpSize;
 
-// LowLatencyHalves (low_latency_launch.h) picks the phases of one launch. The send half never
+// LowLatencyHalves (low_latency/launch.h) picks the phases of one launch. The send half never
 // waits for a peer; every wait is in the receive half.
 
 __host__ __device__ constexpr bool runs_send_half(LowLatencyHalves halves) {
@@ -51,7 +51,7 @@ struct LowLatencyRank {
   int rank = 0;
 };
 
-// `halves` picks the channel (low_latency_layout.cuh): fused calls 0, either split half 1.
+// `halves` picks the channel (low_latency/layout.cuh): fused calls 0, either split half 1.
 inline LowLatencyRank make_low_latency_rank(const RankContext& ctx, LowLatencyHalves halves) {
   LowLatencyRank view;
   view.layout = make_low_latency_layout(ctx.config);

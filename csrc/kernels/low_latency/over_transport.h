@@ -1,7 +1,7 @@
 // The low-latency ops of a Buffer over a device transport (BufferConfig::device_transport
-// other than kStores): the put-protocol kernels of low_latency_transport.h, one launch per rank,
+// other than kStores): the put-protocol kernels of low_latency/transport.h, one launch per rank,
 // with their regions and sequence words carved out of the Buffer's workspace. Called by the
-// launchers of low_latency_launch.h, for the fused ops and the split halves.
+// launchers of low_latency/launch.h, for the fused ops and the split halves.
 //
 // The area at low_latency_transport_offset(config) of every rank's workspace:
 //   [workspace region][staging region][words]
@@ -16,8 +16,8 @@
 
 #include <cstddef>
 
-#include "kernels/low_latency/low_latency_launch.h"
-#include "kernels/low_latency/low_latency_transport.h"
+#include "kernels/low_latency/launch.h"
+#include "kernels/low_latency/transport.h"
 #include "runtime/context.h"
 
 namespace jax_ep {

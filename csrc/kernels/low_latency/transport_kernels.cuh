@@ -1,8 +1,8 @@
 // The bodies of the low-latency dispatch and combine over a device transport (protocol in
-// low_latency_transport.h), templates on the transport. A translation unit includes this,
+// low_latency/transport.h), templates on the transport. A translation unit includes this,
 // specialises MakeTransport for its transports and instantiates the kernels for them:
-// low_latency_transport.cu (mapped, emulated), low_latency_transport_nvshmem.cu (NVSHMEM's device
-// API, built only with NVSHMEM's headers). One warp per block.
+// low_latency/transport.cu (mapped, emulated), plugins/nvshmem_transport_kernels.cu (NVSHMEM's
+// device API, built only with NVSHMEM's headers). One warp per block.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,7 +10,7 @@
 #include "kernels/common/copy.cuh"
 #include "kernels/common/fp8_cast.cuh"
 #include "kernels/common/sync.cuh"
-#include "kernels/low_latency/low_latency_transport.h"
+#include "kernels/low_latency/transport.h"
 #include "transport/device_transport.cuh"
 
 namespace jax_ep {

@@ -1,11 +1,11 @@
 // The low-latency dispatch and combine over a device transport: protocol in
-// low_latency_transport.h, bodies in low_latency_transport_kernels.cuh, compiled here for
+// low_latency/transport.h, bodies in low_latency/transport_kernels.cuh, compiled here for
 // MappedTransport and EmulatedTransport; the layout and the launchers.
-#include "kernels/low_latency/low_latency_transport.h"
+#include "kernels/low_latency/transport.h"
 
 #include <type_traits>
 
-#include "kernels/low_latency/low_latency_transport_kernels.cuh"
+#include "kernels/low_latency/transport_kernels.cuh"
 #include "transport/emulated_transport.cuh"
 #include "transport/mapped_transport.cuh"
 

@@ -19,7 +19,7 @@
 
 #include "kernels/common/sync.cuh"
 #include "kernels/normal/normal.h"
-#include "kernels/normal/normal_workspace.h"
+#include "kernels/normal/workspace.h"
 #include "transport/command_ring.h"
 #include "transport/device_transport.cuh"
 #include "transport/emulated_transport.cuh"

@@ -1,7 +1,7 @@
 // The low-latency (decode) dispatch and combine over a device transport (transport/
 // device_transport.cuh): for peers without a peer mapping (ranks on other hosts), written to the
 // rules of docs/transport.md ("The ordering contract the kernels must follow"). Same results as
-// the mapped kernels (low_latency_dispatch.cu, low_latency_combine.cu), simpler protocol:
+// the mapped kernels (low_latency/dispatch.cu, low_latency/combine.cu), simpler protocol:
 //
 // Dispatch, call tag n (n >= 1, parity n % 2), per rank r:
 //   A. Stage: each token's message (bf16 row, or e4m3 row + one float scale per 128 channels)
@@ -23,7 +23,7 @@
 //      combine rows; then fence and set word (r, e) at d to m.
 //   B. Quiet; then every warp waits for its share of the R * E_loc words of this call, so that
 //      every rank hears from every rank each call (the parity argument of
-//      low_latency_dispatch.cu needs it).
+//      low_latency/dispatch.cu needs it).
 //   C. Sum: warp w takes tokens w, w + W, ...: out[t] = sum over valid k of w[t, k] * row (t, k),
 //      after waiting for the word of (t, k)'s expert.
 //
@@ -42,7 +42,7 @@
 #include <string>
 
 #include "kernels/common/limits.h"
-#include "kernels/low_latency/low_latency_layout.cuh"  // JAX_EP_HOST_DEVICE, TimeoutRecord
+#include "kernels/low_latency/layout.cuh"  // JAX_EP_HOST_DEVICE, TimeoutRecord
 #include "transport/command_ring.h"
 #include "transport/mutant.h"
 
@@ -202,7 +202,7 @@ cudaError_t launch_low_latency_transport_combine(LowLatencyTransportKind kind,
 // Loads the four kernels on the current device (no lazy loading under graph capture).
 cudaError_t preload_low_latency_transport_kernels();
 
-// The kNvshmem launches (low_latency_transport_nvshmem.cu).
+// The kNvshmem launches (plugins/nvshmem_transport_kernels.cu).
 cudaError_t launch_low_latency_transport_dispatch_nvshmem(const LowLatencyTransportLaunch& launch,
                                                           const LowLatencyTransportDispatch& op,
                                                           cudaStream_t stream);

@@ -1,5 +1,5 @@
 // The send half of the low-latency dispatch (phases 0-4, and 4b in the fused op; the protocol and
-// its memory ordering are described in low_latency_dispatch.cu).
+// its memory ordering are described in low_latency/dispatch.cu).
 //
 // Work split: the call's T * K (token, k) pairs, in (token, k) order, are cut into ranges of
 // pairs_per_block, one per block, so every block sends about the same number of rows whatever T
@@ -20,9 +20,9 @@
 #include "kernels/common/limits.h"
 #include "kernels/common/phase_timeline.cuh"
 #include "kernels/common/sync.cuh"
-#include "kernels/low_latency/low_latency_common.cuh"
-#include "kernels/low_latency/low_latency_dispatch_args.cuh"
-#include "kernels/low_latency/low_latency_layout.cuh"
+#include "kernels/low_latency/common.cuh"
+#include "kernels/low_latency/dispatch_args.cuh"
+#include "kernels/low_latency/layout.cuh"
 
 namespace jax_ep::ll_dispatch {
 

@@ -6,7 +6,7 @@
 // jax_ep_low_latency_dispatch_send_v2 (phases 0-4, then a ticket) and ..._recv_v2 (phases 5-6):
 // see "Split" below.
 //
-// Per-rank words (layout in low_latency_layout.cuh, all double-buffered by call parity):
+// Per-rank words (layout in low_latency/layout.cuh, all double-buffered by call parity):
 //   count word  [parity][e][s]  (tag << 32) | rows source s sends to local expert e. Published by
 //               the last block of s at the very start of its launch (counts need only topk_idx),
 //               so receivers know every output row position before any data arrives.
@@ -16,7 +16,7 @@
 //
 // Phases of every block (W = all warps of the grid):
 //   0. Each block owns an even share of the call's (token, k) pairs, [p0, p1) in (token, k)
-//      order (low_latency_dispatch_send.cuh), and issues the asynchronous loads of its tokens'
+//      order (low_latency/dispatch_send.cuh), and issues the asynchronous loads of its tokens'
 //      x rows into shared memory (they fly during phases 1-2).
 //   1. Block grid-1 histograms all of topk_idx and stores the count words at every rank.
 //      Each block with pairs histograms the ids of the pairs before p0.
@@ -53,7 +53,7 @@
 //
 // Split (send launch = phases 0-4, receive launch = phases 5-6, same grid, one stream, no other
 // split call of this op on this Buffer in between on this rank; fused calls may run in between:
-// they use the other channel of the workspace, see low_latency_layout.cuh): both launches read
+// they use the other channel of the workspace, see low_latency/layout.cuh): both launches read
 // the split channel's sequence word at their start and only phase 6 advances it, so both use the
 // same tag and parity. The send launch never waits. The kernel boundary orders its own meta and
 // own fp8 rows before every load of the receive launch, which copies the own rows (phase 5).
@@ -99,12 +99,12 @@
 #include "kernels/common/limits.h"
 #include "kernels/common/phase_timeline.cuh"
 #include "kernels/common/sync.cuh"
-#include "kernels/low_latency/low_latency_common.cuh"
-#include "kernels/low_latency/low_latency_dispatch_args.cuh"
-#include "kernels/low_latency/low_latency_dispatch_send.cuh"
-#include "kernels/low_latency/low_latency_launch.h"
-#include "kernels/low_latency/low_latency_layout.cuh"
-#include "kernels/low_latency/low_latency_over_transport.h"
+#include "kernels/low_latency/common.cuh"
+#include "kernels/low_latency/dispatch_args.cuh"
+#include "kernels/low_latency/dispatch_send.cuh"
+#include "kernels/low_latency/launch.h"
+#include "kernels/low_latency/layout.cuh"
+#include "kernels/low_latency/over_transport.h"
 
 namespace jax_ep::ll_dispatch {
 namespace {

@@ -7,7 +7,7 @@
 // regions. So any number of fused calls may run between a send and its receive (XLA places the
 // fused calls that autodiff's backward pass emits wherever data allows): the two call streams
 // never share a tag, a parity or a row.
-// All regions that peers write are double-buffered by call parity (see low_latency_dispatch.cu
+// All regions that peers write are double-buffered by call parity (see low_latency/dispatch.cu
 // for the safety argument); the control words are written by this rank only.
 //
 //   control          LowLatencyControl: sequence words and block counters (local use only)
@@ -33,7 +33,7 @@
 #include <cstdint>
 
 #include "kernels/common/limits.h"
-#include "kernels/normal/normal_workspace.h"  // align_up
+#include "kernels/normal/workspace.h"  // align_up
 #include "runtime/context.h"
 
 #if defined(__CUDACC__)

@@ -2,7 +2,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/normal/normal.h"
-#include "kernels/normal/normal_workspace.h"
+#include "kernels/normal/workspace.h"
 #include "runtime/context.h"
 
 namespace jax_ep {

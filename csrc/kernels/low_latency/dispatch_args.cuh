@@ -1,5 +1,5 @@
 // What every block of a low-latency dispatch launch knows: the kernel arguments, and the facts of
-// the launch that the host computes once (see low_latency_dispatch.cu for the protocol).
+// the launch that the host computes once (see low_latency/dispatch.cu for the protocol).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,7 +10,7 @@
 #include "kernels/common/fp8_cast.cuh"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
-#include "kernels/low_latency/low_latency_common.cuh"
+#include "kernels/low_latency/common.cuh"
 
 namespace jax_ep::ll_dispatch {
 

@@ -1,6 +1,6 @@
-// The low-latency ops of a Buffer over a device transport (low_latency_over_transport.h).
+// The low-latency ops of a Buffer over a device transport (low_latency/over_transport.h).
 // Host code only: it fills the put-protocol kernels' launch structures from a RankContext.
-#include "kernels/low_latency/low_latency_over_transport.h"
+#include "kernels/low_latency/over_transport.h"
 
 #include <cstdint>
 
