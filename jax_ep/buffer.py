@@ -272,11 +272,6 @@ class Buffer:
             low_latency=self.low_latency, timeout_s=self.timeout_s,
             device_transport=DEVICE_TRANSPORTS.index(self.device_transport),
             emulator_seed=settings.value("JAX_EP_EMULATOR_SEED"), **grids)
-        mutant = settings.value("JAX_EP_TRANSPORT_MUTANT")
-        try:  # the names are the C++ side's (transport/mutant.h)
-            config.transport_mutant = mutant
-        except ValueError as error:
-            raise ValueError(f"JAX_EP_TRANSPORT_MUTANT={mutant!r}: {error}") from None
         return config
 
     def _allocate(self):

@@ -92,11 +92,6 @@ SETTINGS = {s.name: s for s in (
             "with JAX_EP_TRANSPORT=nvshmem; docs/transport.md)"),
     Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,
             "the emulated transport's seed (reordering, tearing, delays); rank r uses seed + r"),
-    Setting("JAX_EP_TRANSPORT_MUTANT", "runtime", "none", _text,
-            "tests only: the put-protocol kernels under the ops break one rule of the protocol "
-            "(no_fence, signal_before_data, reuse_before_quiet, unregistered_source, "
-            "no_final_quiet; docs/transport.md), so that a test shows the emulated transport "
-            "catches it"),
     Setting("JAX_EP_MOE_MATMUL", "runtime", None,
             _choice("tiled", "ragged_dot", "tokamax", "tokamax+mosaic", "mosaic"),
             "the expert matmul that jax_ep.moe's matmul=\"auto\" uses (default: by machine)"),
@@ -120,6 +115,12 @@ SETTINGS = {s.name: s for s in (
             "each phase (benchmarks/phase_timeline.py); slower kernels"),
     Setting("JAX_EP_COMMIT", "tooling", None, _text,
             "commit recorded in benchmark results (a copied tree may carry a stale .git)"),
+    Setting("JAX_EP_TRANSPORT_MUTANT", "tooling", "none", _text,
+            "tests only: tests/multiprocess_digest.py makes the put-protocol kernels under its "
+            "Buffers' ops break one rule of the protocol (no_fence, signal_before_data, "
+            "reuse_before_quiet, unregistered_source, no_final_quiet; docs/transport.md) through "
+            "the test module jax_ep._C_testing, so that a test shows the emulated transport "
+            "catches it"),
     Setting("JAX_EP_TRANSPORT_SEEDS", "tooling", 3, _positive_int,
             "emulator seeds of tests/test_device_transport.py's fake-hosts digests"),
     Setting("JAX_EP_TEST_SEED", "tooling", None, _text,

@@ -7,6 +7,7 @@
 - the runtime (the public API, ``backends/``, ``transports/``, ``system/``, ``moe/``) never
   imports the tools (``tools/`` and their documented re-exports ``env``, ``launch``, ``demo``),
   at module level or inside a function;
+- nothing of jax_ep imports the test extension ``jax_ep._C_testing`` (tests' bindings);
 - ``system/`` imports nothing of jax_ep outside itself but ``fp8`` (whose scale block is a
   fact of every layer; it imports nothing of jax_ep), ``backends/`` and ``transports/`` nothing
   of the public API (``buffer``, ``ops``) or the MoE helpers.
@@ -27,6 +28,7 @@ def _module_name(path: Path) -> str:
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 EXTENSION = "jax_ep._C"  # compiled, not a Python file
+TESTING_EXTENSION = "jax_ep._C_testing"  # compiled: the bindings only tests use
 TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
 
 
@@ -69,7 +71,7 @@ def _imports(module: str, top_level_only: bool):
                 continue
             for alias in node.names:
                 sub = f"{source}.{alias.name}"
-                if sub in MODULES or sub == EXTENSION:
+                if sub in MODULES or sub in (EXTENSION, TESTING_EXTENSION):
                     yield sub, None, node.lineno  # a submodule
                 else:
                     yield source, alias.name, node.lineno
@@ -163,6 +165,24 @@ def test_runtime_never_imports_the_tools():
     assert found == []
 
 
+def test_the_package_never_imports_the_test_extension():
+    found = [f"{module}:{line} imports {target}"
+             for module in MODULES for target, _, line in _imports(module, False)
+             if target == TESTING_EXTENSION]
+    assert found == []
+
+
+def test_the_checker_sees_an_import_of_the_test_extension():
+    module = "jax_ep.buffer"
+    planted = ast.parse("def f():\n    from jax_ep import _C_testing\n")
+    saved = TREES[module]
+    TREES[module] = planted
+    try:
+        assert [t for t, _, _ in _imports(module, False)] == [TESTING_EXTENSION]
+    finally:
+        TREES[module] = saved
+
+
 def test_lower_layers_do_not_import_higher_ones():
     rules = {
         "jax_ep.system": lambda t: _in(t, ("jax_ep.system", "jax_ep.fp8")),
@@ -178,7 +198,7 @@ def test_lower_layers_do_not_import_higher_ones():
             if _in(module, (layer,)):
                 found += [f"{module}:{line} imports {target}"
                           for target, _, line in _imports(module, False)
-                          if target != EXTENSION and not allowed(target)]
+                          if target not in (EXTENSION, TESTING_EXTENSION) and not allowed(target)]
     assert found == []
 
 

@@ -59,6 +59,4 @@ NB_MODULE(_C, m) {
       "version, and at least this minor version to JIT-compile its PTX.");
   jax_ep::add_runtime_functions(m);
   jax_ep::add_fact_functions(m);
-  jax_ep::add_transport_test_functions(m);
-  jax_ep::add_low_latency_transport_test_functions(m);
 }

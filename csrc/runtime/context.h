@@ -55,10 +55,6 @@ struct BufferConfig {
   int normal_send_slots = 0;
   DeviceTransport device_transport = DeviceTransport::kStores;
   uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
-  // Tests only: the ops' put-protocol kernels break one rule (transport/mutant.h), so that a
-  // test with one process per rank shows the emulated transport catches it. The normal
-  // kernels over a transport honour all but no_fence (they issue no fence).
-  transport::Mutant transport_mutant = transport::Mutant::kNone;
 
   int num_local_experts() const { return num_experts / num_ranks; }
 };
@@ -136,6 +132,11 @@ struct RankContext {
   // kernels' warps come first; every warp has its own acknowledgement word).
   uint32_t normal_first_warp = 0;
   int pes[kMaxRanks] = {};  // symmetric_workspace: every rank's NVSHMEM PE
+  // Set by tests only (the test module jax_ep._C_testing, after creation): the ops'
+  // put-protocol kernels break one rule (transport/mutant.h), so that a test with one process
+  // per rank shows the emulated transport catches it. The normal kernels over a transport
+  // honour all but no_fence (they issue no fence).
+  transport::Mutant transport_mutant = transport::Mutant::kNone;
 };
 
 // Workspace sizes of each mode (defined next to the kernels that use the regions).

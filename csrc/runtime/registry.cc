@@ -154,22 +154,6 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
             << "(nvshmem), got " << transport;
     return message.str();
   }
-  if (config.transport_mutant != transport::Mutant::kNone &&
-      config.device_transport == DeviceTransport::kStores) {
-    return "jax_ep: a protocol mutant (JAX_EP_TRANSPORT_MUTANT) breaks the put-protocol kernels "
-           "of a device transport: set JAX_EP_DEVICE_TRANSPORT too";
-  }
-  if (config.transport_mutant != transport::Mutant::kNone &&
-      config.device_transport != DeviceTransport::kEmulated) {
-    // Over the others, unregistered_source would index the region table past its end.
-    return "jax_ep: a protocol mutant (JAX_EP_TRANSPORT_MUTANT) is for the emulated transport, "
-           "which must catch it: set JAX_EP_DEVICE_TRANSPORT=emulated";
-  }
-  if (config.transport_mutant == transport::Mutant::kNoFence && !config.low_latency) {
-    return "jax_ep: the protocol mutant no_fence (JAX_EP_TRANSPORT_MUTANT) breaks the "
-           "low-latency put-protocol kernels only (the normal kernels issue no fence): create "
-           "the Buffer with low_latency=True";
-  }
   if (config.normal_send_slots < 0) {
     message << "jax_ep: normal_send_slots must be >= 0, got " << config.normal_send_slots;
     return message.str();
@@ -669,6 +653,26 @@ std::vector<const RankContext*> rank_contexts(int64_t buffer_id) {
   if (it == buffers.end()) return result;
   for (const auto& ctx : it->second.contexts) result.push_back(ctx.get());
   return result;
+}
+
+namespace {
+
+int mutable_rank_contexts(int64_t buffer_id, RankContext** out, int capacity) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  auto it = buffers.find(buffer_id);
+  if (it == buffers.end()) return 0;
+  const auto& contexts = it->second.contexts;
+  for (size_t i = 0; i < contexts.size() && static_cast<int>(i) < capacity; ++i) {
+    out[i] = contexts[i].get();
+  }
+  return static_cast<int>(contexts.size());
+}
+
+}  // namespace
+
+const RuntimeApi* runtime_api() {
+  static const RuntimeApi api = {sizeof(RankContext), &mutable_rank_contexts};
+  return &api;
 }
 
 namespace {

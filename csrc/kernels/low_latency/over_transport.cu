@@ -69,7 +69,7 @@ LowLatencyTransportLaunch rank_launch(const RankContext& ctx, TransportOp op,
   l.num_tokens = num_tokens;
   l.topk_idx[0] = topk_idx;
   for (int peer = 0; peer < ctx.config.num_ranks; ++peer) l.pe_of_rank[peer] = ctx.pes[peer];
-  l.mutant = ctx.config.transport_mutant;
+  l.mutant = ctx.transport_mutant;
   return l;
 }
 

@@ -51,7 +51,7 @@ inline NormalTransportArgs normal_transport_args(const RankContext& ctx) {
   args.send_region_bytes = normal_send_region_bytes(ctx.config);
   args.max_slots_per_warp = ctx.config.normal_send_slots;
   args.layout = normal_layout(ctx.config);
-  args.mutant = ctx.config.transport_mutant;
+  args.mutant = ctx.transport_mutant;
   for (int r = 0; r < ctx.config.num_ranks; ++r) args.pe_of_rank[r] = ctx.pes[r];
   return args;
 }

@@ -1,5 +1,6 @@
-// The transport probe: an all-to-all exchange between emulated ranks on one GPU, written once
-// against the device transport interface (device_transport.cuh) and run over either transport.
+// The transport probe (test module jax_ep._C_testing): an all-to-all exchange between emulated
+// ranks on one GPU, written once against the device transport interface
+// (transport/device_transport.cuh) and run over either transport.
 // It is the GPU test of the transports themselves: the emulated transport's device side, its
 // rings in pinned memory, the host proxy on its thread and the copy-engine executor, before any
 // dispatch or combine kernel relies on them (tests/test_transport_gpu.py).

@@ -1,4 +1,4 @@
-// jax_ep._C.LowLatencyTransportForTests: the low-latency dispatch and combine over a device
+// jax_ep._C_testing.LowLatencyTransportForTests: the low-latency dispatch and combine over a device
 // transport (kernels/low_latency/transport.h) with every rank of an EP group on the
 // current GPU in one launch, for tests/test_transport_gpu.py. Over the emulated transport each
 // rank has its own ring, host proxy, copy executor and proxy thread (transport/emulated_ranks.h).
@@ -18,8 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "bindings.h"
 #include "kernels/low_latency/transport.h"
-#include "targets.h"
 #include "transport/emulated_ranks.h"
 
 namespace nb = nanobind;
@@ -359,15 +359,15 @@ nb::dict transport_layout(int num_ranks, int num_experts, int num_topk, int max_
 
 }  // namespace
 
-void add_low_latency_transport_test_functions(nb::module_& m) {
+void add_low_latency_transport_functions(nb::module_& m) {
   m.def("low_latency_transport_layout", &transport_layout, nb::arg("num_ranks"),
         nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("max_tokens"), nb::arg("hidden"),
         nb::arg("warps_per_rank"), nb::arg("combine_slots"),
-        "The regions of the low-latency ops over a transport (tests only).");
+        "The regions of the low-latency ops over a transport.");
   nb::class_<LowLatencyTransportForTests>(
       m, "LowLatencyTransportForTests",
       "The low-latency dispatch and combine over the 'mapped' or 'emulated' transport, every "
-      "rank of the group on the current GPU (tests only).")
+      "rank of the group on the current GPU.")
       .def(
           nb::init<int, int, int, int, int, int, const std::string&, const std::string&, uint64_t,
                    uint64_t, uint32_t, bool, double, int, const std::string&, const std::string&>(),

@@ -1,22 +1,17 @@
-// jax_ep._C.EmulatedQueueForTests: the host proxy of the emulated transport over host memory, for
-// the CPU tests of its queue logic (tests/test_transport_emulator.py). Python stands in for the
-// kernels: it pushes commands into the same rings, with the same layout, as the device side of
-// EmulatedTransport does, and numpy arrays stand in for every rank's registered regions. The
-// proxy runs either step by step from Python or on its own thread (ProxyThread), as it will
-// next to the kernels. jax_ep._C.transport_probe: the same proxy behind real kernels on a GPU
-// (csrc/transport/probe.h; tests/test_transport_gpu.py).
-#include <dlfcn.h>
-#include <execinfo.h>
+// jax_ep._C_testing.EmulatedQueueForTests: the host proxy of the emulated transport over host
+// memory, for the CPU tests of its queue logic (tests/test_transport_emulator.py). Python stands
+// in for the kernels: it pushes commands into the same rings, with the same layout, as the
+// device side of EmulatedTransport does, and numpy arrays stand in for every rank's registered
+// regions. The proxy runs either step by step from Python or on its own thread (ProxyThread), as
+// it does next to the kernels. jax_ep._C_testing.transport_probe: the same proxy behind real
+// kernels on a GPU (probe.h; tests/test_transport_gpu.py).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <chrono>
-#include <csignal>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -25,11 +20,11 @@
 #include <tuple>
 #include <vector>
 
-#include "targets.h"
+#include "bindings.h"
+#include "probe.h"
 #include "transport/command_ring.h"
 #include "transport/host_memcpy_executor.h"
 #include "transport/host_proxy.h"
-#include "transport/probe.h"
 #include "transport/proxy_thread.h"
 
 namespace nb = nanobind;
@@ -321,44 +316,10 @@ nb::dict transport_probe(const std::string& transport_name, const std::string& m
 
 }  // namespace
 
-// A crash on a thread of ours (the proxies) shows no Python stack: print the native one, each
-// frame as module+offset (for addr2line on the same build), then hand the signal to the handler
-// installed before (Python's faulthandler prints the Python stacks and dies of it).
-struct sigaction g_previous_handlers[NSIG];
-
-void print_native_stack(int signal_number) {
-  void* frames[64];
-  const int count = backtrace(frames, 64);
-  dprintf(STDERR_FILENO, "native crash: signal %d; stack, innermost first:\n", signal_number);
-  for (int i = 0; i < count; ++i) {
-    Dl_info info = {};
-    if (dladdr(frames[i], &info) != 0 && info.dli_fname != nullptr) {
-      dprintf(STDERR_FILENO, "  #%d %s+0x%lx %s\n", i, info.dli_fname,
-              static_cast<unsigned long>(static_cast<char*>(frames[i]) -
-                                         static_cast<char*>(info.dli_fbase)),
-              info.dli_sname != nullptr ? info.dli_sname : "");
-    } else {
-      dprintf(STDERR_FILENO, "  #%d %p\n", i, frames[i]);
-    }
-  }
-  sigaction(signal_number, &g_previous_handlers[signal_number], nullptr);
-  raise(signal_number);
-}
-
-void print_native_stack_on_crash() {
-  struct sigaction action = {};
-  action.sa_handler = print_native_stack;
-  sigemptyset(&action.sa_mask);
-  for (int s : {SIGSEGV, SIGBUS, SIGILL, SIGFPE}) sigaction(s, &action, &g_previous_handlers[s]);
-}
-
-void add_transport_test_functions(nb::module_& m) {
-  m.def("print_native_stack_on_crash", &print_native_stack_on_crash,
-        "On SIGSEGV, SIGBUS, SIGILL or SIGFPE print the native stack to stderr, then run the "
-        "handler installed before (tests' child processes only).");
+void add_emulated_queue_functions(nb::module_& m) {
   nb::class_<EmulatedQueueForTests>(
       m, "EmulatedQueueForTests",
-      "The emulated transport's host proxy over host memory (tests only): push commands as a "
+      "The emulated transport's host proxy over host memory: push commands as a "
       "kernel would, run the proxy step by step, read its deliveries and errors.")
       .def(nb::init<int, int, uint64_t, uint32_t, const std::string&, uint64_t, uint64_t, uint32_t,
                     bool>(),
@@ -406,7 +367,7 @@ void add_transport_test_functions(nb::module_& m) {
            "The errors the thread found since the last call, each once.");
   m.def("transport_ring_stress", &ring_stress, nb::arg("producers"),
         nb::arg("commands_per_producer"), nb::arg("capacity"), nb::arg("seed") = 0,
-        "Producer threads against the proxy on one small ring (tests only).");
+        "Producer threads against the proxy on one small ring.");
   m.def("transport_probe", &transport_probe, nb::arg("transport") = "emulated",
         nb::arg("mutant") = "none", nb::arg("num_ranks") = 2, nb::arg("warps_per_rank") = 4,
         nb::arg("rows") = 16, nb::arg("row_bytes") = 512, nb::arg("rounds") = 3,
@@ -415,7 +376,7 @@ void add_transport_test_functions(nb::module_& m) {
         nb::arg("receive_timeout_s") = 2.0, nb::arg("transport_timeout_s") = 10.0,
         "An all-to-all exchange between emulated ranks on the current GPU over the 'mapped' or "
         "the 'emulated' transport, optionally with one protocol rule broken (`mutant`); returns "
-        "bad_rows, timeouts, proxy_errors, cuda_error, seconds (tests only).");
+        "bad_rows, timeouts, proxy_errors, cuda_error, seconds.");
 }
 
 }  // namespace jax_ep

@@ -1,4 +1,4 @@
-#include "transport/probe.h"
+#include "probe.h"
 
 #include <cuda_runtime_api.h>
 
