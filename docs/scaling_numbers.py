@@ -2,7 +2,7 @@
 
 Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
 csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh
-transcribed to Python, with the compile-time rank limit kMaxRanks (8 in csrc/runtime/context.h)
+transcribed to Python, with the compile-time rank limit kMaxRanks (8 in csrc/kernels/context.h)
 replaced by R for R > 8 (a hypothetical build with kMaxRanks = R). Where `jax_ep._C` imports,
 the transcription is checked against `jax_ep._C.workspace_bytes` for R <= 8 (exact equality).
 DeepEP's sizes are its V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended
@@ -30,7 +30,7 @@ NVLINK_BPS = 283e9       # measured: H200 NV18 peer copy, each way, both directi
 RDMA_BPS = 50e9          # assumed: one 400 Gb/s NIC per GPU, line rate, each way
 
 # ------------------------------------------------------------------ our constants (C++ headers)
-K_MAX_RANKS_BUILT = 8    # csrc/runtime/context.h kMaxRanks
+K_MAX_RANKS_BUILT = 8    # csrc/kernels/context.h kMaxRanks
 CHANNELS_PER_SCALE = 128
 VEC = 16                 # kBytesPerVector
 NORMAL_FIELD_ALIGN = 256
@@ -107,7 +107,7 @@ def low_latency_bytes(num_ranks, t_max):
 
 
 def workspace_bytes(num_ranks, t_max, capacity, dtype_bytes, low_latency):
-    """registry.cc workspace_bytes(): normal region, then the low-latency region if asked."""
+    """kernels/api.cc workspace_bytes(): normal region, then the low-latency region if asked."""
     total = normal_layout(num_ranks, t_max, capacity, dtype_bytes)[2]
     if low_latency:
         total = align_up(total, LL_ALIGN) + low_latency_bytes(num_ranks, t_max)

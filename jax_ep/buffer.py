@@ -26,7 +26,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 # kernels' (_C.max_topk(), _C.max_low_latency_hidden(), _C.error_counter_names()).
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
 MAX_LOW_LATENCY_HIDDEN = 32768  # low-latency mode: the dispatch stages a token in shared memory
-# Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
+# Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/kernels/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 # JAX_EP_DEVICE_TRANSPORT's values, in the order of the C++ DeviceTransport enum.
 DEVICE_TRANSPORTS = ("stores", "mapped", "emulated", "nvshmem")

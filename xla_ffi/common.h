@@ -10,7 +10,7 @@
 #include <sstream>
 #include <string>
 
-#include "runtime/context.h"
+#include "kernels/api.h"
 #include "runtime/registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -138,27 +138,6 @@ inline ffi::Error check_array(const char* op, const char* arg, const ffi::AnyBuf
                               std::initializer_list<int64_t> expected) {
   FFI_RETURN_IF_ERROR(check_dtype(op, arg, buffer, allowed));
   return check_shape(op, arg, buffer, expected);
-}
-
-// The one spelling of each wait phase: timeout errors here and in Python (_C.wait_phase_names()).
-inline const char* wait_phase_name(int32_t phase) {
-  switch (static_cast<WaitPhase>(phase)) {
-    case WaitPhase::kNone:
-      return "none";
-    case WaitPhase::kDispatchCounts:
-      return "dispatch count exchange";
-    case WaitPhase::kDispatchArrival:
-      return "dispatch arrival";
-    case WaitPhase::kCombineBarrier:
-      return "combine/cached-dispatch barrier";
-    case WaitPhase::kCombineArrival:
-      return "combine/cached-dispatch arrival";
-    case WaitPhase::kLowLatencyDispatchRecv:
-      return "low-latency dispatch receive";
-    case WaitPhase::kLowLatencyCombineRecv:
-      return "low-latency combine receive";
-  }
-  return "unknown";
 }
 
 // T (the leading extent of argument `arg`) must not exceed max_tokens_per_rank.

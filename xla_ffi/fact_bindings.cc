@@ -7,8 +7,7 @@
 #include <vector>
 
 #include "common.h"
-#include "kernels/common/limits.h"
-#include "runtime/context.h"
+#include "kernels/api.h"
 #include "targets.h"
 
 namespace nb = nanobind;

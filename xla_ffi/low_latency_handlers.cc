@@ -13,8 +13,7 @@
 #include <sstream>
 
 #include "common.h"
-#include "kernels/common/limits.h"
-#include "kernels/low_latency/launch.h"
+#include "kernels/api.h"
 #include "targets.h"
 
 namespace nb = nanobind;

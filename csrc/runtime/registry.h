@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/context.h"
+#include "kernels/api.h"
 
 namespace jax_ep {
 
@@ -48,12 +48,6 @@ void release_peer_workspaces(int64_t buffer_id);
 // Over the emulated device transport: the errors its host proxies found since the last call
 // ("rank r of EP group g: kind: message"), each once. Empty for other Buffers.
 std::vector<std::string> take_transport_errors(int64_t buffer_id);
-
-// Bytes of the per-device workspace create_buffer allocates for `config`: the normal-mode region,
-// plus the low-latency region (at low_latency_workspace_offset) when config.low_latency, plus
-// the device transport's area (low_latency_transport_offset) when it has one, plus, last, the
-// normal mode's send region when its ops run over a device transport (normal_over_transport).
-size_t workspace_bytes(const BufferConfig& config);
 
 // Frees everything of `buffer_id` (synchronises its devices first). Unknown ids are ignored.
 void destroy_buffer(int64_t buffer_id);

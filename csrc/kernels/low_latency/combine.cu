@@ -56,15 +56,16 @@
 
 #include <cstdint>
 
+#include "kernels/api.h"
 #include "kernels/common/copy.cuh"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/common/phase_timeline.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/low_latency/common.cuh"
-#include "kernels/low_latency/launch.h"
 #include "kernels/low_latency/layout.cuh"
 #include "kernels/low_latency/over_transport.h"
+#include "kernels/preload.h"
 
 namespace jax_ep {
 namespace {

@@ -18,19 +18,19 @@
 
 #include <cstdint>
 
+#include "kernels/api.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
-#include "kernels/low_latency/launch.h"
+#include "kernels/context.h"
 #include "kernels/low_latency/layout.cuh"
-#include "runtime/context.h"
 
 namespace jax_ep {
 
 constexpr int kLowLatencyThreads = 512;
 constexpr int kLowLatencyWarps = kLowLatencyThreads / kWarpSize;
 
-// LowLatencyHalves (low_latency/launch.h) picks the phases of one launch. The send half never
+// LowLatencyHalves (kernels/api.h) picks the phases of one launch. The send half never
 // waits for a peer; every wait is in the receive half.
 
 __host__ __device__ constexpr bool runs_send_half(LowLatencyHalves halves) {

@@ -92,6 +92,7 @@
 
 #include <cstdint>
 
+#include "kernels/api.h"
 #include "kernels/common/copy.cuh"
 #include "kernels/common/fast_divisor.h"
 #include "kernels/common/fp8_cast.cuh"
@@ -102,9 +103,10 @@
 #include "kernels/low_latency/common.cuh"
 #include "kernels/low_latency/dispatch_args.cuh"
 #include "kernels/low_latency/dispatch_send.cuh"
-#include "kernels/low_latency/launch.h"
 #include "kernels/low_latency/layout.cuh"
 #include "kernels/low_latency/over_transport.h"
+#include "kernels/normal/workspace.h"
+#include "kernels/preload.h"
 
 namespace jax_ep::ll_dispatch {
 namespace {
@@ -622,12 +624,6 @@ cudaError_t preload_low_latency_dispatch_kernels() {
   if (err == cudaSuccess) err = preload_dispatch_halves<LowLatencyHalves::kSend>();
   if (err == cudaSuccess) err = preload_dispatch_halves<LowLatencyHalves::kRecv>();
   return err;
-}
-
-// Errors are left in cudaGetLastError() for the caller (runtime/registry) to report.
-void preload_low_latency_kernels() {
-  if (preload_low_latency_dispatch_kernels() != cudaSuccess) return;
-  preload_low_latency_combine_kernels();
 }
 
 }  // namespace jax_ep

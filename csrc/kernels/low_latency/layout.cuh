@@ -33,8 +33,7 @@
 #include <cstdint>
 
 #include "kernels/common/limits.h"
-#include "kernels/normal/workspace.h"  // align_up
-#include "runtime/context.h"
+#include "kernels/context.h"
 
 #if defined(__CUDACC__)
 #define JAX_EP_HOST_DEVICE __host__ __device__ __forceinline__
@@ -46,6 +45,11 @@ namespace jax_ep {
 
 // Alignment of every region (>= 16 for vector access; 256 keeps rows on DRAM-friendly starts).
 constexpr size_t kLowLatencyAlignBytes = 256;
+// Bytes of the low-latency regions in the workspace (both channels; 0 without low_latency), and
+// their offset (after the normal-mode area).
+size_t low_latency_workspace_bytes(const BufferConfig& config);
+size_t low_latency_workspace_offset(const BufferConfig& config);
+
 // Number of alternating copies of every peer-written region.
 constexpr int kLowLatencyNumParities = 2;
 // Independent copies of the whole layout: 0 = fused calls, 1 = split send/receive pairs.

@@ -1,7 +1,7 @@
 // The low-latency ops of a Buffer over a device transport (BufferConfig::device_transport
 // other than kStores): the put-protocol kernels of low_latency/transport.h, one launch per rank,
 // with their regions and sequence words carved out of the Buffer's workspace. Called by the
-// launchers of low_latency/launch.h, for the fused ops and the split halves.
+// launchers of kernels/api.h, for the fused ops and the split halves.
 //
 // The area at low_latency_transport_offset(config) of every rank's workspace:
 //   [workspace region][staging region][words]
@@ -16,9 +16,9 @@
 
 #include <cstddef>
 
-#include "kernels/low_latency/launch.h"
+#include "kernels/api.h"
+#include "kernels/context.h"
 #include "kernels/low_latency/transport.h"
-#include "runtime/context.h"
 
 namespace jax_ep {
 
@@ -43,6 +43,10 @@ struct LowLatencyTransportArea {
 };
 
 LowLatencyTransportArea low_latency_transport_area(const BufferConfig& config);
+// The area's offset in the workspace (after the low-latency regions) and its bytes (0 without a
+// device transport or without low_latency).
+size_t low_latency_transport_offset(const BufferConfig& config);
+size_t low_latency_transport_bytes(const BufferConfig& config);
 
 // Every rank's two regions as seen from `ctx`'s device, in the ops' table (kTransportRegions
 // columns per rank): table[kTransportRegions * r + region], region 0 the workspace region, 1 the

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "kernels/low_latency/transport_kernels.cuh"
+#include "kernels/preload.h"
 #include "transport/emulated_transport.cuh"
 #include "transport/mapped_transport.cuh"
 

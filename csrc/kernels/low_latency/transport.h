@@ -39,10 +39,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "kernels/common/limits.h"
-#include "kernels/low_latency/layout.cuh"  // JAX_EP_HOST_DEVICE, TimeoutRecord
+#include "kernels/low_latency/layout.cuh"  // JAX_EP_HOST_DEVICE, TimeoutRecord, ErrorCounters
 #include "transport/command_ring.h"
 #include "transport/mutant.h"
 
@@ -199,9 +198,6 @@ cudaError_t launch_low_latency_transport_combine(LowLatencyTransportKind kind,
                                                  const LowLatencyTransportLaunch& launch,
                                                  const LowLatencyTransportCombine& op,
                                                  cudaStream_t stream);
-// Loads the four kernels on the current device (no lazy loading under graph capture).
-cudaError_t preload_low_latency_transport_kernels();
-
 // The kNvshmem launches (plugins/nvshmem_transport_kernels.cu).
 cudaError_t launch_low_latency_transport_dispatch_nvshmem(const LowLatencyTransportLaunch& launch,
                                                           const LowLatencyTransportDispatch& op,
@@ -209,9 +205,5 @@ cudaError_t launch_low_latency_transport_dispatch_nvshmem(const LowLatencyTransp
 cudaError_t launch_low_latency_transport_combine_nvshmem(const LowLatencyTransportLaunch& launch,
                                                          const LowLatencyTransportCombine& op,
                                                          cudaStream_t stream);
-// The CUDA library (a CUlibrary) holding the kNvshmem kernels, loaded on the current device, for
-// nvshmemx_culibrary_init: their NVSHMEM device state is theirs alone (no relocatable device
-// code). "" or what failed.
-std::string nvshmem_transport_library(void** library);
 
 }  // namespace jax_ep

@@ -11,14 +11,15 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/api.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/combine_transfer.cuh"
-#include "kernels/normal/normal.h"
 #include "kernels/normal/nvshmem.h"
 #include "kernels/normal/transport.cuh"
 #include "kernels/normal/workspace.h"
+#include "kernels/preload.h"
 
 namespace jax_ep {
 namespace {

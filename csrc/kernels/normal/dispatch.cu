@@ -17,15 +17,16 @@
 
 #include <algorithm>
 
+#include "kernels/api.h"
 #include "kernels/common/fast_divisor.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/normal/dispatch_plan.cuh"
 #include "kernels/normal/dispatch_transfer.cuh"
-#include "kernels/normal/normal.h"
 #include "kernels/normal/nvshmem.h"
 #include "kernels/normal/transport.cuh"
 #include "kernels/normal/workspace.h"
+#include "kernels/preload.h"
 
 namespace jax_ep {
 namespace {

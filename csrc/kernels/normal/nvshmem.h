@@ -1,7 +1,7 @@
 // The normal-mode kernels over NVSHMEM's device API (DeviceTransport::kNvshmem): the plan and
 // transfer kernels of dispatch_plan.cuh, dispatch_transfer.cuh, combine_plan.cuh and
 // combine_transfer.cuh instantiated with TransportPath<NvshmemTransport> in the NVSHMEM plugin
-// (plugins/nvshmem_transport_kernels.cu), launched through it (runtime/nvshmem_plugin.cc).
+// (plugins/nvshmem_transport_kernels.cu), launched through it (kernels/nvshmem_plugin.cc).
 // dispatch.cu and combine.cu fill the arguments as for the other paths and call these instead of
 // launching. cudaErrorNotSupported while the plugin is not loaded.
 #pragma once

@@ -17,8 +17,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/api.h"
 #include "kernels/common/sync.cuh"
-#include "kernels/normal/normal.h"
 #include "kernels/normal/workspace.h"
 #include "transport/command_ring.h"
 #include "transport/device_transport.cuh"

@@ -1,15 +1,15 @@
-// Size of the normal-mode region and preloading of the normal-mode kernels.
-#include <cuda_runtime.h>
-
-#include "kernels/normal/normal.h"
+// Size of the normal-mode area, its sequence word, and its send region over a device transport.
 #include "kernels/normal/workspace.h"
-#include "runtime/context.h"
+
+#include "kernels/api.h"
 
 namespace jax_ep {
 
 size_t normal_workspace_bytes(const BufferConfig& config) {
   return normal_layout(config).total_bytes;
 }
+
+size_t normal_sequence_offset(const BufferConfig& config) { return normal_layout(config).seq; }
 
 bool normal_over_transport(const BufferConfig& config) {
   return config.device_transport != DeviceTransport::kStores;
@@ -23,18 +23,6 @@ size_t normal_send_region_bytes(const BufferConfig& config) {
 
 uint32_t normal_transport_warps(const RankContext& ctx) {
   return static_cast<uint32_t>(ctx.normal_push_blocks) * (kNormalTransferThreads / kWarpSize);
-}
-
-// Errors are left in cudaGetLastError() for the caller (runtime/registry) to report.
-void preload_normal_kernels() {
-  if (preload_layout_kernels() != cudaSuccess) return;
-  if (preload_dispatch_kernels() != cudaSuccess) return;
-  preload_combine_kernels();
-}
-
-void preload_normal_transport_kernels() {
-  if (preload_dispatch_transport_kernels() != cudaSuccess) return;
-  preload_combine_transport_kernels();
 }
 
 }  // namespace jax_ep

@@ -35,9 +35,28 @@
 #include <cstdint>
 
 #include "kernels/common/limits.h"
-#include "runtime/context.h"
+#include "kernels/context.h"
 
 namespace jax_ep {
+
+// Bytes of the normal-mode area at the workspace's start (normal_layout(config).total_bytes).
+size_t normal_workspace_bytes(const BufferConfig& config);
+
+// The normal mode over a device transport (kernels/normal/transport.cuh): true for every
+// device transport (kNvshmem's kernels are the plugin's, normal/nvshmem.h). Its two regions in
+// the ops' table (RankContext::transport_region_bases), after the low-latency kernels' two (over
+// kNvshmem both lie in the workspace, on the symmetric heap: this rank's addresses name the same
+// bytes on every PE):
+bool normal_over_transport(const BufferConfig& config);
+constexpr uint32_t kNormalAreaRegion = 2;  // the normal-mode area (workspace offset 0,
+                                           // normal_workspace_bytes): puts and signals land here
+constexpr uint32_t kNormalSendRegion = 3;  // normal_send_region_bytes: rows staged for puts
+// The send region over a device transport (0 bytes when the ops use stores): rows staged for
+// puts, at the end of the workspace.
+size_t normal_send_region_bytes(const BufferConfig& config);
+// Warps of one rank's normal kernels that issue transport commands (each needs its own
+// acknowledgement word in an emulated ring): the push warps of a transfer kernel.
+uint32_t normal_transport_warps(const RankContext& ctx);
 
 // Per-call routing summary of one rank, derived from the exchanged count matrix.
 struct NormalPlan {
@@ -84,10 +103,6 @@ constexpr int kCountMatrixWords = 2 * kCountMatrixStride;
 constexpr size_t kNormalFieldAlignment = 256;
 // The data region starts on its own page so that rows never share a line with signal words.
 constexpr size_t kNormalDataAlignment = 4096;
-
-constexpr size_t align_up(size_t value, size_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
-}
 
 // Bytes of one row in `data`: payload, then `num_aux_words` 4-byte words, padded to 16 bytes.
 constexpr int64_t region_row_bytes(int64_t payload_bytes, int64_t num_aux_words) {

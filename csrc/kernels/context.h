@@ -1,15 +1,17 @@
-// Per-(Buffer, device) state shared by the FFI handlers and the kernel launchers.
+// What a launcher gets for one rank: the Buffer's configuration and the rank's context (plain
+// data, filled by the runtime's registry, read by the launchers of kernels/api.h).
 //
 // One Buffer = one EP group per slice of the mesh along the EP axis. For every device of the
 // Buffer the runtime allocates one zeroed "workspace" of identical layout on every rank, so a
 // peer's region is `peer_workspaces[peer] + the same offset`. The normal and low-latency modes
 // carve their regions (and their own sequence words) out of that workspace; see
-// normal_workspace_bytes() / low_latency_workspace_bytes().
+// workspace_bytes() (kernels/api.h).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/wait_phase.h"
 #include "transport/command_ring.h"
 #include "transport/mutant.h"
 
@@ -20,7 +22,7 @@ constexpr int kMaxRanks = 8;
 
 // Regions per rank in the ops' table of a device transport (RankContext::transport_region_bases):
 // the low-latency kernels' two (kernels/low_latency/transport.h), then the normal
-// mode's two (kernels/normal/normal.h).
+// mode's two (kernels/normal/workspace.h).
 constexpr int kTransportRegions = 4;
 
 // How the ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the kernels' own stores
@@ -57,28 +59,6 @@ struct BufferConfig {
   uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
 
   int num_local_experts() const { return num_experts / num_ranks; }
-};
-
-// Which wait timed out. Values are stable; their names: wait_phase_name (xla_ffi/common.h).
-enum class WaitPhase : int32_t {
-  kNone = 0,
-  kDispatchCounts = 1,   // normal dispatch: waiting for a peer's per-rank counts
-  kDispatchArrival = 2,  // normal dispatch: waiting for a peer's "rows written" flag
-  kCombineBarrier = 3,   // normal combine / cached dispatch: waiting for a peer to enter
-  kCombineArrival = 4,   // normal combine / cached dispatch: waiting for a peer's rows
-  kLowLatencyDispatchRecv = 5,
-  kLowLatencyCombineRecv = 6,
-  kLastPhase = kLowLatencyCombineRecv,  // _C.wait_phase_names() lists phases up to this one
-};
-
-// Written by a kernel (plain stores + __threadfence_system) into host-mapped memory before it
-// traps, so the host can name the culprit even after the CUDA context is lost.
-struct TimeoutRecord {
-  int32_t timed_out;  // 1 once a wait expired
-  int32_t rank;       // the waiting rank
-  int32_t peer;       // the rank it waited for
-  int32_t phase;      // WaitPhase
-  uint64_t seq;       // the call's sequence number (per mode)
 };
 
 // Device-side counters of bad input, read by Buffer.check().
@@ -138,23 +118,5 @@ struct RankContext {
   // honour all but no_fence (they issue no fence).
   transport::Mutant transport_mutant = transport::Mutant::kNone;
 };
-
-// Workspace sizes of each mode (defined next to the kernels that use the regions).
-size_t normal_workspace_bytes(const BufferConfig& config);
-size_t low_latency_workspace_bytes(const BufferConfig& config);
-// Byte offset of the low-latency regions inside the workspace.
-size_t low_latency_workspace_offset(const BufferConfig& config);
-// The put-protocol kernels' area (DeviceTransport other than kStores; 0 bytes otherwise): their
-// two regions and their own sequence words, after the low-latency regions.
-size_t low_latency_transport_offset(const BufferConfig& config);
-size_t low_latency_transport_bytes(const BufferConfig& config);
-// The normal mode's send region over a device transport (0 bytes when its ops use stores): rows
-// staged for puts, at the end of the workspace.
-size_t normal_send_region_bytes(const BufferConfig& config);
-
-// Load every kernel of each mode on the current device (no lazy loading mid-run).
-void preload_normal_kernels();
-void preload_normal_transport_kernels();  // normal_over_transport(config) only
-void preload_low_latency_kernels();
 
 }  // namespace jax_ep

@@ -1,9 +1,12 @@
-#include "runtime/nvshmem_plugin.h"
-
+// The NVSHMEM plugin's entry points as the kernels' launchers call them (kernels/api.h): the
+// plugin (csrc/plugins/nvshmem_transport_kernels.cu) is dlopen-ed on demand, and each launch of
+// the kNvshmem path goes through the function it exports (cudaErrorNotSupported until loaded).
 #include <dlfcn.h>
 
 #include <mutex>
 
+#include "kernels/api.h"
+#include "kernels/low_latency/transport.h"
 #include "kernels/normal/nvshmem.h"
 
 namespace jax_ep {

@@ -1,0 +1,53 @@
+// The phases of the kernels' bounded waits, their names, and the record a wait that timed out
+// leaves in host-mapped memory (sync.cuh writes it; the handlers and Buffer.errors() read it).
+#pragma once
+
+#include <cstdint>
+
+namespace jax_ep {
+
+// Which wait timed out. Values are stable; their names: wait_phase_name.
+enum class WaitPhase : int32_t {
+  kNone = 0,
+  kDispatchCounts = 1,   // normal dispatch: waiting for a peer's per-rank counts
+  kDispatchArrival = 2,  // normal dispatch: waiting for a peer's "rows written" flag
+  kCombineBarrier = 3,   // normal combine / cached dispatch: waiting for a peer to enter
+  kCombineArrival = 4,   // normal combine / cached dispatch: waiting for a peer's rows
+  kLowLatencyDispatchRecv = 5,
+  kLowLatencyCombineRecv = 6,
+  kLastPhase = kLowLatencyCombineRecv,  // _C.wait_phase_names() lists phases up to this one
+};
+
+// The one spelling of each wait phase: timeout errors of the handlers and, through
+// _C.wait_phase_names(), of Python.
+inline const char* wait_phase_name(int32_t phase) {
+  switch (static_cast<WaitPhase>(phase)) {
+    case WaitPhase::kNone:
+      return "none";
+    case WaitPhase::kDispatchCounts:
+      return "dispatch count exchange";
+    case WaitPhase::kDispatchArrival:
+      return "dispatch arrival";
+    case WaitPhase::kCombineBarrier:
+      return "combine/cached-dispatch barrier";
+    case WaitPhase::kCombineArrival:
+      return "combine/cached-dispatch arrival";
+    case WaitPhase::kLowLatencyDispatchRecv:
+      return "low-latency dispatch receive";
+    case WaitPhase::kLowLatencyCombineRecv:
+      return "low-latency combine receive";
+  }
+  return "unknown";
+}
+
+// Written by a kernel (plain stores + __threadfence_system) into host-mapped memory before it
+// traps, so the host can name the culprit even after the CUDA context is lost.
+struct TimeoutRecord {
+  int32_t timed_out;  // 1 once a wait expired
+  int32_t rank;       // the waiting rank
+  int32_t peer;       // the rank it waited for
+  int32_t phase;      // WaitPhase
+  uint64_t seq;       // the call's sequence number (per mode)
+};
+
+}  // namespace jax_ep
