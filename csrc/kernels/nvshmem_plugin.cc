@@ -36,6 +36,14 @@ void resolve(void* library, const char* name, Function* function) {
 Plugin plugin;  // written once under plugin_mutex, before any launch can use it
 std::mutex plugin_mutex;
 
+// A launch through the plugin's entry point `function` (its int is a cudaError_t), or
+// cudaErrorNotSupported while the plugin is not loaded.
+template <typename... Params, typename... Args>
+cudaError_t call(int (*function)(Params...), Args... args) {
+  if (function == nullptr) return cudaErrorNotSupported;
+  return static_cast<cudaError_t>(function(args...));
+}
+
 }  // namespace
 
 std::string nvshmem_plugin_load(const std::string& path) {
@@ -71,44 +79,36 @@ std::string nvshmem_plugin_load(const std::string& path) {
 cudaError_t launch_low_latency_transport_dispatch_nvshmem(const LowLatencyTransportLaunch& launch,
                                                           const LowLatencyTransportDispatch& op,
                                                           cudaStream_t stream) {
-  if (plugin.dispatch == nullptr) return cudaErrorNotSupported;
-  return static_cast<cudaError_t>(plugin.dispatch(&launch, &op, stream));
+  return call(plugin.dispatch, &launch, &op, stream);
 }
 
 cudaError_t launch_low_latency_transport_combine_nvshmem(const LowLatencyTransportLaunch& launch,
                                                          const LowLatencyTransportCombine& op,
                                                          cudaStream_t stream) {
-  if (plugin.combine == nullptr) return cudaErrorNotSupported;
-  return static_cast<cudaError_t>(plugin.combine(&launch, &op, stream));
+  return call(plugin.combine, &launch, &op, stream);
 }
 
 cudaError_t launch_dispatch_plan_nvshmem(int rank_slots, int num_blocks,
                                          const normal_dispatch::DispatchPlanArgs& args,
                                          cudaStream_t stream) {
-  if (plugin.dispatch_plan == nullptr) return cudaErrorNotSupported;
-  return static_cast<cudaError_t>(plugin.dispatch_plan(rank_slots, num_blocks, &args, stream));
+  return call(plugin.dispatch_plan, rank_slots, num_blocks, &args, stream);
 }
 
 cudaError_t launch_dispatch_transfer_nvshmem(int num_blocks, size_t shared_bytes,
                                              const normal_dispatch::DispatchTransferArgs& args,
                                              cudaStream_t stream) {
-  if (plugin.dispatch_transfer == nullptr) return cudaErrorNotSupported;
-  return static_cast<cudaError_t>(
-      plugin.dispatch_transfer(num_blocks, shared_bytes, &args, stream));
+  return call(plugin.dispatch_transfer, num_blocks, shared_bytes, &args, stream);
 }
 
 cudaError_t launch_combine_plan_nvshmem(const normal_combine::CombinePlanArgs& args,
                                         cudaStream_t stream) {
-  if (plugin.combine_plan == nullptr) return cudaErrorNotSupported;
-  return static_cast<cudaError_t>(plugin.combine_plan(&args, stream));
+  return call(plugin.combine_plan, &args, stream);
 }
 
 cudaError_t launch_combine_transfer_nvshmem(int element_bytes, int num_blocks,
                                             const normal_combine::CombineTransferArgs& args,
                                             cudaStream_t stream) {
-  if (plugin.combine_transfer == nullptr) return cudaErrorNotSupported;
-  return static_cast<cudaError_t>(
-      plugin.combine_transfer(element_bytes, num_blocks, &args, stream));
+  return call(plugin.combine_transfer, element_bytes, num_blocks, &args, stream);
 }
 
 std::string nvshmem_transport_library(void** library) {

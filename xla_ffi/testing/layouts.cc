@@ -28,13 +28,8 @@ nb::dict low_latency_layout(int num_ranks, int num_experts, int hidden, int max_
         "num_ranks >= 1, num_experts a positive multiple of it, hidden, max_tokens_per_rank, "
         "num_topk >= 1");
   }
-  BufferConfig config;
-  config.num_ranks = num_ranks;
-  config.num_experts = num_experts;
-  config.hidden = hidden;
-  config.max_tokens_per_rank = max_tokens_per_rank;
-  config.num_topk = num_topk;
-  config.low_latency = true;
+  // The fields the layout reads, in BufferConfig's order.
+  const BufferConfig config{num_ranks, num_experts, hidden, max_tokens_per_rank, num_topk};
   const LowLatencyLayout l = make_low_latency_layout(config);
   const int r = l.num_ranks - 1, e = l.num_local_experts - 1, t = l.max_tokens - 1;
   const size_t row = l.dispatch_row_bytes();

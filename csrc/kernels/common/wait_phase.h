@@ -2,6 +2,7 @@
 // leaves in host-mapped memory (sync.cuh writes it; the handlers and Buffer.errors() read it).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace jax_ep {
@@ -18,26 +19,24 @@ enum class WaitPhase : int32_t {
   kLastPhase = kLowLatencyCombineRecv,  // _C.wait_phase_names() lists phases up to this one
 };
 
-// The one spelling of each wait phase: timeout errors of the handlers and, through
+// The one spelling of each wait phase, by value: timeout errors of the handlers and, through
 // _C.wait_phase_names(), of Python.
+inline constexpr const char* kWaitPhaseNames[] = {
+    "none",                             // kNone
+    "dispatch count exchange",          // kDispatchCounts
+    "dispatch arrival",                 // kDispatchArrival
+    "combine/cached-dispatch barrier",  // kCombineBarrier
+    "combine/cached-dispatch arrival",  // kCombineArrival
+    "low-latency dispatch receive",     // kLowLatencyDispatchRecv
+    "low-latency combine receive",      // kLowLatencyCombineRecv
+};
+static_assert(sizeof(kWaitPhaseNames) / sizeof(kWaitPhaseNames[0]) ==
+                  static_cast<size_t>(WaitPhase::kLastPhase) + 1,
+              "one name per wait phase");
+
 inline const char* wait_phase_name(int32_t phase) {
-  switch (static_cast<WaitPhase>(phase)) {
-    case WaitPhase::kNone:
-      return "none";
-    case WaitPhase::kDispatchCounts:
-      return "dispatch count exchange";
-    case WaitPhase::kDispatchArrival:
-      return "dispatch arrival";
-    case WaitPhase::kCombineBarrier:
-      return "combine/cached-dispatch barrier";
-    case WaitPhase::kCombineArrival:
-      return "combine/cached-dispatch arrival";
-    case WaitPhase::kLowLatencyDispatchRecv:
-      return "low-latency dispatch receive";
-    case WaitPhase::kLowLatencyCombineRecv:
-      return "low-latency combine receive";
-  }
-  return "unknown";
+  return phase >= 0 && phase <= static_cast<int32_t>(WaitPhase::kLastPhase) ? kWaitPhaseNames[phase]
+                                                                            : "unknown";
 }
 
 // Written by a kernel (plain stores + __threadfence_system) into host-mapped memory before it

@@ -558,31 +558,17 @@ cudaError_t launch_combine_halves(const RankContext& ctx, const LowLatencyCombin
 cudaError_t launch_low_latency_combine(const RankContext& ctx,
                                        const LowLatencyCombineParams& params,
                                        LowLatencyHalves halves, cudaStream_t stream) {
-  if (ctx.config.device_transport != DeviceTransport::kStores) {
-    return launch_low_latency_combine_over_transport(ctx, params, halves, stream);
-  }
-  switch (halves) {
-    case LowLatencyHalves::kSend:
-      return launch_combine_halves<LowLatencyHalves::kSend>(ctx, params, stream);
-    case LowLatencyHalves::kRecv:
-      return launch_combine_halves<LowLatencyHalves::kRecv>(ctx, params, stream);
-    case LowLatencyHalves::kBoth:
-      break;
-  }
-  return launch_combine_halves<LowLatencyHalves::kBoth>(ctx, params, stream);
+  return launch_low_latency_op(
+      ctx, halves,
+      [&] { return launch_low_latency_combine_over_transport(ctx, params, halves, stream); },
+      [&](auto h) { return launch_combine_halves<decltype(h)::value>(ctx, params, stream); });
 }
 
 cudaError_t preload_low_latency_combine_kernels() {
-  cudaFuncAttributes attributes;
-  cudaError_t err =
-      cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<LowLatencyHalves::kBoth>);
-  if (err == cudaSuccess) {
-    err = cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<LowLatencyHalves::kSend>);
-  }
-  if (err == cudaSuccess) {
-    err = cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<LowLatencyHalves::kRecv>);
-  }
-  return err;
+  return preload_every_halves([](auto h) {
+    cudaFuncAttributes attributes;
+    return cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<decltype(h)::value>);
+  });
 }
 
 }  // namespace jax_ep

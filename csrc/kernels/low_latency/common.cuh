@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/api.h"
 #include "kernels/common/launch.h"
@@ -38,6 +39,37 @@ __host__ __device__ constexpr bool runs_send_half(LowLatencyHalves halves) {
 }
 __host__ __device__ constexpr bool runs_recv_half(LowLatencyHalves halves) {
   return (static_cast<int>(halves) & static_cast<int>(LowLatencyHalves::kRecv)) != 0;
+}
+
+template <LowLatencyHalves kHalves>
+using HalvesConstant = std::integral_constant<LowLatencyHalves, kHalves>;
+
+// The launcher of one op (dispatch or combine): over a device transport, `over_transport()` (the
+// put-protocol kernels, over_transport.h); with stores, `launch(HalvesConstant<h>{})` for the
+// phases `halves` (each kernel body is compiled once per LowLatencyHalves).
+template <typename OverTransport, typename Launch>
+cudaError_t launch_low_latency_op(const RankContext& ctx, LowLatencyHalves halves,
+                                  OverTransport over_transport, Launch launch) {
+  if (ctx.config.device_transport != DeviceTransport::kStores) return over_transport();
+  switch (halves) {
+    case LowLatencyHalves::kSend:
+      return launch(HalvesConstant<LowLatencyHalves::kSend>{});
+    case LowLatencyHalves::kRecv:
+      return launch(HalvesConstant<LowLatencyHalves::kRecv>{});
+    case LowLatencyHalves::kBoth:
+      break;
+  }
+  return launch(HalvesConstant<LowLatencyHalves::kBoth>{});
+}
+
+// Loads `kernel<kHalves>` for every LowLatencyHalves (`attributes_of(HalvesConstant<h>{})`
+// returns cudaFuncGetAttributes' status for the instance of h); the first failure.
+template <typename AttributesOf>
+cudaError_t preload_every_halves(AttributesOf attributes_of) {
+  cudaError_t err = attributes_of(HalvesConstant<LowLatencyHalves::kBoth>{});
+  if (err == cudaSuccess) err = attributes_of(HalvesConstant<LowLatencyHalves::kSend>{});
+  if (err == cudaSuccess) err = attributes_of(HalvesConstant<LowLatencyHalves::kRecv>{});
+  return err;
 }
 
 // What a low-latency kernel knows about its rank. Plain data inside the kernel arguments.

@@ -605,25 +605,14 @@ size_t low_latency_workspace_offset(const BufferConfig& config) {
 cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
                                         const LowLatencyDispatchParams& params,
                                         LowLatencyHalves halves, cudaStream_t stream) {
-  if (ctx.config.device_transport != DeviceTransport::kStores) {
-    return launch_low_latency_dispatch_over_transport(ctx, params, halves, stream);
-  }
-  switch (halves) {
-    case LowLatencyHalves::kSend:
-      return launch_dispatch_halves<LowLatencyHalves::kSend>(ctx, params, stream);
-    case LowLatencyHalves::kRecv:
-      return launch_dispatch_halves<LowLatencyHalves::kRecv>(ctx, params, stream);
-    case LowLatencyHalves::kBoth:
-      break;
-  }
-  return launch_dispatch_halves<LowLatencyHalves::kBoth>(ctx, params, stream);
+  return launch_low_latency_op(
+      ctx, halves,
+      [&] { return launch_low_latency_dispatch_over_transport(ctx, params, halves, stream); },
+      [&](auto h) { return launch_dispatch_halves<decltype(h)::value>(ctx, params, stream); });
 }
 
 cudaError_t preload_low_latency_dispatch_kernels() {
-  cudaError_t err = preload_dispatch_halves<LowLatencyHalves::kBoth>();
-  if (err == cudaSuccess) err = preload_dispatch_halves<LowLatencyHalves::kSend>();
-  if (err == cudaSuccess) err = preload_dispatch_halves<LowLatencyHalves::kRecv>();
-  return err;
+  return preload_every_halves([](auto h) { return preload_dispatch_halves<decltype(h)::value>(); });
 }
 
 }  // namespace jax_ep

@@ -75,9 +75,21 @@ struct MakeTransport<EmulatedTransport> {
 
 namespace {
 
-template <typename Op, typename Mapped, typename Emulated>
-cudaError_t launch_either(LowLatencyTransportKind kind, const LowLatencyTransportLaunch& l,
-                          const Op& op, cudaStream_t stream, Mapped mapped, Emulated emulated) {
+// The kernel of op `Op` (LowLatencyTransportDispatch or ...Combine) over `Transport`.
+template <typename Transport, typename Op>
+constexpr auto kernel_of() {
+  if constexpr (std::is_same_v<Op, LowLatencyTransportDispatch>) {
+    return low_latency_transport_dispatch_kernel<Transport>;
+  } else {
+    return low_latency_transport_combine_kernel<Transport>;
+  }
+}
+
+// One launch of `op` over the transport `kind`: the kernel of the mapped or emulated transport,
+// or the NVSHMEM plugin's.
+template <typename Op>
+cudaError_t launch_op(LowLatencyTransportKind kind, const LowLatencyTransportLaunch& l,
+                      const Op& op, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(l.rank_count * l.layout.shape.warps_per_rank));
   if (kind == LowLatencyTransportKind::kNvshmem) {
     if constexpr (std::is_same_v<Op, LowLatencyTransportDispatch>) {
@@ -87,9 +99,9 @@ cudaError_t launch_either(LowLatencyTransportKind kind, const LowLatencyTranspor
     }
   }
   if (kind == LowLatencyTransportKind::kEmulated) {
-    emulated<<<grid, kWarpSize, 0, stream>>>(l, op);
+    kernel_of<EmulatedTransport, Op>()<<<grid, kWarpSize, 0, stream>>>(l, op);
   } else {
-    mapped<<<grid, kWarpSize, 0, stream>>>(l, op);
+    kernel_of<MappedTransport, Op>()<<<grid, kWarpSize, 0, stream>>>(l, op);
   }
   return cudaGetLastError();
 }
@@ -100,9 +112,14 @@ cudaError_t launch_low_latency_transport_dispatch(LowLatencyTransportKind kind,
                                                   const LowLatencyTransportLaunch& launch,
                                                   const LowLatencyTransportDispatch& op,
                                                   cudaStream_t stream) {
-  return launch_either(kind, launch, op, stream,
-                       low_latency_transport_dispatch_kernel<MappedTransport>,
-                       low_latency_transport_dispatch_kernel<EmulatedTransport>);
+  return launch_op(kind, launch, op, stream);
+}
+
+cudaError_t launch_low_latency_transport_combine(LowLatencyTransportKind kind,
+                                                 const LowLatencyTransportLaunch& launch,
+                                                 const LowLatencyTransportCombine& op,
+                                                 cudaStream_t stream) {
+  return launch_op(kind, launch, op, stream);
 }
 
 cudaError_t preload_low_latency_transport_kernels() {
@@ -116,15 +133,6 @@ cudaError_t preload_low_latency_transport_kernels() {
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
-}
-
-cudaError_t launch_low_latency_transport_combine(LowLatencyTransportKind kind,
-                                                 const LowLatencyTransportLaunch& launch,
-                                                 const LowLatencyTransportCombine& op,
-                                                 cudaStream_t stream) {
-  return launch_either(kind, launch, op, stream,
-                       low_latency_transport_combine_kernel<MappedTransport>,
-                       low_latency_transport_combine_kernel<EmulatedTransport>);
 }
 
 }  // namespace jax_ep
