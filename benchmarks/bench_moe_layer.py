@@ -9,7 +9,7 @@ random scores, seeded) and the SAME local expert computation for every transport
 ``jax_ep.moe.permute`` -> ``jax_ep.moe.swiglu_experts`` -> ``jax_ep.moe.unpermute``, whose three
 grouped matmuls (forward and both backward products) are ``--matmul`` (a comma-separated list,
 each measured in turn): a name of ``jax_ep.moe.MATMULS`` (``auto``, ``tiled``, ``ragged_dot``,
-``tokamax``, ``tokamax+mosaic``, ``mosaic``; see ``jax_ep.grouped_gemm``) or a bench variant:
+``tokamax``, ``tokamax+mosaic``, ``mosaic``; see ``jax_ep.moe.grouped_gemm``) or a bench variant:
 ``ragged_dot+grouped_gemm`` / ``ragged_dot+fusion`` (``jax.lax.ragged_dot`` compiled with XLA's
 experimental grouped-GEMM / ragged-dot-fusion flag) and, in the experts section only, ``dense``
 (equal groups as one batched matmul: the ceiling a grouped GEMM can approach). A library matmul

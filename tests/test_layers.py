@@ -5,7 +5,7 @@
 - no Python file over 600 lines;
 - no private name (``_x``) of one module imported or read by another;
 - the runtime (the public API, ``backends/``, ``transports/``, ``system/``, ``moe/``) never
-  imports the tools (``tools/`` and their documented re-exports ``env``, ``launch``, ``demo``),
+  imports the tools (``tools/`` and their documented re-exports ``env``, ``launch``),
   at module level or inside a function;
 - nothing of jax_ep imports the test extension ``jax_ep._C_testing`` (tests' bindings);
 - ``system/`` imports nothing of jax_ep outside itself but ``fp8`` (whose scale block is a
@@ -18,7 +18,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jax_ep"
 MAX_LINES = 600
-TOOLS = ("jax_ep.tools", "jax_ep.env", "jax_ep.launch", "jax_ep.demo")
+TOOLS = ("jax_ep.tools", "jax_ep.env", "jax_ep.launch")
 
 
 def _module_name(path: Path) -> str:
