@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_ep import backends, fp8, settings
 from jax_ep.backends import cuda, gate
-from jax_ep.transports import ipc, nvshmem
+from jax_ep.peers import ipc, nvshmem
 
 BACKENDS = ("auto", "cuda", "xla")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -135,12 +135,12 @@ class Buffer:
         self._allocated = False
         self.backend_reasons = []  # why "auto" did not pick cuda (see `python -m jax_ep.env`)
         self.backend = self._resolve_backend(backend, lowering_only)
-        # How peers' memory is reached (CUDA backend): "local" (one process: unified
+        # How peers' memory is mapped (CUDA backend): "local" (one process: unified
         # addressing), "ipc" (CUDA IPC between the processes of one host) or "nvshmem"
         # (JAX_EP_TRANSPORT=nvshmem: NVSHMEM's symmetric heap, one process per GPU).
-        self.transport = None
+        self.peer_mapping = None
         if self.backend == "cuda":
-            self.transport = self._resolve_transport(lowering_only)
+            self.peer_mapping = self._resolve_peer_mapping(lowering_only)
         # The calls of the ops (jax_ep.backends.Backend).
         self._impl: backends.Backend = backends.create(self.backend, self)
         if self.backend == "cuda" and not lowering_only:
@@ -213,8 +213,8 @@ class Buffer:
                 raise ValueError(f"backend='cuda': {problem}; use backend='xla'")
         return "cuda"
 
-    def _resolve_transport(self, lowering_only):
-        requested = nvshmem.requested_transport()
+    def _resolve_peer_mapping(self, lowering_only):
+        requested = nvshmem.requested_peer_mapping()
         if requested == "nvshmem":
             if not lowering_only:
                 nvshmem.check_usable(self)
@@ -282,7 +282,7 @@ class Buffer:
             if multiprocess:
                 ipc.check_same_configuration(self)
             pes = []
-            if self.transport == "nvshmem":
+            if self.peer_mapping == "nvshmem":
                 nvshmem.join(self, module, self.workspace_bytes)
                 if self.device_transport == "nvshmem":
                     nvshmem.load_device_transport(module)
@@ -315,7 +315,7 @@ class Buffer:
         if self._allocated:
             module, _ = cuda.load_extension()
             self._allocated = False
-            if self.transport == "nvshmem":
+            if self.peer_mapping == "nvshmem":
                 nvshmem.release(self, module)  # a collective: every process closes
             elif ipc.spans_processes(self.mesh.devices.flat):
                 ipc.release_workspaces(self, module)  # a collective: every process closes

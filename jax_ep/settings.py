@@ -71,7 +71,8 @@ SETTINGS = {s.name: s for s in (
     Setting("JAX_EP_JOIN_TIMEOUT_S", "runtime", 120.0, _seconds,
             "bound on every wait of the multi-process Buffer exchange"),
     Setting("JAX_EP_TRANSPORT", "runtime", "ipc", _choice("ipc", "nvshmem"),
-            "how processes reach their peers' workspaces: CUDA IPC or NVSHMEM's symmetric heap"),
+            "how processes map their peers' workspaces (a Buffer's peer mapping): CUDA IPC or "
+            "NVSHMEM's symmetric heap"),
     Setting("JAX_EP_NVSHMEM_LIB", "runtime", None, _text,
             "path of NVSHMEM's host library (default: the nvidia-nvshmem wheel's)"),
     Setting("JAX_EP_NORMAL_BLOCKS", "runtime", None, _positive_int,

@@ -341,7 +341,7 @@ def test_the_nvshmem_device_transport_loads_where_it_is_built():
     """The NVSHMEM device transport's kernels are a plugin (libjax_ep_nvshmem.so): jax_ep._C
     imports without NVSHMEM, and where NVSHMEM was found at build time the plugin loads after
     NVSHMEM's host library and has its entry points (no GPU needed to load it)."""
-    from jax_ep.transports import nvshmem
+    from jax_ep.peers import nvshmem
 
     module, reason = cuda.load_extension()
     if module is None:

@@ -4,12 +4,12 @@
   is how a module reaches a higher layer on demand, e.g. Buffer.warmup);
 - no Python file over 600 lines;
 - no private name (``_x``) of one module imported or read by another;
-- the runtime (the public API, ``backends/``, ``transports/``, ``system/``, ``moe/``) never
+- the runtime (the public API, ``backends/``, ``peers/``, ``system/``, ``moe/``) never
   imports the tools (``tools/`` and their documented re-exports ``env``, ``launch``),
   at module level or inside a function;
 - nothing of jax_ep imports the test extension ``jax_ep._C_testing`` (tests' bindings);
 - ``system/`` imports nothing of jax_ep outside itself but ``fp8`` (whose scale block is a
-  fact of every layer; it imports nothing of jax_ep), ``backends/`` and ``transports/`` nothing
+  fact of every layer; it imports nothing of jax_ep), ``backends/`` and ``peers/`` nothing
   of the public API (``buffer``, ``ops``) or the MoE helpers.
 """
 
@@ -189,7 +189,7 @@ def test_lower_layers_do_not_import_higher_ones():
         "jax_ep.fp8": lambda t: False,
         "jax_ep.backends": lambda t: not _in(t, ("jax_ep.buffer", "jax_ep.ops", "jax_ep.moe",
                                                  "jax_ep.aot", "jax_ep.warmup")) and t != "jax_ep",
-        "jax_ep.transports": lambda t: not _in(t, ("jax_ep.buffer", "jax_ep.ops", "jax_ep.moe",
+        "jax_ep.peers": lambda t: not _in(t, ("jax_ep.buffer", "jax_ep.ops", "jax_ep.moe",
                                                    "jax_ep.backends")) and t != "jax_ep",
     }
     found = []

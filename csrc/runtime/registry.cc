@@ -5,7 +5,7 @@
 // Within a process, a peer's workspace is reachable through its plain device pointer once peer
 // access is enabled. Ranks driven by other processes on the same host (one process per GPU)
 // export their workspaces as CUDA IPC handles; each process maps the others' into its devices
-// (import_workspace_handles). The Python side exchanges the handles (jax_ep/transports/ipc.py).
+// (import_workspace_handles). The Python side exchanges the handles (jax_ep/peers/ipc.py).
 #include "runtime/registry.h"
 
 #include <cuda_runtime.h>

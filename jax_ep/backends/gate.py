@@ -193,7 +193,7 @@ def decide_backend(
             f"(xla)"
         )
 
-    # GPUs of other processes are reached through CUDA IPC (jax_ep/transports/ipc.py); that
+    # GPUs of other processes are reached through CUDA IPC (jax_ep/peers/ipc.py); that
     # they share this host is checked when the Buffer exchanges its workspaces.
 
     # Group size and peer access (this process's GPUs only).

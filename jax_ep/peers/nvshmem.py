@@ -1,4 +1,4 @@
-"""The NVSHMEM transport of the CUDA backend (issue 8): ``JAX_EP_TRANSPORT=nvshmem``.
+"""The NVSHMEM peer mapping of the CUDA backend (issue 8): ``JAX_EP_TRANSPORT=nvshmem``.
 
 With one process per GPU, a Buffer's workspaces can live on NVSHMEM's symmetric heap instead of
 ``cudaMalloc`` + CUDA IPC: every peer table entry is then ``nvshmem_ptr`` of the same symmetric
@@ -24,18 +24,19 @@ import warnings
 import jax
 
 from jax_ep import settings
+from jax_ep.peers import ipc
 from jax_ep.system import probes
-from jax_ep.transports import ipc
 
-ENV_TRANSPORT = "JAX_EP_TRANSPORT"
+# The setting of a Buffer's peer mapping (its name predates the word: "ipc" or "nvshmem").
+ENV_MAPPING = "JAX_EP_TRANSPORT"
 ENV_LIBRARY = "JAX_EP_NVSHMEM_LIB"
 _UNIQUE_ID_KEY = "jax_ep/nvshmem/unique_id"
 _HEAP_HEADROOM_BYTES = 1 << 30
 
 
-def requested_transport() -> str:
+def requested_peer_mapping() -> str:
     """``JAX_EP_TRANSPORT`` (default ``ipc``); ValueError naming the variable when unknown."""
-    return settings.value(ENV_TRANSPORT)
+    return settings.value(ENV_MAPPING)
 
 
 def library_path() -> str:
@@ -46,7 +47,7 @@ def library_path() -> str:
         return explicit
     found = probes.probe_nvshmem()
     if found.host_library is None:
-        raise RuntimeError(f"{ENV_TRANSPORT}=nvshmem needs NVSHMEM's host library: {found.reason}; "
+        raise RuntimeError(f"{ENV_MAPPING}=nvshmem needs NVSHMEM's host library: {found.reason}; "
                            f"or set {ENV_LIBRARY}")
     return found.host_library
 
@@ -56,19 +57,19 @@ def _local_devices(buf) -> list:
 
 
 def check_usable(buf) -> None:
-    """The layout the transport needs: one process per GPU (NVSHMEM binds a PE to one GPU).
+    """The layout the NVSHMEM mapping needs: one process per GPU (NVSHMEM binds a PE to one GPU).
     A single process with a one-device mesh is a job of one PE (EP=1: it runs the whole path,
     heap and kernels, on one GPU)."""
     local = _local_devices(buf)
     if len(local) != 1 or (buf.mesh.devices.size > 1
                            and not ipc.spans_processes(buf.mesh.devices.flat)):
         raise ValueError(
-            f"{ENV_TRANSPORT}=nvshmem needs one process per GPU (this process drives "
+            f"{ENV_MAPPING}=nvshmem needs one process per GPU (this process drives "
             f"{len(local)} of the mesh's {buf.mesh.devices.size} devices); start one process per "
-            f"GPU (python -m jax_ep.launch) or use the default transport")
+            f"GPU (python -m jax_ep.launch) or use the default peer mapping (ipc)")
     processes = ipc.process_indices(buf.mesh.devices.flat)
     if processes != list(range(jax.process_count())):
-        raise ValueError(f"{ENV_TRANSPORT}=nvshmem needs a mesh over every process of the job "
+        raise ValueError(f"{ENV_MAPPING}=nvshmem needs a mesh over every process of the job "
                          f"(NVSHMEM's PEs), this one has processes {processes} of "
                          f"{jax.process_count()}")
 
@@ -98,7 +99,7 @@ def join(buf, module, workspace_bytes: int) -> None:
     if module.nvshmem_initialized():
         return
     if not module.nvshmem_built():
-        raise RuntimeError(f"{ENV_TRANSPORT}=nvshmem: jax_ep was built without NVSHMEM's headers "
+        raise RuntimeError(f"{ENV_MAPPING}=nvshmem: jax_ep was built without NVSHMEM's headers "
                            f"(install nvidia-nvshmem-cu13, then rebuild jax_ep)")
     module.nvshmem_load(library_path())
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(workspace_bytes + _HEAP_HEADROOM_BYTES))
