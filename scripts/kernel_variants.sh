@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Kernel-time comparison of source variants in one device call (one GPU): each variant is a copy
+# Kernel-time comparison of source variants in one run (one GPU): each variant is a copy
 # of this tree with some `sed -i` edits, built for one architecture and installed in turn, then
 # measured by the same command. For bisecting a kernel-time change without a commit per guess.
 #   VARIANTS="name|file|sed expression[|file|sed expression...];..."  (none: the tree as it is;
