@@ -11,6 +11,7 @@ moves), and the emulator catches every protocol mutant of the low-latency kernel
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -286,10 +287,23 @@ def test_normal_ops_across_fake_hosts_move_the_bits_of_the_stores_path(mapped_no
         print(f"emulator seed {seed}: the stores path's digests", flush=True)  # with -s
 
 
-# What shows that the emulated transport caught a mutant: a proxy's report through check(), a
-# wait that timed out (the kernel traps), or bits other than the mapped transport's.
-CAUGHT_SIGNS = ("the emulated transport:", "longer than the timeout", "CUDA_ERROR_LAUNCH_FAILED",
-                "unspecified launch failure")
+# The faults the emulated transport's proxies report (ProxyErrorKind, csrc/transport/host_proxy.h).
+PROXY_FAULTS = ("bad_command", "source_out_of_region", "destination_out_of_region",
+                "signal_out_of_region", "misaligned", "source_reused")
+
+
+def _caught_evidence(output):
+    """The lines of a failed run's `output` that name what the emulated transport caught: a
+    proxy's report of a fault (check()'s "the emulated transport: ..." or the digest script's
+    "CAUGHT transport: ..."), or a bounded wait's timeout record, which names the rank, the peer
+    it waited for and the phase (check()'s text, the handlers' or the script's "CAUGHT timeout:
+    ..."). A bare launch failure (CUDA_ERROR_LAUNCH_FAILED) names no rule and is no evidence."""
+    phases = [name for name in cuda.wait_phase_names().values() if name != "none"]
+    faults = "|".join(PROXY_FAULTS)
+    fault = re.compile(rf"(the emulated transport: |CAUGHT transport: ).*\b({faults})\b")
+    waits = "|".join(re.escape(p) for p in phases)
+    timeout = re.compile(rf"waited for rank \d+ in (phase ')?({waits})")
+    return [line for line in output.splitlines() if fault.search(line) or timeout.search(line)]
 
 
 @pytest.mark.gpu
@@ -306,7 +320,7 @@ def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
         proc = _two_processes_digest("emulated", seed, mutant)
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            assert any(sign in output for sign in CAUGHT_SIGNS), (mutant, seed, output[-4000:])
+            assert _caught_evidence(output), (mutant, seed, output[-4000:])
             continue
         digests = _digests(proc)
         assert digests != mapped_digests, f"{mutant} survived seed {seed}: the mapped bits"
@@ -331,7 +345,7 @@ def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_dige
                                      bound=("--timeout", "150", "--grace", "5"), **RESTAGING)
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            assert any(sign in output for sign in CAUGHT_SIGNS), (mutant, seed, output[-4000:])
+            assert _caught_evidence(output), (mutant, seed, output[-4000:])
             continue
         digests = _digests(proc, NORMAL_DIGESTS)
         assert digests != mapped_normal_digests, f"{mutant} survived seed {seed}: the mapped bits"
