@@ -75,7 +75,7 @@ def with_mutant(buf):
     (from its first op on), when that is set."""
     BUFFERS.append(buf)
     mutant = settings.value("JAX_EP_TRANSPORT_MUTANT")
-    if mutant != "none":
+    if mutant != "none" and buf.backend == "cuda":  # the reference backend has no kernels
         from jax_ep import _C_testing  # noqa: PLC0415
 
         _C_testing.set_transport_mutant(buf.buffer_id, mutant)
