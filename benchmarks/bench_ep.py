@@ -303,7 +303,7 @@ def split_program(jax_ep, buf, case: Case, inputs: Inputs):
 def peer_program(peer, case: Case, inputs: Inputs):
     """``(prologue, op, fixed, sets)`` of a peer at the same shape.
 
-    Low-latency cases use the same once-per-rank transport (fp8: the cast is inside the op, as
+    Low-latency cases use the same once-per-rank exchange (fp8: the cast is inside the op, as
     in low_latency_dispatch); the peers do not build the expert-major ``[E_loc, R*T, H]`` layout
     nor weight per expert, so they do less work than the op they are compared with.
     """

@@ -5,11 +5,11 @@
         [--max-minutes 2] [--out benchmarks/results]
 
 One expert-parallel SwiGLU MoE layer per rank, with the router's top-k given as input (uniform
-random scores, seeded) and the SAME local expert computation for every transport:
+random scores, seeded) and the SAME local expert computation for every implementation:
 ``jax_ep.moe.permute`` -> ``jax_ep.moe.swiglu_experts`` -> ``jax_ep.moe.unpermute``, whose three
 grouped matmuls (forward and both backward products) are ``--matmul`` (a comma-separated list,
 each measured in turn): a name of ``jax_ep.moe.MATMULS`` (``auto``, ``tiled``, ``ragged_dot``,
-``tokamax``, ``tokamax+mosaic``, ``mosaic``; see ``jax_ep.grouped_gemm``) or a bench variant:
+``tokamax``, ``tokamax+mosaic``, ``mosaic``; see ``jax_ep.moe.grouped_gemm``) or a bench variant:
 ``ragged_dot+grouped_gemm`` / ``ragged_dot+fusion`` (``jax.lax.ragged_dot`` compiled with XLA's
 experimental grouped-GEMM / ragged-dot-fusion flag) and, in the experts section only, ``dense``
 (equal groups as one batched matmul: the ceiling a grouped GEMM can approach). A library matmul
@@ -32,7 +32,7 @@ with 1/2 steps, 2 repeats, and only in the sections and impls named by ``--ragge
   (``[N, H] x [E_loc, H, 2F]``, or ``[E_loc, H, F]`` with ``--gate-up split``) and the down
   shape (``[N, F] x [E_loc, F, H]``); with ``--sweep``, at each of them, every tile config of
   ``SWEEP_CONFIGS``.
-- ``layer``: the whole layer step, for each transport (impl):
+- ``layer``: the whole layer step, for each implementation (impl):
 
 - ``jax_ep``: ``jax_ep.moe.moe_ffn`` with a ``Buffer(backend="cuda")`` on GPUs, the reference
   backend (``"xla"``) elsewhere (``report_errors=False``: no host callback in timed programs);
@@ -233,7 +233,7 @@ def swiglu_weights(weights):
 
 
 def expert_block(recv_x, recv_idx, recv_w, weights, matmul):
-    """The local expert computation every transport shares (as in ``jax_ep.moe.moe_ffn``).
+    """The local expert computation every implementation shares (as in ``jax_ep.moe.moe_ffn``).
 
     ``recv_x [C, H]``, ``recv_idx [C, K]`` local ids (-1: not here), ``recv_w [C, K]`` f32 ->
     ``[C, H]`` weighted expert outputs in ``recv_x``'s dtype; ``weights`` as ``Inputs`` holds

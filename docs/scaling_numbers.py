@@ -1,8 +1,8 @@
 """Prints the tables of docs/scaling.md: memory and traffic of jax_ep at 2..256 ranks.
 
 Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
-csrc/kernels/normal/normal_workspace.h and csrc/kernels/low_latency/low_latency_layout.cuh
-transcribed to Python, with the compile-time rank limit kMaxRanks (8 in csrc/runtime/context.h)
+csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh
+transcribed to Python, with the compile-time rank limit kMaxRanks (8 in csrc/kernels/context.h)
 replaced by R for R > 8 (a hypothetical build with kMaxRanks = R). Where `jax_ep._C` imports,
 the transcription is checked against `jax_ep._C.workspace_bytes` for R <= 8 (exact equality).
 DeepEP's sizes are its V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended
@@ -30,13 +30,13 @@ NVLINK_BPS = 283e9       # measured: H200 NV18 peer copy, each way, both directi
 RDMA_BPS = 50e9          # assumed: one 400 Gb/s NIC per GPU, line rate, each way
 
 # ------------------------------------------------------------------ our constants (C++ headers)
-K_MAX_RANKS_BUILT = 8    # csrc/runtime/context.h kMaxRanks
+K_MAX_RANKS_BUILT = 8    # csrc/kernels/context.h kMaxRanks
 CHANNELS_PER_SCALE = 128
 VEC = 16                 # kBytesPerVector
 NORMAL_FIELD_ALIGN = 256
 NORMAL_DATA_ALIGN = 4096
 LL_ALIGN = 256
-PLAN_TOKENS_PER_BLOCK = 256  # kPlanTokensPerBlock (normal_workspace.h)
+PLAN_TOKENS_PER_BLOCK = 256  # kPlanTokensPerBlock (normal/workspace.h)
 LL_CONTROL_BYTES = 48    # LowLatencyControl: 6 x 8 bytes
 
 
@@ -59,7 +59,7 @@ def combine_row_bytes(num_w=0):
 
 
 def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2, r_max=None):
-    """normal_layout() of normal_workspace.h; returns (signal bytes, data bytes, total)."""
+    """normal_layout() of normal/workspace.h; returns (signal bytes, data bytes, total)."""
     r_max = r_max or max(num_ranks, K_MAX_RANKS_BUILT)
     offset = 0
 
@@ -88,7 +88,7 @@ LL_CHANNELS = 2  # kLowLatencyNumChannels: fused calls, split send/receive pairs
 
 
 def low_latency_bytes(num_ranks, t_max):
-    """make_low_latency_layout() of low_latency_layout.cuh times the channels; returns the
+    """make_low_latency_layout() of low_latency/layout.cuh times the channels; returns the
     region's total bytes."""
     e_loc = E // num_ranks
     offset = 0
@@ -107,7 +107,7 @@ def low_latency_bytes(num_ranks, t_max):
 
 
 def workspace_bytes(num_ranks, t_max, capacity, dtype_bytes, low_latency):
-    """registry.cc workspace_bytes(): normal region, then the low-latency region if asked."""
+    """kernels/api.cc workspace_bytes(): normal region, then the low-latency region if asked."""
     total = normal_layout(num_ranks, t_max, capacity, dtype_bytes)[2]
     if low_latency:
         total = align_up(total, LL_ALIGN) + low_latency_bytes(num_ranks, t_max)

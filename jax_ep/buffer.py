@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_ep import backends, fp8, settings
 from jax_ep.backends import cuda, gate
-from jax_ep.transports import ipc, nvshmem
+from jax_ep.peers import ipc, nvshmem
 
 BACKENDS = ("auto", "cuda", "xla")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -26,7 +26,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 # kernels' (_C.max_topk(), _C.max_low_latency_hidden(), _C.error_counter_names()).
 MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
 MAX_LOW_LATENCY_HIDDEN = 32768  # low-latency mode: the dispatch stages a token in shared memory
-# Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/runtime/context.h).
+# Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/kernels/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 # JAX_EP_DEVICE_TRANSPORT's values, in the order of the C++ DeviceTransport enum.
 DEVICE_TRANSPORTS = ("stores", "mapped", "emulated", "nvshmem")
@@ -147,12 +147,12 @@ class Buffer:
         self._allocated = False
         self.backend_reasons = []  # why "auto" did not pick cuda (see `python -m jax_ep.env`)
         self.backend = self._resolve_backend(backend, lowering_only)
-        # How peers' memory is reached (CUDA backend): "local" (one process: unified
+        # How peers' memory is mapped (CUDA backend): "local" (one process: unified
         # addressing), "ipc" (CUDA IPC between the processes of one host) or "nvshmem"
         # (JAX_EP_TRANSPORT=nvshmem: NVSHMEM's symmetric heap, one process per GPU).
-        self.transport = None
+        self.peer_mapping = None
         if self.backend == "cuda":
-            self.transport = self._resolve_transport(lowering_only)
+            self.peer_mapping = self._resolve_peer_mapping(lowering_only)
         # The calls of the ops (jax_ep.backends.Backend).
         self._impl: backends.Backend = backends.create(self.backend, self)
         if self.backend == "cuda" and not lowering_only:
@@ -227,8 +227,8 @@ class Buffer:
                 raise ValueError(f"backend='cuda': {problem}; use backend='xla'")
         return "cuda"
 
-    def _resolve_transport(self, lowering_only):
-        requested = nvshmem.requested_transport()
+    def _resolve_peer_mapping(self, lowering_only):
+        requested = nvshmem.requested_peer_mapping()
         if requested == "nvshmem":
             if not lowering_only:
                 nvshmem.check_usable(self)
@@ -290,11 +290,6 @@ class Buffer:
             low_latency=self.low_latency, timeout_s=self.timeout_s,
             device_transport=DEVICE_TRANSPORTS.index(self.device_transport),
             emulator_seed=settings.value("JAX_EP_EMULATOR_SEED"), **grids)
-        mutant = settings.value("JAX_EP_TRANSPORT_MUTANT")
-        try:  # the names are the C++ side's (transport/mutant.h)
-            config.transport_mutant = mutant
-        except ValueError as error:
-            raise ValueError(f"JAX_EP_TRANSPORT_MUTANT={mutant!r}: {error}") from None
         return config
 
     def _check_num_sms(self):
@@ -317,7 +312,7 @@ class Buffer:
             if multiprocess:
                 ipc.check_same_configuration(self)
             pes = []
-            if self.transport == "nvshmem":
+            if self.peer_mapping == "nvshmem":
                 nvshmem.join(self, module, self.workspace_bytes)
                 if self.device_transport == "nvshmem":
                     nvshmem.load_device_transport(module)
@@ -352,7 +347,7 @@ class Buffer:
             self._allocated = False
             if self.overlap:
                 module.release_side_streams(self.buffer_id)
-            if self.transport == "nvshmem":
+            if self.peer_mapping == "nvshmem":
                 nvshmem.release(self, module)  # a collective: every process closes
             elif ipc.spans_processes(self.mesh.devices.flat):
                 ipc.release_workspaces(self, module)  # a collective: every process closes

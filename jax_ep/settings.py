@@ -71,7 +71,8 @@ SETTINGS = {s.name: s for s in (
     Setting("JAX_EP_JOIN_TIMEOUT_S", "runtime", 120.0, _seconds,
             "bound on every wait of the multi-process Buffer exchange"),
     Setting("JAX_EP_TRANSPORT", "runtime", "ipc", _choice("ipc", "nvshmem"),
-            "how processes reach their peers' workspaces: CUDA IPC or NVSHMEM's symmetric heap"),
+            "how processes map their peers' workspaces (a Buffer's peer mapping): CUDA IPC or "
+            "NVSHMEM's symmetric heap"),
     Setting("JAX_EP_NVSHMEM_LIB", "runtime", None, _text,
             "path of NVSHMEM's host library (default: the nvidia-nvshmem wheel's)"),
     Setting("JAX_EP_NORMAL_BLOCKS", "runtime", None, _positive_int,
@@ -92,11 +93,6 @@ SETTINGS = {s.name: s for s in (
             "with JAX_EP_TRANSPORT=nvshmem; docs/transport.md)"),
     Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,
             "the emulated transport's seed (reordering, tearing, delays); rank r uses seed + r"),
-    Setting("JAX_EP_TRANSPORT_MUTANT", "runtime", "none", _text,
-            "tests only: the put-protocol kernels under the ops break one rule of the protocol "
-            "(no_fence, signal_before_data, reuse_before_quiet, unregistered_source, "
-            "no_final_quiet; docs/transport.md), so that a test shows the emulated transport "
-            "catches it"),
     Setting("JAX_EP_MOE_MATMUL", "runtime", None,
             _choice("tiled", "ragged_dot", "tokamax", "tokamax+mosaic", "mosaic"),
             "the expert matmul that jax_ep.moe's matmul=\"auto\" uses (default: by machine)"),
@@ -124,6 +120,12 @@ SETTINGS = {s.name: s for s in (
     Setting("JAX_EP_DIFF_SHA256", "tooling", None, _text,
             "with JAX_EP_COMMIT: 'clean', or the SHA-256 of the tree's `git diff HEAD --binary`, "
             "recorded in benchmark results (benchmarks/tree_state.py prints it)"),
+    Setting("JAX_EP_TRANSPORT_MUTANT", "tooling", "none", _text,
+            "tests only: tests/multiprocess_digest.py makes the put-protocol kernels under its "
+            "Buffers' ops break one rule of the protocol (no_fence, signal_before_data, "
+            "reuse_before_quiet, unregistered_source, no_final_quiet; docs/transport.md) through "
+            "the test module jax_ep._C_testing, so that a test shows the emulated transport "
+            "catches it"),
     Setting("JAX_EP_TRANSPORT_SEEDS", "tooling", 3, _positive_int,
             "emulator seeds of tests/test_device_transport.py's fake-hosts digests"),
     Setting("JAX_EP_TEST_SEED", "tooling", None, _text,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Kernel-time comparison of source variants in one device call (one GPU): each variant is a copy
+# Kernel-time comparison of source variants in one run (one GPU): each variant is a copy
 # of this tree with some `sed -i` edits, built for one architecture and installed in turn, then
 # measured by the same command. For bisecting a kernel-time change without a commit per guess.
 #   VARIANTS="name|file|sed expression[|file|sed expression...];..."  (none: the tree as it is;
@@ -8,7 +8,7 @@
 #   MEASURE="python3 benchmarks/profile_ops.py --ll-tokens 128 --ops ll_combine,ll_combine_split"
 #   ARCH=90 (default)
 # Example (the fused combine's arrival fence, 8 vs 4 rows in flight):
-#   VARIANTS="head;rows4|csrc/kernels/low_latency/low_latency_combine.cu|s/kOwnerRowsInFlight = 8/kOwnerRowsInFlight = 4/"
+#   VARIANTS="head;rows4|csrc/kernels/low_latency/combine.cu|s/kOwnerRowsInFlight = 8/kOwnerRowsInFlight = 4/"
 # Each variant's output goes to $OUT/<name>.log (its --out files to $OUT/<name>/); a summary of
 # the lines matching SUMMARY (default "op span|us x") is printed last.
 set -uo pipefail

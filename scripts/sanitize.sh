@@ -45,7 +45,7 @@ filter=()
 # test fails, which would leave every kernel (XLA's too) instrumented.
 help=$(compute-sanitizer --help 2>&1)
 [[ $help == *--kernel-name* && ${SAN_FILTER:-1} != 0 ]] && filter=(--kernel-name kns=_kernel)
-summary="$LOGS/summary.txt"  # appended to: several calls may each run some of the tools
+summary="$LOGS/summary.txt"  # appended to: several runs may each run some of the tools
 # What each run selects: the whole selection, or with SAN_EACH=1 one test id per run (the tool
 # crashes 15-25 s into a run: a short run ends with its summary).
 selections=("-k|$SAN_K|$SAN_TESTS")

@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep.transports import ipc as _ipc
+from jax_ep.peers import ipc as _ipc
 
 
 def shard_spec(mesh, axis="ep"):

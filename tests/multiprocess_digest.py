@@ -10,7 +10,11 @@ With ``normal`` only the normal-mode ops (6 lines), with ``low_latency`` only th
 ops (3 lines): what a device transport carries, one Buffer at a time
 (tests/test_device_transport.py). A process that fails leaves at once, without waiting for its
 peers at exit; ``DIGEST_FAIL_PROCESS=<index>`` makes that process fail first thing (a test of
-that).
+that). ``JAX_EP_TRANSPORT_MUTANT=<mutant>`` makes the put-protocol kernels of every Buffer's ops
+break one rule (set through the test module jax_ep._C_testing), so that a test shows the
+emulated transport catches it; a process that fails then prints, before it leaves, one
+``CAUGHT`` line per timed-out wait (rank, peer, phase) and per fault the emulated transport's
+proxies found, from its own ranks.
 """
 
 import dataclasses
@@ -34,6 +38,7 @@ from harness import run_sharded  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jax_ep  # noqa: E402
+from jax_ep import settings  # noqa: E402
 from jax_ep import testing as oracle  # noqa: E402
 
 E, K, T, H = 32, 4, 64, 512
@@ -62,6 +67,45 @@ def digest(name, tree):
         print(f"DIGEST {name} {sha.hexdigest()}", flush=True)
 
 
+BUFFERS = []  # every Buffer made, for print_evidence
+
+
+def with_mutant(buf):
+    """``buf``, its put-protocol kernels made to break the rule JAX_EP_TRANSPORT_MUTANT names
+    (from its first op on), when that is set."""
+    BUFFERS.append(buf)
+    mutant = settings.value("JAX_EP_TRANSPORT_MUTANT")
+    if mutant != "none" and buf.backend == "cuda":  # the reference backend has no kernels
+        from jax_ep import _C_testing  # noqa: PLC0415
+
+        _C_testing.set_transport_mutant(buf.buffer_id, mutant)
+    return buf
+
+
+def print_evidence():
+    """After a failure, what names the rule a caught mutant broke, from this process's ranks
+    alone (no collective: a peer may be gone): every wait that timed out (the rank, the peer it
+    waited for, the phase) and every fault the emulated transport's proxies found. Host memory
+    only: a device whose kernel trapped has lost its context."""
+    from jax_ep.backends import cuda  # noqa: PLC0415
+
+    module, _ = cuda.load_extension()
+    for buf in BUFFERS:
+        if module is None or buf.backend != "cuda":
+            continue
+        try:
+            records = [r for r in module.read_timeouts(buf.buffer_id) if r["timed_out"]]
+            faults = list(module.take_transport_errors(buf.buffer_id))
+        except RuntimeError:  # closed
+            continue
+        for r in records:
+            phase = cuda.wait_phase_names().get(r["timeout_phase"], r["timeout_phase"])
+            print(f"CAUGHT timeout: rank {r['rank']} waited for rank {r['timeout_peer']} in "
+                  f"{phase} (call {r['seq']})", flush=True)
+        for fault in faults:
+            print(f"CAUGHT transport: {fault}", flush=True)
+
+
 def main(backend, parts="all"):
     if os.environ.get("DIGEST_FAIL_PROCESS") == str(jax.process_index()):
         raise RuntimeError("this process fails on purpose (DIGEST_FAIL_PROCESS)")
@@ -80,8 +124,8 @@ def main(backend, parts="all"):
 
 
 def normal_mode(mesh, backend, x, x8, s8, idx, w):
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
-                        backend=backend, report_errors=False)
+    buf = with_mutant(jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
+                                    num_topk=K, backend=backend, report_errors=False))
 
     def normal(x, idx, w):
         d = jax_ep.dispatch(buf, x, idx, w)
@@ -111,8 +155,9 @@ def normal_mode(mesh, backend, x, x8, s8, idx, w):
 
 
 def low_latency_mode(mesh, backend, x, idx, w):
-    ll = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
-                       low_latency=True, backend=backend, report_errors=False)
+    ll = with_mutant(jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
+                                   num_topk=K, low_latency=True, backend=backend,
+                                   report_errors=False))
 
     def low_latency(x, idx, w):
         d8 = jax_ep.low_latency_dispatch(ll, x, idx, use_fp8=True)
@@ -136,6 +181,7 @@ if __name__ == "__main__":
         # jax.distributed's shutdown at exit would wait for the peer, which may itself wait for
         # this rank's data; the launcher ends the others only once one process has exited.
         traceback.print_exc()
+        print_evidence()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -1,6 +1,6 @@
 """benchmarks/bench_moe_layer.py on CPU: the --quick run writes the result schema, and the three
-transports (jax_ep reference backend, all_to_all, ragged_all_to_all) compute the same MoE layer,
-forward and gradients.
+implementations (jax_ep reference backend, all_to_all, ragged_all_to_all) compute the same MoE
+layer, forward and gradients.
 
 XLA:CPU has no ragged_all_to_all, so the in-process checks replace it with an all_gather
 emulation of its documented semantics (the script itself skips that impl on CPU).
@@ -146,7 +146,7 @@ def _grads(mesh, layer, inputs):
 
 @pytest.mark.skipif(not _jax_ep_importable(), reason="jax_ep not importable")
 @pytest.mark.parametrize("impl", ["all_to_all", "ragged_all_to_all"])
-def test_transports_compute_the_same_layer(impl, monkeypatch):
+def test_implementations_compute_the_same_layer(impl, monkeypatch):
     if impl == "ragged_all_to_all":
         monkeypatch.setattr(bc.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     import jax_ep

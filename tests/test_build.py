@@ -20,6 +20,25 @@ from jax_ep.system import compat, probes
 _C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
 
 
+# What only tests use: the test extension jax_ep._C_testing's, never the user's module's.
+TEST_BINDINGS = ("EmulatedQueueForTests", "LowLatencyTransportForTests", "transport_probe",
+                 "transport_ring_stress", "low_latency_transport_layout", "low_latency_layout",
+                 "fast_divide", "print_native_stack_on_crash", "set_transport_mutant",
+                 "check_transport_mutant", "mutant_names")
+
+
+def test_test_bindings_live_in_the_test_extension_beside_the_module():
+    """The tests' bindings (the device transports' proxy and probe, protocol mutants, the
+    kernels' host arithmetic) are jax_ep._C_testing's, built and installed beside jax_ep._C:
+    the user's module exports none of them, and its configuration has no mutant."""
+    testing = pytest.importorskip("jax_ep._C_testing", reason="the test extension is not built")
+    assert os.path.dirname(testing.__file__) == os.path.dirname(_C.__file__)
+    assert all(hasattr(testing, name) for name in TEST_BINDINGS)
+    assert [name for name in TEST_BINDINGS if hasattr(_C, name)] == []
+    assert [name for name in dir(_C) if re.search(r"mutant|ForTests|probe", name)] == []
+    assert [name for name in dir(_C.BufferConfig) if "mutant" in name] == []
+
+
 def test_cuda_architectures_name_the_code_in_the_module():
     reported = _C.cuda_architectures()
     assert re.fullmatch(r"((sm|compute)_\d+[af]? ?)+", reported), reported
@@ -82,7 +101,7 @@ def test_kernels_compile_for_the_oldest_architecture_we_promise():
     arch = "sm_70" if major <= 12 else "sm_75"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sources = sorted(glob.glob(os.path.join(root, "csrc", "kernels", "*", "*.cu")))
-    sources += sorted(glob.glob(os.path.join(root, "csrc", "transport", "*.cu")))
+    sources += sorted(glob.glob(os.path.join(root, "xla_ffi", "testing", "*.cu")))
     assert len(sources) > 5, sources
     failed = []
     for source in sources:

@@ -11,6 +11,7 @@ moves), and the emulator catches every protocol mutant of the low-latency kernel
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -92,54 +93,54 @@ def test_the_workspace_holds_the_transports_area():
 
 
 def test_what_a_device_transport_does_not_carry_is_refused_by_name():
-    """no_fence breaks the low-latency kernels only, a mutant runs over the emulated transport
-    only, and a negative slot count is no count: each is refused before any device is touched,
-    naming why. NVSHMEM's device transport carries the normal ops too: a normal-only Buffer
-    over it is refused only for want of the symmetric heap."""
+    """A negative slot count is no count, and NVSHMEM's device transport needs the symmetric
+    heap: each is refused before any device is touched, naming why. NVSHMEM's device transport
+    carries the normal ops too: a normal-only Buffer over it is refused only for want of the
+    symmetric heap."""
     module, reason = cuda.load_extension()
     if module is None:
         pytest.skip(f"the CUDA extension is not built here: {reason}")
 
-    def config(transport, mutant="none", low_latency=False, send_slots=0):
-        c = cuda.buffer_config(
+    def config(transport, send_slots=0):
+        return cuda.buffer_config(
             module, num_ranks=2, num_experts=8, hidden=256, max_tokens_per_rank=8, num_topk=2,
-            capacity=16, dtype_bytes=2, low_latency=low_latency, timeout_s=10.0,
+            capacity=16, dtype_bytes=2, low_latency=False, timeout_s=10.0,
             device_transport=transport, normal_send_slots=send_slots)
-        c.transport_mutant = mutant
-        return c
 
     with pytest.raises(RuntimeError, match="set JAX_EP_TRANSPORT=nvshmem too"):
         module.create_buffer(2**40, [[0, 1]], config(3))
-    with pytest.raises(RuntimeError, match=r"no_fence .* breaks the low-latency put-protocol "
-                                           r"kernels only \(the normal kernels issue no fence"):
-        module.create_buffer(2**40, [[0, 1]], config(2, "no_fence"))
-    for transport in (1, 3):
-        with pytest.raises(RuntimeError, match="is for the emulated transport"):
-            module.create_buffer(2**40, [[0, 1]], config(transport, "signal_before_data", True))
     with pytest.raises(RuntimeError, match="normal_send_slots must be >= 0, got -1"):
         module.create_buffer(2**40, [[0, 1]], config(2, send_slots=-1))
 
 
-def test_a_protocol_mutant_is_named_and_needs_a_device_transport(monkeypatch):
-    """JAX_EP_TRANSPORT_MUTANT (tests only) reaches the C++ configuration by name; an unknown
-    name is an error naming the variable and the known names, and a mutant without a device
-    transport is refused before any device is touched."""
+def test_a_protocol_mutant_is_the_test_modules_and_needs_the_emulated_transport():
+    """Protocol mutants are set by the test module (jax_ep._C_testing) on a Buffer after its
+    creation: the user's configuration carries none. An unknown name is an error naming the
+    known ones; a mutant without a device transport, over another than the emulated one, or
+    no_fence on a Buffer without the low-latency kernels is refused, naming why."""
     module, reason = cuda.load_extension()
     if module is None:
         pytest.skip(f"the CUDA extension is not built here: {reason}")
-    config = module.BufferConfig()
-    assert config.transport_mutant == "none"
-    config.transport_mutant = "no_final_quiet"
-    assert config.transport_mutant == "no_final_quiet"
-    buf = make_buffer("xla")
-    monkeypatch.setenv("JAX_EP_TRANSPORT_MUTANT", "no_quiet")
-    with pytest.raises(ValueError, match=r"JAX_EP_TRANSPORT_MUTANT='no_quiet'.*no_final_quiet"):
-        buf._runtime_config(module)
-    monkeypatch.setenv("JAX_EP_TRANSPORT_MUTANT", "no_fence")
-    stores = buf._runtime_config(module)  # JAX_EP_DEVICE_TRANSPORT unset: stores
-    assert stores.transport_mutant == "no_fence"
-    with pytest.raises(RuntimeError, match="set JAX_EP_DEVICE_TRANSPORT too"):
-        module.create_buffer(2**40, [[0, 1, 2, 3, 4, 5, 6, 7]], stores)
+    from jax_ep import _C_testing  # noqa: PLC0415
+
+    assert not hasattr(module.BufferConfig(), "transport_mutant")
+    assert _C_testing.mutant_names() == ["none", "no_fence", "signal_before_data",
+                                         "reuse_before_quiet", "unregistered_source",
+                                         "no_final_quiet"]
+    with pytest.raises(ValueError, match=r"one of none, .*no_final_quiet, not 'no_quiet'"):
+        _C_testing.check_transport_mutant("no_quiet", 2, True)
+    with pytest.raises(ValueError, match="set JAX_EP_DEVICE_TRANSPORT too"):
+        _C_testing.check_transport_mutant("no_fence", 0, True)
+    for transport in (1, 3):
+        with pytest.raises(ValueError, match="is for the emulated transport"):
+            _C_testing.check_transport_mutant("signal_before_data", transport, True)
+    with pytest.raises(ValueError, match=r"no_fence breaks the low-latency put-protocol kernels "
+                                         r"only \(the normal kernels issue no fence"):
+        _C_testing.check_transport_mutant("no_fence", 2, False)
+    _C_testing.check_transport_mutant("no_fence", 2, True)
+    _C_testing.check_transport_mutant("none", 0, False)
+    with pytest.raises(ValueError, match="no jax_ep Buffer with id"):
+        _C_testing.set_transport_mutant(2**40, "no_fence")
 
 
 def _run_suite_over(transport, *pytest_args, suite=SUITE, seed=7, **extra_env):
@@ -209,7 +210,8 @@ def _two_processes_digest(transport, seed=0, mutant="none", part="low_latency", 
     """tests/multiprocess_digest.py's ops of `part` (normal, low_latency) in two processes on
     one GPU: as two hosts (launcher --fake-hosts 2) over the emulated transport; the mapped
     transport needs a peer mapping, so jax_ep keeps it within a host, and its run is the two
-    processes as one (as is the stores path's). `bound`: launcher flags that bound the run."""
+    processes as one (as is the stores path's). `mutant`: the script sets it on its Buffers
+    through the test module. `bound`: launcher flags that bound the run."""
     env = launching.device_transport_env(transport, seed, JAX_EP_TRANSPORT_MUTANT=mutant,
                                          **extra_env)
     hosts = ("--fake-hosts", "2") if transport == "emulated" else ()
@@ -285,10 +287,23 @@ def test_normal_ops_across_fake_hosts_move_the_bits_of_the_stores_path(mapped_no
         print(f"emulator seed {seed}: the stores path's digests", flush=True)  # with -s
 
 
-# What shows that the emulated transport caught a mutant: a proxy's report through check(), a
-# wait that timed out (the kernel traps), or bits other than the mapped transport's.
-CAUGHT_SIGNS = ("the emulated transport:", "longer than the timeout", "CUDA_ERROR_LAUNCH_FAILED",
-                "unspecified launch failure")
+# The faults the emulated transport's proxies report (ProxyErrorKind, csrc/transport/host_proxy.h).
+PROXY_FAULTS = ("bad_command", "source_out_of_region", "destination_out_of_region",
+                "signal_out_of_region", "misaligned", "source_reused")
+
+
+def _caught_evidence(output):
+    """The lines of a failed run's `output` that name what the emulated transport caught: a
+    proxy's report of a fault (check()'s "the emulated transport: ..." or the digest script's
+    "CAUGHT transport: ..."), or a bounded wait's timeout record, which names the rank, the peer
+    it waited for and the phase (check()'s text, the handlers' or the script's "CAUGHT timeout:
+    ..."). A bare launch failure (CUDA_ERROR_LAUNCH_FAILED) names no rule and is no evidence."""
+    phases = [name for name in cuda.wait_phase_names().values() if name != "none"]
+    faults = "|".join(PROXY_FAULTS)
+    fault = re.compile(rf"(the emulated transport: |CAUGHT transport: ).*\b({faults})\b")
+    waits = "|".join(re.escape(p) for p in phases)
+    timeout = re.compile(rf"waited for rank \d+ in (phase ')?({waits})")
+    return [line for line in output.splitlines() if fault.search(line) or timeout.search(line)]
 
 
 @pytest.mark.gpu
@@ -305,7 +320,7 @@ def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
         proc = _two_processes_digest("emulated", seed, mutant)
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            assert any(sign in output for sign in CAUGHT_SIGNS), (mutant, seed, output[-4000:])
+            assert _caught_evidence(output), (mutant, seed, output[-4000:])
             continue
         digests = _digests(proc)
         assert digests != mapped_digests, f"{mutant} survived seed {seed}: the mapped bits"
@@ -330,7 +345,7 @@ def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_dige
                                      bound=("--timeout", "150", "--grace", "5"), **RESTAGING)
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            assert any(sign in output for sign in CAUGHT_SIGNS), (mutant, seed, output[-4000:])
+            assert _caught_evidence(output), (mutant, seed, output[-4000:])
             continue
         digests = _digests(proc, NORMAL_DIGESTS)
         assert digests != mapped_normal_digests, f"{mutant} survived seed {seed}: the mapped bits"
@@ -340,7 +355,7 @@ def test_the_nvshmem_device_transport_loads_where_it_is_built():
     """The NVSHMEM device transport's kernels are a plugin (libjax_ep_nvshmem.so): jax_ep._C
     imports without NVSHMEM, and where NVSHMEM was found at build time the plugin loads after
     NVSHMEM's host library and has its entry points (no GPU needed to load it)."""
-    from jax_ep.transports import nvshmem
+    from jax_ep.peers import nvshmem
 
     module, reason = cuda.load_extension()
     if module is None:

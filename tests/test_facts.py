@@ -18,6 +18,7 @@ from jax_ep import Buffer, buffer, env, fp8
 from jax_ep.backends import cuda
 
 _C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+_C_testing = pytest.importorskip("jax_ep._C_testing", reason="the test extension is not built")
 
 CUDA_BACKEND = Path(cuda.__file__)
 OP_CALLS = ("_call", "_low_latency_dispatch_call")
@@ -92,10 +93,8 @@ def test_low_latency_regions_neither_overlap_nor_overrun(ranks, experts, tokens,
     """Each region of the low-latency layout starts after the last element of the one before
     (as the kernels' index helpers place it), 256-aligned, and the last one ends inside
     total_bytes: an accessor or a carve size off by one element fails."""
-    config = cuda.buffer_config(_C, num_ranks=ranks, num_experts=experts, hidden=hidden,
-                                max_tokens_per_rank=tokens, num_topk=topk, capacity=ranks * tokens,
-                                dtype_bytes=2, low_latency=True, timeout_s=10.0)
-    layout = _C.low_latency_layout(config)
+    layout = _C_testing.low_latency_layout(num_ranks=ranks, num_experts=experts, hidden=hidden,
+                                           max_tokens_per_rank=tokens, num_topk=topk)
     names, starts, ends = layout["names"], layout["starts"], [*layout["ends"]]
     assert starts[0] == 0 and all(s % 256 == 0 for s in starts), starts
     bounds = [*starts[1:], layout["total_bytes"]]
@@ -124,9 +123,9 @@ def test_fast_divisor_divides_exactly():
     for d in divisors:
         numerators = [*edges, *range(0, 3 * d + 3 if d < 1000 else 1000),
                       *rng.integers(0, 2**32, 200).tolist()]
-        got = _C.fast_divide(d, numerators)
+        got = _C_testing.fast_divide(d, numerators)
         want = [n // d for n in numerators]
         assert got == want, (d, [(n, g, w) for n, g, w in zip(numerators, got, want,
                                                                strict=True) if g != w][:5])
     with pytest.raises(ValueError, match="divisor"):
-        _C.fast_divide(0, [1])
+        _C_testing.fast_divide(0, [1])

@@ -45,7 +45,7 @@ def test_nvshmem_transport_gives_the_bits_of_one_process():
     through NVSHMEM's own peer-to-peer transport): the same bits as 1 process x 2 GPUs."""
     require_gpus(2)
     from jax_ep.backends import cuda as _cuda  # noqa: PLC0415
-    from jax_ep.transports import nvshmem as _nvshmem  # noqa: PLC0415
+    from jax_ep.peers import nvshmem as _nvshmem  # noqa: PLC0415
 
     module, _ = _cuda.load_extension()
     if not module.nvshmem_built():
@@ -64,7 +64,7 @@ def test_nvshmem_transport_gives_the_bits_of_one_process():
     # the peer's GPU among the visible ones.
     proc, _ = launching.run_launcher("-n", "2", "--share-gpus", "--", sys.executable,
                                      str(launching.DIGEST_SCRIPT), "cuda", platform="gpu",
-                                     extra_env={_nvshmem.ENV_TRANSPORT: "nvshmem"})
+                                     extra_env={_nvshmem.ENV_MAPPING: "nvshmem"})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert digest_lines(proc.stdout) == want
 
@@ -131,7 +131,7 @@ def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
     to be had."""
     require_gpus(1)
     from jax_ep.backends import cuda as _cuda  # noqa: PLC0415
-    from jax_ep.transports import nvshmem as _nvshmem  # noqa: PLC0415
+    from jax_ep.peers import nvshmem as _nvshmem  # noqa: PLC0415
 
     reference = subprocess.run(
         [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True,
@@ -151,7 +151,7 @@ def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
         pytest.skip("jax_ep was built without NVSHMEM's headers (the IPC part passed)")
     nvshmem = _digests(launching.run_launcher(
         *shared, "--share-gpus", "--", sys.executable, str(launching.DIGEST_SCRIPT), "cuda",
-        platform="gpu", extra_env={_nvshmem.ENV_TRANSPORT: "nvshmem"})[0])
+        platform="gpu", extra_env={_nvshmem.ENV_MAPPING: "nvshmem"})[0])
     assert nvshmem == ipc
 
 

@@ -1,4 +1,4 @@
-"""Tests of jax_ep.grouped_gemm (library grouped GEMMs for the expert matmuls) and of the MoE
+"""Tests of jax_ep.moe.grouped_gemm (library grouped GEMMs for the expert matmuls) and of the MoE
 layer running on them.
 
 On CPU the library kernels cannot run: the plumbing around them (custom_vjp, dtypes, the

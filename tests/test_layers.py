@@ -4,11 +4,12 @@
   is how a module reaches a higher layer on demand, e.g. Buffer.warmup);
 - no Python file over 600 lines;
 - no private name (``_x``) of one module imported or read by another;
-- the runtime (the public API, ``backends/``, ``transports/``, ``system/``, ``moe/``) never
-  imports the tools (``tools/`` and their documented re-exports ``env``, ``launch``, ``demo``),
+- the runtime (the public API, ``backends/``, ``peers/``, ``system/``, ``moe/``) never
+  imports the tools (``tools/`` and their documented re-exports ``env``, ``launch``),
   at module level or inside a function;
+- nothing of jax_ep imports the test extension ``jax_ep._C_testing`` (tests' bindings);
 - ``system/`` imports nothing of jax_ep outside itself but ``fp8`` (whose scale block is a
-  fact of every layer; it imports nothing of jax_ep), ``backends/`` and ``transports/`` nothing
+  fact of every layer; it imports nothing of jax_ep), ``backends/`` and ``peers/`` nothing
   of the public API (``buffer``, ``ops``) or the MoE helpers.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jax_ep"
 MAX_LINES = 600
-TOOLS = ("jax_ep.tools", "jax_ep.env", "jax_ep.launch", "jax_ep.demo")
+TOOLS = ("jax_ep.tools", "jax_ep.env", "jax_ep.launch")
 
 
 def _module_name(path: Path) -> str:
@@ -27,6 +28,7 @@ def _module_name(path: Path) -> str:
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 EXTENSION = "jax_ep._C"  # compiled, not a Python file
+TESTING_EXTENSION = "jax_ep._C_testing"  # compiled: the bindings only tests use
 TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
 
 
@@ -69,7 +71,7 @@ def _imports(module: str, top_level_only: bool):
                 continue
             for alias in node.names:
                 sub = f"{source}.{alias.name}"
-                if sub in MODULES or sub == EXTENSION:
+                if sub in MODULES or sub in (EXTENSION, TESTING_EXTENSION):
                     yield sub, None, node.lineno  # a submodule
                 else:
                     yield source, alias.name, node.lineno
@@ -163,13 +165,31 @@ def test_runtime_never_imports_the_tools():
     assert found == []
 
 
+def test_the_package_never_imports_the_test_extension():
+    found = [f"{module}:{line} imports {target}"
+             for module in MODULES for target, _, line in _imports(module, False)
+             if target == TESTING_EXTENSION]
+    assert found == []
+
+
+def test_the_checker_sees_an_import_of_the_test_extension():
+    module = "jax_ep.buffer"
+    planted = ast.parse("def f():\n    from jax_ep import _C_testing\n")
+    saved = TREES[module]
+    TREES[module] = planted
+    try:
+        assert [t for t, _, _ in _imports(module, False)] == [TESTING_EXTENSION]
+    finally:
+        TREES[module] = saved
+
+
 def test_lower_layers_do_not_import_higher_ones():
     rules = {
         "jax_ep.system": lambda t: _in(t, ("jax_ep.system", "jax_ep.fp8")),
         "jax_ep.fp8": lambda t: False,
         "jax_ep.backends": lambda t: not _in(t, ("jax_ep.buffer", "jax_ep.ops", "jax_ep.moe",
                                                  "jax_ep.aot", "jax_ep.warmup")) and t != "jax_ep",
-        "jax_ep.transports": lambda t: not _in(t, ("jax_ep.buffer", "jax_ep.ops", "jax_ep.moe",
+        "jax_ep.peers": lambda t: not _in(t, ("jax_ep.buffer", "jax_ep.ops", "jax_ep.moe",
                                                    "jax_ep.backends")) and t != "jax_ep",
     }
     found = []
@@ -178,7 +198,7 @@ def test_lower_layers_do_not_import_higher_ones():
             if _in(module, (layer,)):
                 found += [f"{module}:{line} imports {target}"
                           for target, _, line in _imports(module, False)
-                          if target != EXTENSION and not allowed(target)]
+                          if target not in (EXTENSION, TESTING_EXTENSION) and not allowed(target)]
     assert found == []
 
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from test_normal import assert_dispatch_matches, dispatch_and_combine, make_buffer, random_x
 
 from jax_ep import testing as oracle
-from jax_ep.transports import ipc
+from jax_ep.peers import ipc
 
 pytestmark = pytest.mark.multihost
 

@@ -199,7 +199,7 @@ PROTOCOL_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh
     from jax_ep import Buffer, launch
-    from jax_ep.transports import ipc as _ipc
+    from jax_ep.peers import ipc as _ipc
     assert launch.initialize_from_env()
     me = jax.process_index()
     mesh = Mesh(np.array(jax.devices()), ("ep",))

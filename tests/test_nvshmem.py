@@ -9,23 +9,23 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jax_ep.transports import nvshmem as _nvshmem
+from jax_ep.peers import nvshmem as _nvshmem
 
 
 @pytest.mark.parametrize("value,want", [(None, "ipc"), ("", "ipc"), ("ipc", "ipc"),
                                         ("nvshmem", "nvshmem"), (" NVSHMEM ", "nvshmem")])
-def test_transport_switch(monkeypatch, value, want):
+def test_peer_mapping_switch(monkeypatch, value, want):
     if value is None:
-        monkeypatch.delenv(_nvshmem.ENV_TRANSPORT, raising=False)
+        monkeypatch.delenv(_nvshmem.ENV_MAPPING, raising=False)
     else:
-        monkeypatch.setenv(_nvshmem.ENV_TRANSPORT, value)
-    assert _nvshmem.requested_transport() == want
+        monkeypatch.setenv(_nvshmem.ENV_MAPPING, value)
+    assert _nvshmem.requested_peer_mapping() == want
 
 
-def test_unknown_transport_names_the_variable(monkeypatch):
-    monkeypatch.setenv(_nvshmem.ENV_TRANSPORT, "rdma")
+def test_unknown_peer_mapping_names_the_variable(monkeypatch):
+    monkeypatch.setenv(_nvshmem.ENV_MAPPING, "rdma")
     with pytest.raises(ValueError, match="JAX_EP_TRANSPORT='rdma'.*ipc, nvshmem"):
-        _nvshmem.requested_transport()
+        _nvshmem.requested_peer_mapping()
 
 
 def test_library_path_prefers_the_variable(monkeypatch):

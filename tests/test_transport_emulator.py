@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-_C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+_C_testing = pytest.importorskip("jax_ep._C_testing",
+                                 reason="the CUDA extension is not built here")
 
 SEEDS = range(16)
 SEND, DATA, SIGNALS = 0, 0, 1
@@ -22,7 +23,7 @@ class World:
     region's end lands in the guard, which the tests check stays zero."""
 
     def __init__(self, data_bytes=4096, guard=256, **options):
-        self.queue = _C.EmulatedQueueForTests(**options)
+        self.queue = _C_testing.EmulatedQueueForTests(**options)
         rng = np.random.default_rng(1234)
         self.send = rng.integers(1, 256, data_bytes, dtype=np.uint8)
         self.backing = {}
@@ -347,7 +348,7 @@ def test_ring_wraps_around_when_smaller_than_the_commands():
 
 def test_ring_under_concurrent_producers():
     producers, per_producer = 4, 3000
-    dst, errors = _C.transport_ring_stress(producers, per_producer, capacity=8, seed=1)
+    dst, errors = _C_testing.transport_ring_stress(producers, per_producer, capacity=8, seed=1)
     i = np.arange(producers * per_producer * 16, dtype=np.uint64)
     expected = ((i * 131 + 7) >> 4).astype(np.uint8)
     assert errors == 0
@@ -432,7 +433,7 @@ def test_the_proxy_belongs_to_its_thread_while_it_runs():
 def test_transport_probe_refuses_bad_arguments_before_touching_a_gpu(kwargs, message):
     # The GPU test of both transports is tests/test_transport_gpu.py.
     with pytest.raises(ValueError, match=message):
-        _C.transport_probe(**kwargs)
+        _C_testing.transport_probe(**kwargs)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -449,7 +450,7 @@ def test_transport_probe_refuses_bad_arguments_before_touching_a_gpu(kwargs, mes
 def test_low_latency_transport_refuses_bad_arguments_before_touching_a_gpu(kwargs, message):
     args = dict(num_ranks=8, num_experts=32, num_topk=4, max_tokens=8, hidden=256)
     with pytest.raises(ValueError, match=message):
-        _C.LowLatencyTransportForTests(**{**args, **kwargs})
+        _C_testing.LowLatencyTransportForTests(**{**args, **kwargs})
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1, 128, 1, 1), (8, 32, 4, 8, 256, 4, 8),
@@ -457,7 +458,7 @@ def test_low_latency_transport_refuses_bad_arguments_before_touching_a_gpu(kwarg
 def test_low_latency_transport_regions_neither_overlap_nor_overrun(shape):
     # Each region starts after the last element of the one before, 256-aligned, and the last
     # one ends inside the region's size: an accessor or a carve size off by one element fails.
-    layout = _C.low_latency_transport_layout(*shape)
+    layout = _C_testing.low_latency_transport_layout(*shape)
     for starts, ends in ((layout["workspace"], layout["workspace_ends"]),
                          (layout["staging"], layout["staging_ends"])):
         assert starts[0] == 0 and all(s % 256 == 0 for s in starts), starts

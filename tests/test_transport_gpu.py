@@ -1,11 +1,11 @@
 """Both device transports on a GPU (docs/transport.md), in two layers:
 
-- the transport probe (csrc/transport/probe.h): an all-to-all exchange between emulated ranks
-  on one GPU, written once against the transport interface, over the mapped transport (the
-  warp's own stores) and the emulated one (rings in pinned memory, the host proxy on its thread,
-  copy-engine copies);
+- the transport probe (xla_ffi/testing/probe.h, in the test module jax_ep._C_testing): an
+  all-to-all exchange between emulated ranks on one GPU, written once against the transport
+  interface, over the mapped transport (the warp's own stores) and the emulated one (rings in
+  pinned memory, the host proxy on its thread, copy-engine copies);
 - the low-latency dispatch and combine over a transport
-  (csrc/kernels/low_latency/low_latency_transport.h) against the NumPy oracle
+  (csrc/kernels/low_latency/transport.h) against the NumPy oracle
   (tests/transport_exchange.py).
 
 Every row a receiver sees must be the row that was sent, under many seeds of the proxy's
@@ -60,10 +60,10 @@ def cases():
 
 CHILD = """
 import json, sys
-from jax_ep import _C
-_C.print_native_stack_on_crash()
+from jax_ep import _C_testing
+_C_testing.print_native_stack_on_crash()
 for name, kwargs in json.loads(sys.argv[1]).items():
-    print(json.dumps({"case": name, **_C.transport_probe(**kwargs)}), flush=True)
+    print(json.dumps({"case": name, **_C_testing.transport_probe(**kwargs)}), flush=True)
 """
 
 
@@ -71,7 +71,7 @@ def run_child(args, cases, timeout):
     """Runs Python with `args + [json of cases]` and returns {case: its JSON record}; fails
     naming the cases that did report when the child dies (a transport timeout traps the child;
     a crash prints its Python stack). The child runs outside the source tree, so that `-c`
-    imports the installed jax_ep (with _C), not the checkout's."""
+    imports the installed jax_ep (with _C_testing), not the checkout's."""
     require_gpus(1)
     # Each emulated rank's proxy copies on a stream of its own, next to the kernels' streams:
     # past CUDA_DEVICE_MAX_CONNECTIONS (8 by default) streams share hardware queues, and a copy

@@ -1,5 +1,5 @@
 """Child process of tests/test_transport_gpu.py: the low-latency dispatch and combine over a
-device transport (jax_ep._C.LowLatencyTransportForTests, every rank on this GPU) against the
+device transport (jax_ep._C_testing.LowLatencyTransportForTests, every rank on this GPU) against the
 NumPy oracle. argv[1]: JSON {case name: constructor keyword arguments}. Each case runs every
 routing of test_low_latency.py with every (use_fp8, round_scale), at T_max and at fewer tokens,
 one call after another on one object (so tags, parities and staging slots are reused), and
@@ -29,7 +29,7 @@ from test_low_latency import (  # noqa: E402
     weighted_copies,
 )
 
-from jax_ep import _C  # noqa: E402
+from jax_ep import _C_testing  # noqa: E402
 from jax_ep import testing as oracle  # noqa: E402
 
 R = 8
@@ -37,7 +37,7 @@ R = 8
 
 def run_case(kwargs, rng, record):
     """Runs the case; the proxies' errors go into ``record`` also when a check fails."""
-    ll = _C.LowLatencyTransportForTests(R, E, K, T_MAX, HIDDEN, **kwargs)
+    ll = _C_testing.LowLatencyTransportForTests(R, E, K, T_MAX, HIDDEN, **kwargs)
     local = E // R
     try:
         for routing in ROUTINGS:
@@ -75,7 +75,7 @@ def run_case(kwargs, rng, record):
 
 
 def main():
-    _C.print_native_stack_on_crash()
+    _C_testing.print_native_stack_on_crash()
     for name, kwargs in json.loads(sys.argv[1]).items():
         rng = np.random.default_rng(1234)
         record = {"case": name, "ok": True, "error": "", "proxy_errors": []}

@@ -1,6 +1,7 @@
 // Helpers shared by the FFI handler files (normal_handlers.cc, low_latency_handlers.cc): error
-// macros, the registry lookup every handler starts with, and argument checks whose messages
-// name the op, the argument, what was expected and what was passed.
+// macros, the binding and the start every handler shares (bind_rank_call, begin_call: the
+// registry lookup), and argument checks whose messages name the op, the argument, what was
+// expected and what was passed.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,7 +11,7 @@
 #include <sstream>
 #include <string>
 
-#include "runtime/context.h"
+#include "kernels/api.h"
 #include "runtime/registry.h"
 #include "side_stream.h"
 #include "xla/ffi/api/ffi.h"
@@ -41,6 +42,25 @@ namespace ffi = ::xla::ffi;
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, __VA_ARGS__,                     \
                                 {::xla::ffi::Traits::kCmdBufferCompatible}); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Async, ::jax_ep::OnSideStream<impl>::Call, __VA_ARGS__)
+
+// The binding every handler starts with, the first three parameters of its implementation: XLA's
+// stream, the device ordinal and the Buffer's id. Each handler appends its attributes, operands
+// and results.
+inline auto bind_rank_call() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+      .Ctx<ffi::DeviceOrdinal>()                 // device
+      .Attr<int64_t>("buffer_id");               // buffer_id
+}
+
+// An InvalidArgument error: "<op>: " and then `parts`, streamed.
+template <typename... Parts>
+ffi::Error invalid_argument(const char* op, const Parts&... parts) {
+  std::ostringstream message;
+  message << op << ": ";
+  (message << ... << parts);
+  return ffi::Error::InvalidArgument(message.str());
+}
 
 inline ffi::Error cuda_error(const char* op, const char* what, cudaError_t status) {
   std::ostringstream message;
@@ -142,35 +162,13 @@ inline ffi::Error check_array(const char* op, const char* arg, const ffi::AnyBuf
   return check_shape(op, arg, buffer, expected);
 }
 
-// The one spelling of each wait phase: timeout errors here and in Python (_C.wait_phase_names()).
-inline const char* wait_phase_name(int32_t phase) {
-  switch (static_cast<WaitPhase>(phase)) {
-    case WaitPhase::kNone:
-      return "none";
-    case WaitPhase::kDispatchCounts:
-      return "dispatch count exchange";
-    case WaitPhase::kDispatchArrival:
-      return "dispatch arrival";
-    case WaitPhase::kCombineBarrier:
-      return "combine/cached-dispatch barrier";
-    case WaitPhase::kCombineArrival:
-      return "combine/cached-dispatch arrival";
-    case WaitPhase::kLowLatencyDispatchRecv:
-      return "low-latency dispatch receive";
-    case WaitPhase::kLowLatencyCombineRecv:
-      return "low-latency combine receive";
-  }
-  return "unknown";
-}
-
 // T (the leading extent of argument `arg`) must not exceed max_tokens_per_rank.
 inline ffi::Error check_num_tokens(const char* op, const char* arg, int64_t num_tokens,
                                    const BufferConfig& config) {
   if (num_tokens <= config.max_tokens_per_rank) return ffi::Error::Success();
-  std::ostringstream message;
-  message << op << ": argument '" << arg << "' has " << num_tokens
-          << " tokens, more than the Buffer's max_tokens_per_rank=" << config.max_tokens_per_rank;
-  return ffi::Error::InvalidArgument(message.str());
+  return invalid_argument(
+      op, "argument '", arg, "' has ", num_tokens,
+      " tokens, more than the Buffer's max_tokens_per_rank=", config.max_tokens_per_rank);
 }
 
 // Counts this handler execution, noting whether XLA is capturing `stream` into a CUDA graph.
@@ -187,10 +185,8 @@ inline ffi::Error get_rank_context(const char* op, int64_t buffer_id, int32_t de
                                    const RankContext** out) {
   const RankContext* ctx = find_rank_context(buffer_id, device);
   if (ctx == nullptr) {
-    std::ostringstream message;
-    message << op << ": no jax_ep Buffer with id " << buffer_id << " on device " << device
-            << " (was it closed, or created on other devices?)";
-    return ffi::Error::InvalidArgument(message.str());
+    return invalid_argument(op, "no jax_ep Buffer with id ", buffer_id, " on device ", device,
+                            " (was it closed, or created on other devices?)");
   }
   const volatile TimeoutRecord* record = ctx->timeout_record_host;
   if (record != nullptr && record->timed_out != 0) {
@@ -203,6 +199,14 @@ inline ffi::Error get_rank_context(const char* op, int64_t buffer_id, int32_t de
   }
   *out = ctx;
   return ffi::Error::Success();
+}
+
+// Every handler's start: counts the call (note_handler_call), then finds the rank's context,
+// failing as get_rank_context does.
+inline ffi::Error begin_call(const char* op, cudaStream_t stream, int64_t buffer_id, int32_t device,
+                             const RankContext** ctx) {
+  note_handler_call(stream);
+  return get_rank_context(op, buffer_id, device, ctx);
 }
 
 }  // namespace jax_ep

@@ -1,5 +1,5 @@
-// The kernels' constants, exported so that Python reads them instead of keeping a copy, and
-// the host half of their shared arithmetic, exported so that tests check it.
+// The kernels' constants, exported so that Python reads them instead of keeping a copy (the
+// host half of their shared arithmetic is the test module's: xla_ffi/testing/layouts.cc).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
@@ -7,9 +7,7 @@
 #include <vector>
 
 #include "common.h"
-#include "kernels/common/fast_divisor.h"
-#include "kernels/common/limits.h"
-#include "runtime/context.h"
+#include "kernels/api.h"
 #include "targets.h"
 
 namespace nb = nanobind;
@@ -52,19 +50,6 @@ void add_fact_functions(nb::module_& m) {
   m.def(
       "channels_per_scale", []() { return kChannelsPerScale; },
       "Channels per float32 scale of fp8 inputs (kChannelsPerScale).");
-  m.def(
-      "fast_divide",
-      [](uint32_t divisor, const std::vector<uint32_t>& numerators) {
-        if (divisor == 0) throw nb::value_error("divisor must be at least 1");
-        const FastDivisor by(divisor);
-        std::vector<uint32_t> quotients;
-        quotients.reserve(numerators.size());
-        for (const uint32_t n : numerators) quotients.push_back(by.divide(n));
-        return quotients;
-      },
-      nb::arg("divisor"), nb::arg("numerators"),
-      "numerators // divisor as the kernels divide (FastDivisor: the same code on host and "
-      "device), for tests.");
 }
 
 }  // namespace jax_ep

@@ -10,52 +10,39 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <sstream>
 
 #include "common.h"
-#include "kernels/common/limits.h"
-#include "kernels/low_latency/low_latency_launch.h"
+#include "kernels/api.h"
 #include "targets.h"
-
-namespace nb = nanobind;
 
 namespace jax_ep {
 namespace {
 
-constexpr const char* kLowLatencyDispatchOp = EP_TARGET_NAME("low_latency_dispatch");
-constexpr const char* kLowLatencyDispatchSendOp = EP_TARGET_NAME("low_latency_dispatch_send");
-constexpr const char* kLowLatencyDispatchRecvOp = EP_TARGET_NAME("low_latency_dispatch_recv");
-constexpr const char* kLowLatencyCombineOp = EP_TARGET_NAME("low_latency_combine");
-constexpr const char* kLowLatencyCombineSendOp = EP_TARGET_NAME("low_latency_combine_send");
-constexpr const char* kLowLatencyCombineRecvOp = EP_TARGET_NAME("low_latency_combine_recv");
-
 // The Buffer must have low-latency regions, and its static shape must fit the kernels.
 ffi::Error check_low_latency_config(const char* op, const BufferConfig& config) {
-  std::ostringstream message;
   if (!config.low_latency) {
-    message << op << ": the Buffer was created with low_latency=False; create it with "
-            << "low_latency=True to use the low-latency ops";
-  } else if (config.num_topk > kMaxTopk) {
-    message << op << ": num_topk must be <= " << kMaxTopk << " in low-latency mode, got "
-            << config.num_topk;
-  } else if (config.hidden % kChannelsPerScale != 0) {
-    message << op << ": hidden must be a multiple of " << kChannelsPerScale << ", got "
-            << config.hidden;
-  } else if (config.hidden > kMaxLowLatencyHidden) {
-    message << op << ": hidden must be <= " << kMaxLowLatencyHidden << " in low-latency mode, got "
-            << config.hidden;
-  } else {
-    return ffi::Error::Success();
+    return invalid_argument(op, "the Buffer was created with low_latency=False; create it with ",
+                            "low_latency=True to use the low-latency ops");
   }
-  return ffi::Error::InvalidArgument(message.str());
+  if (config.num_topk > kMaxTopk) {
+    return invalid_argument(op, "num_topk must be <= ", kMaxTopk, " in low-latency mode, got ",
+                            config.num_topk);
+  }
+  if (config.hidden % kChannelsPerScale != 0) {
+    return invalid_argument(op, "hidden must be a multiple of ", kChannelsPerScale, ", got ",
+                            config.hidden);
+  }
+  if (config.hidden > kMaxLowLatencyHidden) {
+    return invalid_argument(op, "hidden must be <= ", kMaxLowLatencyHidden,
+                            " in low-latency mode, got ", config.hidden);
+  }
+  return ffi::Error::Success();
 }
 
-// Every handler's start: counts the call, looks up the rank's context (failing if a previous
-// call timed out) and checks the Buffer's configuration.
-ffi::Error begin_call(const char* op, cudaStream_t stream, int64_t buffer_id, int32_t device,
-                      const RankContext** ctx) {
-  note_handler_call(stream);
-  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, ctx));
+// Every low-latency handler's start: begin_call (common.h), then the Buffer's configuration.
+ffi::Error begin_low_latency_call(const char* op, cudaStream_t stream, int64_t buffer_id,
+                                  int32_t device, const RankContext** ctx) {
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, ctx));
   return check_low_latency_config(op, (*ctx)->config);
 }
 
@@ -109,23 +96,28 @@ ffi::Error check_dispatch_results(const char* op, const BufferConfig& config, bo
   return ffi::Error::Success();
 }
 
-ffi::Error LowLatencyDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
-                                  bool use_fp8, bool round_scale, ffi::AnyBuffer x,
-                                  ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> recv_x,
-                                  ffi::Result<ffi::AnyBuffer> recv_scales,
-                                  ffi::Result<ffi::AnyBuffer> recv_count,
-                                  ffi::Result<ffi::AnyBuffer> recv_src,
-                                  ffi::Result<ffi::AnyBuffer> recv_k) {
-  const char* op = kLowLatencyDispatchOp;
+// The fused dispatch and its receive half: one binding, one body. The second operand is topk_idx
+// for the fused op; for the receive half, the send half's ticket (its routing is in the
+// workspace, from the send half).
+template <LowLatencyHalves kHalves>
+ffi::Error LowLatencyDispatchImpl(
+    cudaStream_t stream, int32_t device, int64_t buffer_id, bool use_fp8, bool round_scale,
+    ffi::AnyBuffer x, ffi::AnyBuffer topk_idx_or_ticket, ffi::Result<ffi::AnyBuffer> recv_x,
+    ffi::Result<ffi::AnyBuffer> recv_scales, ffi::Result<ffi::AnyBuffer> recv_count,
+    ffi::Result<ffi::AnyBuffer> recv_src, ffi::Result<ffi::AnyBuffer> recv_k) {
+  static_assert(kHalves != LowLatencyHalves::kSend, "the send half has a binding of its own");
+  constexpr bool kFused = kHalves == LowLatencyHalves::kBoth;
+  const char* op =
+      kFused ? EP_TARGET_NAME("low_latency_dispatch") : EP_TARGET_NAME("low_latency_dispatch_recv");
   const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_low_latency_call(op, stream, buffer_id, device, &ctx));
   LowLatencyDispatchParams params;
-  FFI_RETURN_IF_ERROR(
-      check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x, &topk_idx, &params));
+  FFI_RETURN_IF_ERROR(check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x,
+                                            kFused ? &topk_idx_or_ticket : nullptr, &params));
+  if (!kFused) FFI_RETURN_IF_ERROR(check_ticket(op, topk_idx_or_ticket));
   FFI_RETURN_IF_ERROR(check_dispatch_results(op, ctx->config, use_fp8, *recv_x, *recv_scales,
                                              *recv_count, *recv_src, *recv_k, &params));
-  FFI_RETURN_IF_CUDA_ERROR(
-      op, launch_low_latency_dispatch(*ctx, params, LowLatencyHalves::kBoth, stream));
+  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_dispatch(*ctx, params, kHalves, stream));
   return ffi::Error::Success();
 }
 
@@ -137,9 +129,9 @@ ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t device, int64
                                       bool use_fp8, bool round_scale, ffi::AnyBuffer x,
                                       ffi::AnyBuffer topk_idx, ffi::AnyBuffer /*after*/,
                                       ffi::Result<ffi::AnyBuffer> ticket) {
-  const char* op = kLowLatencyDispatchSendOp;
+  const char* op = EP_TARGET_NAME("low_latency_dispatch_send");
   const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_low_latency_call(op, stream, buffer_id, device, &ctx));
   LowLatencyDispatchParams params;
   FFI_RETURN_IF_ERROR(
       check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x, &topk_idx, &params));
@@ -147,27 +139,6 @@ ffi::Error LowLatencyDispatchSendImpl(cudaStream_t stream, int32_t device, int64
   params.ticket = static_cast<int32_t*>(ticket->untyped_data());
   FFI_RETURN_IF_CUDA_ERROR(
       op, launch_low_latency_dispatch(*ctx, params, LowLatencyHalves::kSend, stream));
-  return ffi::Error::Success();
-}
-
-ffi::Error LowLatencyDispatchRecvImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
-                                      bool use_fp8, bool round_scale, ffi::AnyBuffer x,
-                                      ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> recv_x,
-                                      ffi::Result<ffi::AnyBuffer> recv_scales,
-                                      ffi::Result<ffi::AnyBuffer> recv_count,
-                                      ffi::Result<ffi::AnyBuffer> recv_src,
-                                      ffi::Result<ffi::AnyBuffer> recv_k) {
-  const char* op = kLowLatencyDispatchRecvOp;
-  const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
-  LowLatencyDispatchParams params;
-  FFI_RETURN_IF_ERROR(
-      check_dispatch_inputs(op, ctx->config, use_fp8, round_scale, x, nullptr, &params));
-  FFI_RETURN_IF_ERROR(check_ticket(op, ticket));
-  FFI_RETURN_IF_ERROR(check_dispatch_results(op, ctx->config, use_fp8, *recv_x, *recv_scales,
-                                             *recv_count, *recv_src, *recv_k, &params));
-  FFI_RETURN_IF_CUDA_ERROR(
-      op, launch_low_latency_dispatch(*ctx, params, LowLatencyHalves::kRecv, stream));
   return ffi::Error::Success();
 }
 
@@ -211,20 +182,27 @@ ffi::Error check_combine_tokens(const char* op, const BufferConfig& config,
   return ffi::Error::Success();
 }
 
+// The fused combine and its receive half, whose operands are the fused op's and then the send
+// half's ticket (Ticket: nothing, or one ffi::AnyBuffer): one body.
+template <typename... Ticket>
 ffi::Error LowLatencyCombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
                                  ffi::AnyBuffer y, ffi::AnyBuffer topk_idx,
                                  ffi::AnyBuffer topk_weights, ffi::AnyBuffer recv_src,
-                                 ffi::AnyBuffer recv_k, ffi::AnyBuffer recv_count,
+                                 ffi::AnyBuffer recv_k, ffi::AnyBuffer recv_count, Ticket... ticket,
                                  ffi::Result<ffi::AnyBuffer> out) {
-  const char* op = kLowLatencyCombineOp;
+  static_assert(sizeof...(Ticket) <= 1, "one ticket at most");
+  constexpr bool kFused = sizeof...(Ticket) == 0;
+  const char* op =
+      kFused ? EP_TARGET_NAME("low_latency_combine") : EP_TARGET_NAME("low_latency_combine_recv");
   const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_low_latency_call(op, stream, buffer_id, device, &ctx));
   LowLatencyCombineParams params;
   FFI_RETURN_IF_ERROR(
       check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
   FFI_RETURN_IF_ERROR(check_combine_tokens(op, ctx->config, topk_idx, topk_weights, *out, &params));
-  FFI_RETURN_IF_CUDA_ERROR(
-      op, launch_low_latency_combine(*ctx, params, LowLatencyHalves::kBoth, stream));
+  if constexpr (!kFused) FFI_RETURN_IF_ERROR(check_ticket(op, ticket...));
+  const LowLatencyHalves halves = kFused ? LowLatencyHalves::kBoth : LowLatencyHalves::kRecv;
+  FFI_RETURN_IF_CUDA_ERROR(op, launch_low_latency_combine(*ctx, params, halves, stream));
   return ffi::Error::Success();
 }
 
@@ -232,9 +210,9 @@ ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t device, int64_
                                      ffi::AnyBuffer y, ffi::AnyBuffer recv_src,
                                      ffi::AnyBuffer recv_k, ffi::AnyBuffer recv_count,
                                      ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> ticket) {
-  const char* op = kLowLatencyCombineSendOp;
+  const char* op = EP_TARGET_NAME("low_latency_combine_send");
   const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_low_latency_call(op, stream, buffer_id, device, &ctx));
   LowLatencyCombineParams params;
   FFI_RETURN_IF_ERROR(
       check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
@@ -245,106 +223,66 @@ ffi::Error LowLatencyCombineSendImpl(cudaStream_t stream, int32_t device, int64_
   return ffi::Error::Success();
 }
 
-ffi::Error LowLatencyCombineRecvImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
-                                     ffi::AnyBuffer y, ffi::AnyBuffer topk_idx,
-                                     ffi::AnyBuffer topk_weights, ffi::AnyBuffer recv_src,
-                                     ffi::AnyBuffer recv_k, ffi::AnyBuffer recv_count,
-                                     ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> out) {
-  const char* op = kLowLatencyCombineRecvOp;
-  const RankContext* ctx = nullptr;
-  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
-  LowLatencyCombineParams params;
-  FFI_RETURN_IF_ERROR(
-      check_combine_y_and_handle(op, ctx->config, y, recv_src, recv_k, recv_count, &params));
-  FFI_RETURN_IF_ERROR(check_combine_tokens(op, ctx->config, topk_idx, topk_weights, *out, &params));
-  FFI_RETURN_IF_ERROR(check_ticket(op, ticket));
-  FFI_RETURN_IF_CUDA_ERROR(
-      op, launch_low_latency_combine(*ctx, params, LowLatencyHalves::kRecv, stream));
-  return ffi::Error::Success();
+// The bindings, rank first (bind_rank_call). A dispatch launch's attributes and first operand:
+auto bind_dispatch() {
+  return bind_rank_call()
+      .Attr<bool>("use_fp8")      // use_fp8
+      .Attr<bool>("round_scale")  // round_scale
+      .Arg<ffi::AnyBuffer>();     // x [T, H] bf16
+}
+
+// The fused dispatch's and its receive half's.
+auto bind_dispatch_to_results() {
+  return bind_dispatch()
+      .Arg<ffi::AnyBuffer>()   // topk_idx [T, K] s32 (fused) or ticket [1] s32 (receive half)
+      .Ret<ffi::AnyBuffer>()   // recv_x [E_loc, R*T_max, H] f8/bf16
+      .Ret<ffi::AnyBuffer>()   // recv_scales [E_loc, R*T_max, S'] f32
+      .Ret<ffi::AnyBuffer>()   // recv_count [E_loc] s32
+      .Ret<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
+      .Ret<ffi::AnyBuffer>();  // recv_k [E_loc, R*T_max] s32
+}
+
+// The operands of the fused combine and of its receive half (which has the ticket after them).
+auto bind_combine_reduction() {
+  return bind_rank_call()
+      .Arg<ffi::AnyBuffer>()   // y [E_loc, R*T_max, H] bf16
+      .Arg<ffi::AnyBuffer>()   // topk_idx [T, K] s32
+      .Arg<ffi::AnyBuffer>()   // topk_weights [T, K] f32
+      .Arg<ffi::AnyBuffer>()   // recv_src [E_loc, R*T_max] s32
+      .Arg<ffi::AnyBuffer>()   // recv_k [E_loc, R*T_max] s32
+      .Arg<ffi::AnyBuffer>();  // recv_count [E_loc] s32
 }
 
 }  // namespace
 
-EP_DEFINE_HANDLERS(LowLatencyDispatchHandler, LowLatencyDispatchImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Attr<bool>("use_fp8")                     // use_fp8
-                       .Attr<bool>("round_scale")                 // round_scale
-                       .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
-                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                       .Ret<ffi::AnyBuffer>()    // recv_x [E_loc, R*T_max, H] f8/bf16
-                       .Ret<ffi::AnyBuffer>()    // recv_scales [E_loc, R*T_max, S'] f32
-                       .Ret<ffi::AnyBuffer>()    // recv_count [E_loc] s32
-                       .Ret<ffi::AnyBuffer>()    // recv_src [E_loc, R*T_max] s32
-                       .Ret<ffi::AnyBuffer>());  // recv_k [E_loc, R*T_max] s32
+EP_DEFINE_HANDLERS(LowLatencyDispatchHandler, LowLatencyDispatchImpl<LowLatencyHalves::kBoth>,
+                   bind_dispatch_to_results());
 
 EP_DEFINE_HANDLERS(LowLatencyDispatchSendHandler, LowLatencyDispatchSendImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Attr<bool>("use_fp8")                     // use_fp8
-                       .Attr<bool>("round_scale")                 // round_scale
-                       .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
-                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                       .Arg<ffi::AnyBuffer>()                     // after (unread)
-                       .Ret<ffi::AnyBuffer>());                   // ticket [1] s32
+                   bind_dispatch()
+                       .Arg<ffi::AnyBuffer>()    // topk_idx [T, K] s32
+                       .Arg<ffi::AnyBuffer>()    // after (unread)
+                       .Ret<ffi::AnyBuffer>());  // ticket [1] s32
 
-EP_DEFINE_HANDLERS(LowLatencyDispatchRecvHandler, LowLatencyDispatchRecvImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Attr<bool>("use_fp8")                     // use_fp8
-                       .Attr<bool>("round_scale")                 // round_scale
-                       .Arg<ffi::AnyBuffer>()                     // x [T, H] bf16
-                       .Arg<ffi::AnyBuffer>()                     // ticket [1] s32
-                       .Ret<ffi::AnyBuffer>()    // recv_x [E_loc, R*T_max, H] f8/bf16
-                       .Ret<ffi::AnyBuffer>()    // recv_scales [E_loc, R*T_max, S'] f32
-                       .Ret<ffi::AnyBuffer>()    // recv_count [E_loc] s32
-                       .Ret<ffi::AnyBuffer>()    // recv_src [E_loc, R*T_max] s32
-                       .Ret<ffi::AnyBuffer>());  // recv_k [E_loc, R*T_max] s32
+EP_DEFINE_HANDLERS(LowLatencyDispatchRecvHandler, LowLatencyDispatchImpl<LowLatencyHalves::kRecv>,
+                   bind_dispatch_to_results());
 
-EP_DEFINE_HANDLERS(LowLatencyCombineHandler, LowLatencyCombineImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Arg<ffi::AnyBuffer>()                     // y [E_loc, R*T_max, H] bf16
-                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                       .Arg<ffi::AnyBuffer>()                     // topk_weights [T, K] f32
-                       .Arg<ffi::AnyBuffer>()                     // recv_src [E_loc, R*T_max] s32
-                       .Arg<ffi::AnyBuffer>()                     // recv_k [E_loc, R*T_max] s32
-                       .Arg<ffi::AnyBuffer>()                     // recv_count [E_loc] s32
-                       .Ret<ffi::AnyBuffer>());                   // out [T, H] bf16
+EP_DEFINE_HANDLERS(LowLatencyCombineHandler, LowLatencyCombineImpl<>,
+                   bind_combine_reduction().Ret<ffi::AnyBuffer>());  // out [T, H] bf16
 
 EP_DEFINE_HANDLERS(LowLatencyCombineSendHandler, LowLatencyCombineSendImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Arg<ffi::AnyBuffer>()                     // y [E_loc, R*T_max, H] bf16
-                       .Arg<ffi::AnyBuffer>()                     // recv_src [E_loc, R*T_max] s32
-                       .Arg<ffi::AnyBuffer>()                     // recv_k [E_loc, R*T_max] s32
-                       .Arg<ffi::AnyBuffer>()                     // recv_count [E_loc] s32
-                       .Arg<ffi::AnyBuffer>()                     // after (unread)
-                       .Ret<ffi::AnyBuffer>());                   // ticket [1] s32
+                   bind_rank_call()
+                       .Arg<ffi::AnyBuffer>()    // y [E_loc, R*T_max, H] bf16
+                       .Arg<ffi::AnyBuffer>()    // recv_src [E_loc, R*T_max] s32
+                       .Arg<ffi::AnyBuffer>()    // recv_k [E_loc, R*T_max] s32
+                       .Arg<ffi::AnyBuffer>()    // recv_count [E_loc] s32
+                       .Arg<ffi::AnyBuffer>()    // after (unread)
+                       .Ret<ffi::AnyBuffer>());  // ticket [1] s32
 
-EP_DEFINE_HANDLERS(LowLatencyCombineRecvHandler, LowLatencyCombineRecvImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Arg<ffi::AnyBuffer>()                     // y [E_loc, R*T_max, H] bf16
-                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                       .Arg<ffi::AnyBuffer>()                     // topk_weights [T, K] f32
-                       .Arg<ffi::AnyBuffer>()                     // recv_src [E_loc, R*T_max] s32
-                       .Arg<ffi::AnyBuffer>()                     // recv_k [E_loc, R*T_max] s32
-                       .Arg<ffi::AnyBuffer>()                     // recv_count [E_loc] s32
-                       .Arg<ffi::AnyBuffer>()                     // ticket [1] s32
-                       .Ret<ffi::AnyBuffer>());                   // out [T, H] bf16
+EP_DEFINE_HANDLERS(LowLatencyCombineRecvHandler, LowLatencyCombineImpl<ffi::AnyBuffer>,
+                   bind_combine_reduction()
+                       .Arg<ffi::AnyBuffer>()    // ticket [1] s32
+                       .Ret<ffi::AnyBuffer>());  // out [T, H] bf16
 
 void add_low_latency_targets(std::vector<FfiTarget>& targets) {
   EP_ADD_TARGETS(targets, "low_latency_dispatch", LowLatencyDispatchHandler);

@@ -61,6 +61,4 @@ NB_MODULE(_C, m) {
   jax_ep::add_runtime_functions(m);
   jax_ep::add_side_stream_functions(m);
   jax_ep::add_fact_functions(m);
-  jax_ep::add_transport_test_functions(m);
-  jax_ep::add_low_latency_transport_test_functions(m);
 }

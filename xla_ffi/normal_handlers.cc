@@ -10,22 +10,13 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <sstream>
 
 #include "common.h"
-#include "kernels/common/limits.h"
-#include "kernels/normal/normal.h"
+#include "kernels/api.h"
 #include "targets.h"
-
-namespace nb = nanobind;
 
 namespace jax_ep {
 namespace {
-
-constexpr const char* kLayoutOp = EP_TARGET_NAME("layout");
-constexpr const char* kDispatchOp = EP_TARGET_NAME("dispatch");
-constexpr const char* kCachedDispatchOp = EP_TARGET_NAME("cached_dispatch");
-constexpr const char* kCombineOp = EP_TARGET_NAME("combine");
 
 // The Buffer's data dtype D.
 ffi::DataType buffer_dtype(const BufferConfig& config) {
@@ -36,10 +27,8 @@ ffi::DataType buffer_dtype(const BufferConfig& config) {
 ffi::Error check_capacity(const char* op, const char* arg, int64_t capacity,
                           const BufferConfig& config) {
   if (capacity <= config.capacity) return ffi::Error::Success();
-  std::ostringstream message;
-  message << op << ": argument '" << arg << "' has " << capacity
-          << " rows, more than the Buffer's capacity=" << config.capacity;
-  return ffi::Error::InvalidArgument(message.str());
+  return invalid_argument(op, "argument '", arg, "' has ", capacity,
+                          " rows, more than the Buffer's capacity=", config.capacity);
 }
 
 // `rows` rows of `row_bytes` must fit the normal-mode data region.
@@ -49,22 +38,44 @@ ffi::Error check_region(const char* op, const char* what, int64_t rows, int64_t 
   if (static_cast<size_t>(rows) * static_cast<size_t>(row_bytes) <= available) {
     return ffi::Error::Success();
   }
-  std::ostringstream message;
-  message << op << ": " << what << " needs " << rows << " rows of " << row_bytes
-          << " bytes in the communication buffer, which holds " << available
-          << " bytes (sized for hidden=" << config.hidden << ", dtype_bytes=" << config.dtype_bytes
-          << ", capacity=" << config.capacity << ")";
-  return ffi::Error::InvalidArgument(message.str());
+  return invalid_argument(op, what, " needs ", rows, " rows of ", row_bytes,
+                          " bytes in the communication buffer, which holds ", available,
+                          " bytes (sized for hidden=", config.hidden,
+                          ", dtype_bytes=", config.dtype_bytes, ", capacity=", config.capacity,
+                          ")");
+}
+
+// A weight operand (w, y_w) has no columns or one per top-k slot.
+ffi::Error check_weight_columns(const char* op, const char* arg, int64_t num_w,
+                                const BufferConfig& config) {
+  if (num_w == 0 || num_w == config.num_topk) return ffi::Error::Success();
+  return invalid_argument(op, "argument '", arg, "' must have 0 or num_topk=", config.num_topk,
+                          " columns, got ", num_w);
+}
+
+// The rows both dispatches move (Params: DispatchParams or CachedDispatchParams): x [T, W] and
+// its scales [T, S'], into recv_x [C, W] and its scales [C, S'].
+template <typename Params>
+void set_rows(int64_t num_tokens, int64_t capacity, const ffi::AnyBuffer& x,
+              int64_t x_bytes_per_row, const ffi::AnyBuffer& x_scales, int64_t num_scales,
+              ffi::AnyBuffer& recv_x, ffi::AnyBuffer& recv_scales, Params* params) {
+  params->num_tokens = static_cast<int>(num_tokens);
+  params->capacity = static_cast<int>(capacity);
+  params->x = x.untyped_data();
+  params->x_bytes_per_row = x_bytes_per_row;
+  params->x_scales = static_cast<const float*>(x_scales.untyped_data());
+  params->num_scales = static_cast<int>(num_scales);
+  params->recv_x = recv_x.untyped_data();
+  params->recv_scales = static_cast<float*>(recv_scales.untyped_data());
 }
 
 ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, int64_t buffer_id,
                       ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> num_tokens_per_rank,
                       ffi::Result<ffi::AnyBuffer> num_tokens_per_expert,
                       ffi::Result<ffi::AnyBuffer> is_token_in_rank) {
-  const char* op = kLayoutOp;
+  const char* op = EP_TARGET_NAME("layout");
   const RankContext* ctx = nullptr;
-  note_handler_call(stream);
-  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   const int64_t num_tokens = topk_idx.dimensions().size() == 2 ? topk_idx.dimensions()[0] : 0;
   const int64_t num_ranks = config.num_ranks;
@@ -99,10 +110,9 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, 
                         ffi::Result<ffi::AnyBuffer> num_recv_tokens_per_expert,
                         ffi::Result<ffi::AnyBuffer> send_pos,
                         ffi::Result<ffi::AnyBuffer> recv_src) {
-  const char* op = kDispatchOp;
+  const char* op = EP_TARGET_NAME("dispatch");
   const RankContext* ctx = nullptr;
-  note_handler_call(stream);
-  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   const int64_t hidden = config.hidden;
   const int64_t num_topk = config.num_topk;
@@ -145,16 +155,10 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, 
       config));
 
   DispatchParams params;
-  params.num_tokens = static_cast<int>(num_tokens);
-  params.capacity = static_cast<int>(capacity);
-  params.x = x.untyped_data();
-  params.x_bytes_per_row = x_bytes_per_row;
-  params.x_scales = static_cast<const float*>(x_scales.untyped_data());
-  params.num_scales = static_cast<int>(num_scales);
+  set_rows(num_tokens, capacity, x, x_bytes_per_row, x_scales, num_scales, *recv_x, *recv_scales,
+           &params);
   params.topk_idx = static_cast<const int32_t*>(topk_idx.untyped_data());
   params.topk_weights = static_cast<const float*>(topk_weights.untyped_data());
-  params.recv_x = recv_x->untyped_data();
-  params.recv_scales = static_cast<float*>(recv_scales->untyped_data());
   params.recv_topk_idx = static_cast<int32_t*>(recv_topk_idx->untyped_data());
   params.recv_topk_weights = static_cast<float*>(recv_topk_weights->untyped_data());
   params.num_recv_tokens = static_cast<int32_t*>(num_recv_tokens->untyped_data());
@@ -172,10 +176,9 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffe
                               ffi::AnyBuffer num_recv_tokens, ffi::Result<ffi::AnyBuffer> recv_x,
                               ffi::Result<ffi::AnyBuffer> recv_scales,
                               ffi::Result<ffi::AnyBuffer> recv_w) {
-  const char* op = kCachedDispatchOp;
+  const char* op = EP_TARGET_NAME("cached_dispatch");
   const RankContext* ctx = nullptr;
-  note_handler_call(stream);
-  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   const int64_t num_ranks = config.num_ranks;
 
@@ -187,29 +190,21 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffe
   FFI_RETURN_IF_ERROR(check_num_tokens(op, "x", num_tokens, config));
   const int64_t x_bytes_per_row = width * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
   if (width <= 0 || x_bytes_per_row % kBytesPerVector != 0) {
-    std::ostringstream message;
-    message << op << ": argument 'x' must have rows of a positive multiple of " << kBytesPerVector
-            << " bytes, got " << width << " x " << dtype_name(x.element_type());
-    return ffi::Error::InvalidArgument(message.str());
+    return invalid_argument(op, "argument 'x' must have rows of a positive multiple of ",
+                            kBytesPerVector, " bytes, got ", width, " x ",
+                            dtype_name(x.element_type()));
   }
   const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
   if (fp8 && width % kChannelsPerScale != 0) {
-    std::ostringstream message;
-    message << op << ": float8 argument 'x' must have a multiple of " << kChannelsPerScale
-            << " columns, got " << width;
-    return ffi::Error::InvalidArgument(message.str());
+    return invalid_argument(op, "float8 argument 'x' must have a multiple of ", kChannelsPerScale,
+                            " columns, got ", width);
   }
   const int64_t num_scales = fp8 ? width / kChannelsPerScale : 0;
   FFI_RETURN_IF_ERROR(
       check_array(op, "x_scales", x_scales, {ffi::DataType::F32}, {num_tokens, num_scales}));
   FFI_RETURN_IF_ERROR(check_array(op, "w", w, {ffi::DataType::F32}, {num_tokens, kAnyDim}));
   const int64_t num_w = w.dimensions()[1];
-  if (num_w != 0 && num_w != config.num_topk) {
-    std::ostringstream message;
-    message << op << ": argument 'w' must have 0 or num_topk=" << config.num_topk
-            << " columns, got " << num_w;
-    return ffi::Error::InvalidArgument(message.str());
-  }
+  FFI_RETURN_IF_ERROR(check_weight_columns(op, "w", num_w, config));
   FFI_RETURN_IF_ERROR(
       check_array(op, "send_pos", send_pos, {ffi::DataType::S32}, {num_tokens, num_ranks}));
   FFI_RETURN_IF_ERROR(check_array(op, "recv_src", recv_src, {ffi::DataType::S32}, {kAnyDim}));
@@ -228,17 +223,11 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffe
                    config));
 
   CachedDispatchParams params;
-  params.num_tokens = static_cast<int>(num_tokens);
-  params.capacity = static_cast<int>(capacity);
-  params.x = x.untyped_data();
-  params.x_bytes_per_row = x_bytes_per_row;
-  params.x_scales = static_cast<const float*>(x_scales.untyped_data());
-  params.num_scales = static_cast<int>(num_scales);
+  set_rows(num_tokens, capacity, x, x_bytes_per_row, x_scales, num_scales, *recv_x, *recv_scales,
+           &params);
   params.w = static_cast<const float*>(w.untyped_data());
   params.num_w = static_cast<int>(num_w);
   params.send_pos = static_cast<const int32_t*>(send_pos.untyped_data());
-  params.recv_x = recv_x->untyped_data();
-  params.recv_scales = static_cast<float*>(recv_scales->untyped_data());
   params.recv_w = static_cast<float*>(recv_w->untyped_data());
   FFI_RETURN_IF_CUDA_ERROR(op, launch_cached_dispatch(*ctx, params, stream));
   return ffi::Error::Success();
@@ -248,10 +237,9 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, f
                        ffi::AnyBuffer y_w, ffi::AnyBuffer send_pos, ffi::AnyBuffer recv_src,
                        ffi::AnyBuffer num_recv_tokens, ffi::Result<ffi::AnyBuffer> combined,
                        ffi::Result<ffi::AnyBuffer> combined_w) {
-  const char* op = kCombineOp;
+  const char* op = EP_TARGET_NAME("combine");
   const RankContext* ctx = nullptr;
-  note_handler_call(stream);
-  FFI_RETURN_IF_ERROR(get_rank_context(op, buffer_id, device, &ctx));
+  FFI_RETURN_IF_ERROR(begin_call(op, stream, buffer_id, device, &ctx));
   const BufferConfig& config = ctx->config;
   const int64_t hidden = config.hidden;
   const int64_t num_ranks = config.num_ranks;
@@ -261,12 +249,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, f
   FFI_RETURN_IF_ERROR(check_capacity(op, "y", capacity, config));
   FFI_RETURN_IF_ERROR(check_array(op, "y_w", y_w, {ffi::DataType::F32}, {capacity, kAnyDim}));
   const int64_t num_w = y_w.dimensions()[1];
-  if (num_w != 0 && num_w != config.num_topk) {
-    std::ostringstream message;
-    message << op << ": argument 'y_w' must have 0 or num_topk=" << config.num_topk
-            << " columns, got " << num_w;
-    return ffi::Error::InvalidArgument(message.str());
-  }
+  FFI_RETURN_IF_ERROR(check_weight_columns(op, "y_w", num_w, config));
   FFI_RETURN_IF_ERROR(
       check_array(op, "send_pos", send_pos, {ffi::DataType::S32}, {kAnyDim, num_ranks}));
   const int64_t num_tokens = send_pos.dimensions()[0];
@@ -301,60 +284,48 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, f
 }  // namespace
 
 EP_DEFINE_HANDLERS(LayoutHandler, LayoutImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                       .Ret<ffi::AnyBuffer>()                     // num_tokens_per_rank [R] s32
-                       .Ret<ffi::AnyBuffer>()                     // num_tokens_per_expert [E] s32
-                       .Ret<ffi::AnyBuffer>());                   // is_token_in_rank [T, R] pred
+                   bind_rank_call()
+                       .Arg<ffi::AnyBuffer>()    // topk_idx [T, K] s32
+                       .Ret<ffi::AnyBuffer>()    // num_tokens_per_rank [R] s32
+                       .Ret<ffi::AnyBuffer>()    // num_tokens_per_expert [E] s32
+                       .Ret<ffi::AnyBuffer>());  // is_token_in_rank [T, R] pred
 
 EP_DEFINE_HANDLERS(DispatchHandler, DispatchImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Arg<ffi::AnyBuffer>()                     // x [T, H] D or f8e4m3fn
-                       .Arg<ffi::AnyBuffer>()                     // x_scales [T, S'] f32
-                       .Arg<ffi::AnyBuffer>()                     // topk_idx [T, K] s32
-                       .Arg<ffi::AnyBuffer>()                     // topk_weights [T, K] f32
-                       .Ret<ffi::AnyBuffer>()                     // recv_x [C, H] dtype of x
-                       .Ret<ffi::AnyBuffer>()                     // recv_scales [C, S'] f32
-                       .Ret<ffi::AnyBuffer>()                     // recv_topk_idx [C, K] s32
-                       .Ret<ffi::AnyBuffer>()                     // recv_topk_weights [C, K] f32
-                       .Ret<ffi::AnyBuffer>()                     // num_recv_tokens [] s32
+                   bind_rank_call()
+                       .Arg<ffi::AnyBuffer>()    // x [T, H] D or f8e4m3fn
+                       .Arg<ffi::AnyBuffer>()    // x_scales [T, S'] f32
+                       .Arg<ffi::AnyBuffer>()    // topk_idx [T, K] s32
+                       .Arg<ffi::AnyBuffer>()    // topk_weights [T, K] f32
+                       .Ret<ffi::AnyBuffer>()    // recv_x [C, H] dtype of x
+                       .Ret<ffi::AnyBuffer>()    // recv_scales [C, S'] f32
+                       .Ret<ffi::AnyBuffer>()    // recv_topk_idx [C, K] s32
+                       .Ret<ffi::AnyBuffer>()    // recv_topk_weights [C, K] f32
+                       .Ret<ffi::AnyBuffer>()    // num_recv_tokens [] s32
                        .Ret<ffi::AnyBuffer>()    // num_recv_tokens_per_expert [E_loc]
                        .Ret<ffi::AnyBuffer>()    // send_pos [T, R] s32
                        .Ret<ffi::AnyBuffer>());  // recv_src [C] s32
 
 EP_DEFINE_HANDLERS(CachedDispatchHandler, CachedDispatchImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Arg<ffi::AnyBuffer>()                     // x [T, W] D, f32 or f8e4m3fn
-                       .Arg<ffi::AnyBuffer>()                     // x_scales [T, S'] f32
-                       .Arg<ffi::AnyBuffer>()                     // w [T, K'] f32
-                       .Arg<ffi::AnyBuffer>()                     // send_pos [T, R] s32
-                       .Arg<ffi::AnyBuffer>()                     // recv_src [C] s32
-                       .Arg<ffi::AnyBuffer>()                     // num_recv_tokens [] s32
-                       .Ret<ffi::AnyBuffer>()                     // recv_x [C, W] dtype of x
-                       .Ret<ffi::AnyBuffer>()                     // recv_scales [C, S'] f32
-                       .Ret<ffi::AnyBuffer>());                   // recv_w [C, K'] f32
+                   bind_rank_call()
+                       .Arg<ffi::AnyBuffer>()    // x [T, W] D, f32 or f8e4m3fn
+                       .Arg<ffi::AnyBuffer>()    // x_scales [T, S'] f32
+                       .Arg<ffi::AnyBuffer>()    // w [T, K'] f32
+                       .Arg<ffi::AnyBuffer>()    // send_pos [T, R] s32
+                       .Arg<ffi::AnyBuffer>()    // recv_src [C] s32
+                       .Arg<ffi::AnyBuffer>()    // num_recv_tokens [] s32
+                       .Ret<ffi::AnyBuffer>()    // recv_x [C, W] dtype of x
+                       .Ret<ffi::AnyBuffer>()    // recv_scales [C, S'] f32
+                       .Ret<ffi::AnyBuffer>());  // recv_w [C, K'] f32
 
 EP_DEFINE_HANDLERS(CombineHandler, CombineImpl,
-                   ffi::Ffi::Bind()
-                       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<ffi::DeviceOrdinal>()                 // device
-                       .Attr<int64_t>("buffer_id")                // buffer_id
-                       .Arg<ffi::AnyBuffer>()                     // y [C, H] D
-                       .Arg<ffi::AnyBuffer>()                     // y_w [C, K'] f32
-                       .Arg<ffi::AnyBuffer>()                     // send_pos [T, R] s32
-                       .Arg<ffi::AnyBuffer>()                     // recv_src [C] s32
-                       .Arg<ffi::AnyBuffer>()                     // num_recv_tokens [] s32
-                       .Ret<ffi::AnyBuffer>()                     // combined [T, H] D
-                       .Ret<ffi::AnyBuffer>());                   // combined_w [T, K'] f32
+                   bind_rank_call()
+                       .Arg<ffi::AnyBuffer>()    // y [C, H] D
+                       .Arg<ffi::AnyBuffer>()    // y_w [C, K'] f32
+                       .Arg<ffi::AnyBuffer>()    // send_pos [T, R] s32
+                       .Arg<ffi::AnyBuffer>()    // recv_src [C] s32
+                       .Arg<ffi::AnyBuffer>()    // num_recv_tokens [] s32
+                       .Ret<ffi::AnyBuffer>()    // combined [T, H] D
+                       .Ret<ffi::AnyBuffer>());  // combined_w [T, K'] f32
 
 void add_normal_targets(std::vector<FfiTarget>& targets) {
   EP_ADD_TARGETS(targets, "layout", LayoutHandler);

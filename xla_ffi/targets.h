@@ -47,11 +47,5 @@ void add_runtime_functions(nanobind::module_& m);
 // The kernels' constants Python reads instead of copying: wait phases, rank limit, fp8 scale
 // block (fact_bindings.cc).
 void add_fact_functions(nanobind::module_& m);
-// EmulatedQueueForTests and the ring stress test: the transport's host proxy on CPU
-// (transport_bindings.cc).
-void add_transport_test_functions(nanobind::module_& m);
-// LowLatencyTransportForTests: the low-latency ops over a device transport, every rank on one
-// GPU (low_latency_transport_bindings.cc).
-void add_low_latency_transport_test_functions(nanobind::module_& m);
 
 }  // namespace jax_ep

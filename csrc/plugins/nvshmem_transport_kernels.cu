@@ -1,7 +1,7 @@
 // libjax_ep_nvshmem.so: the low-latency dispatch and combine, and the normal mode's plan and
 // transfer kernels, over NVSHMEM's device API (DeviceTransport::kNvshmem;
 // transport/nvshmem_transport.cuh), a plugin that jax_ep._C loads only when a Buffer asks for
-// JAX_EP_DEVICE_TRANSPORT=nvshmem (runtime/nvshmem_plugin.h).
+// JAX_EP_DEVICE_TRANSPORT=nvshmem (kernels/nvshmem_plugin.cc).
 // Built only where NVSHMEM's headers and device library are found. A library of its own because
 // NVSHMEM's device library needs its host library at load time (jax_ep._C must import without
 // NVSHMEM), and because its kernels are relocatable device code, device-linked against
@@ -13,13 +13,13 @@
 #include <cstdio>
 
 #include "kernels/common/launch.h"
-#include "kernels/low_latency/low_latency_transport.h"
-#include "kernels/low_latency/low_latency_transport_kernels.cuh"
+#include "kernels/low_latency/transport.h"
+#include "kernels/low_latency/transport_kernels.cuh"
 #include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/combine_transfer.cuh"
 #include "kernels/normal/dispatch_plan.cuh"
 #include "kernels/normal/dispatch_transfer.cuh"
-#include "kernels/normal/normal_transport.cuh"
+#include "kernels/normal/transport.cuh"
 #include "transport/nvshmem_transport.cuh"
 
 namespace jax_ep {
@@ -77,7 +77,7 @@ dim3 grid_of(const LowLatencyTransportLaunch& l) {
 
 }  // namespace
 
-// The entry points jax_ep._C resolves by name (runtime/nvshmem_plugin.cc).
+// The entry points jax_ep._C resolves by name (kernels/nvshmem_plugin.cc).
 extern "C" {
 
 __attribute__((visibility("default"))) int jax_ep_nvshmem_dispatch(
@@ -96,7 +96,7 @@ __attribute__((visibility("default"))) int jax_ep_nvshmem_combine(
   return static_cast<int>(cudaGetLastError());
 }
 
-// The normal mode's kernels (kernels/normal/normal_nvshmem.h: _C fills the arguments and the grid
+// The normal mode's kernels (kernels/normal/nvshmem.h: _C fills the arguments and the grid
 // as for its own paths). A cudaError_t.
 __attribute__((visibility("default"))) int jax_ep_nvshmem_normal_dispatch_plan(
     int rank_slots, int num_blocks, const DispatchPlanArgs* args, cudaStream_t stream) {

@@ -44,7 +44,7 @@ void* nvshmem_peer_address(void* ptr, int pe);
 void nvshmem_release(void* ptr);
 
 // Fills the NVSHMEM device state of the kernels in `library` (a CUlibrary: the NVSHMEM device
-// transport's, kernels/low_latency/low_latency_transport_nvshmem.cu), once per library, after
+// transport's, csrc/plugins/nvshmem_transport_kernels.cu), once per library, after
 // nvshmem_initialize. "" or an error.
 std::string nvshmem_init_device_library(void* library);
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/context.h"
+#include "kernels/api.h"
 
 namespace jax_ep {
 
@@ -49,12 +49,6 @@ void release_peer_workspaces(int64_t buffer_id);
 // ("rank r of EP group g: kind: message"), each once. Empty for other Buffers.
 std::vector<std::string> take_transport_errors(int64_t buffer_id);
 
-// Bytes of the per-device workspace create_buffer allocates for `config`: the normal-mode region,
-// plus the low-latency region (at low_latency_workspace_offset) when config.low_latency, plus
-// the device transport's area (low_latency_transport_offset) when it has one, plus, last, the
-// normal mode's send region when its ops run over a device transport (normal_over_transport).
-size_t workspace_bytes(const BufferConfig& config);
-
 // Frees everything of `buffer_id` (synchronises its devices first). Unknown ids are ignored.
 void destroy_buffer(int64_t buffer_id);
 
@@ -64,6 +58,20 @@ const RankContext* find_rank_context(int64_t buffer_id, int device);
 // Every rank of every group of `buffer_id` (group-major, rank order); empty when unknown.
 // The pointers stay valid until destroy_buffer(buffer_id).
 std::vector<const RankContext*> rank_contexts(int64_t buffer_id);
+
+// What a sibling extension module reaches of this registry (its own copy of the runtime would hold
+// no Buffer): the test module jax_ep._C_testing sets a protocol mutant on a Buffer's rank
+// contexts after creation (xla_ffi/testing/mutants.cc). jax_ep._C exports it as the capsule
+// kRuntimeApiName in its attribute kRuntimeApiAttribute, as numpy shares its C API.
+inline constexpr const char* kRuntimeApiAttribute = "_runtime_api";
+inline constexpr const char* kRuntimeApiName = "jax_ep._C._runtime_api";
+struct RuntimeApi {
+  size_t rank_context_bytes;  // sizeof(RankContext) where it was made: both modules of one build
+  // Writes up to `capacity` contexts of `buffer_id`'s local ranks into `out`; returns how many the
+  // Buffer has (0: unknown). Only before the Buffer's first op: handlers read them unlocked.
+  int (*rank_contexts)(int64_t buffer_id, RankContext** out, int capacity);
+};
+const RuntimeApi* runtime_api();
 
 // Process-wide counts of FFI handler executions, and of those that ran while their stream was
 // being captured into a CUDA graph (XLA command buffers). A test reads them to prove that the

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-#include "transport/transport_executor.h"
+#include "transport/executor.h"
 
 namespace jax_ep {
 namespace transport {

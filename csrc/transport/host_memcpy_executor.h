@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "transport/transport_executor.h"
+#include "transport/executor.h"
 
 namespace jax_ep {
 namespace transport {

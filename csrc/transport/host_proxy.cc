@@ -38,21 +38,16 @@ std::string byte_range(uint64_t offset, uint64_t bytes) {
 }  // namespace
 
 const char* proxy_error_name(ProxyErrorKind kind) {
-  switch (kind) {
-    case ProxyErrorKind::kBadCommand:
-      return "bad_command";
-    case ProxyErrorKind::kSourceOutOfRegion:
-      return "source_out_of_region";
-    case ProxyErrorKind::kDestinationOutOfRegion:
-      return "destination_out_of_region";
-    case ProxyErrorKind::kSignalOutOfRegion:
-      return "signal_out_of_region";
-    case ProxyErrorKind::kMisaligned:
-      return "misaligned";
-    case ProxyErrorKind::kSourceReused:
-      return "source_reused";
-  }
-  return "unknown";
+  // By value, from kBadCommand = 1 to kSourceReused.
+  static constexpr const char* kNames[] = {
+      "bad_command",          "source_out_of_region", "destination_out_of_region",
+      "signal_out_of_region", "misaligned",           "source_reused"};
+  static_assert(
+      sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(ProxyErrorKind::kSourceReused),
+      "one name per kind");
+  const int index = static_cast<int>(kind) - static_cast<int>(ProxyErrorKind::kBadCommand);
+  return index >= 0 && index < static_cast<int>(sizeof(kNames) / sizeof(kNames[0])) ? kNames[index]
+                                                                                    : "unknown";
 }
 
 Ordering ordering_named(const std::string& name) {

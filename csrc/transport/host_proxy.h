@@ -1,5 +1,5 @@
 // The host proxy of the emulated transport: drains the command rings that kernels fill
-// (command_ring.h) and performs the commands through an executor (transport_executor.h).
+// (command_ring.h) and performs the commands through an executor (transport/executor.h).
 //
 // It is deliberately weaker than any real network, so that a protocol that passes over it does
 // not lean on an accident of NVLink stores:
@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "transport/command_ring.h"
-#include "transport/transport_executor.h"
+#include "transport/executor.h"
 
 namespace jax_ep {
 namespace transport {

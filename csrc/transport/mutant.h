@@ -1,7 +1,7 @@
 // Protocol mutants: each breaks one rule of docs/transport.md ("The ordering contract the kernels
 // must follow") on purpose, so that a GPU test can show the emulated transport catches it (a
 // surviving mutant means the emulator is too weak). Kernels take one as a launch argument; it
-// is kNone outside those tests.
+// is kNone outside those tests (the test module jax_ep._C_testing sets it: xla_ffi/testing/).
 #pragma once
 
 #include <cstdint>
@@ -45,13 +45,6 @@ inline Mutant mutant_named(const std::string& name) {
     known += known.empty() ? mutant_name : std::string(", ") + mutant_name;
   }
   throw std::invalid_argument("mutant must be one of " + known + ", not '" + name + "'");
-}
-
-inline std::string mutant_name(Mutant mutant) {
-  for (const auto& [name, value] : detail::kMutantNames) {
-    if (value == mutant) return name;
-  }
-  return "mutant " + std::to_string(static_cast<int32_t>(mutant));
 }
 #endif
 

@@ -4,7 +4,7 @@
 // symmetric heap (JAX_EP_TRANSPORT=nvshmem): a region of this rank and the same offset name the
 // same bytes on every PE. Only with NVSHMEM's headers (JAX_EP_HAVE_NVSHMEM); the kernels that use
 // it are compiled without relocatable device code and their module is registered with
-// nvshmemx_culibrary_init (kernels/low_latency/low_latency_transport_nvshmem.cu).
+// nvshmemx_culibrary_init (csrc/plugins/nvshmem_transport_kernels.cu).
 #pragma once
 
 #include <nvshmem.h>

@@ -17,7 +17,7 @@ One expert-parallel MoE feed-forward layer, per rank::
     y, _ = jax_ep.combine(buf, y_recv, d.handle)                      # [T, H]
 
 which `moe_ffn` packages for SwiGLU experts. The expert matmuls are selectable (`matmul`):
-a library's grouped GEMM kernels on Hopper GPUs (`jax_ep.grouped_gemm`: tokamax's or jax's
+a library's grouped GEMM kernels on Hopper GPUs (`jax_ep.moe.grouped_gemm`: tokamax's or jax's
 Pallas Mosaic GPU kernels; `"auto"` picks tokamax's forward with jax's backward kernels where
 tokamax imports), `grouped_matmul` (tiled batched matmuls, work and memory linear in the rows:
 the portable fallback, and `"auto"`'s choice elsewhere) or `jax.lax.ragged_dot` (which XLA:GPU
@@ -334,7 +334,7 @@ def router(
 
 # ---------------------------------------------------------------------------- expert matmuls
 # The expert matmuls of swiglu_experts / moe_ffn: "tiled" (grouped_matmul), "ragged_dot"
-# (jax.lax.ragged_dot) or a library's grouped GEMM kernels (jax_ep.grouped_gemm); "auto" picks
+# (jax.lax.ragged_dot) or a library's grouped GEMM kernels (jax_ep.moe.grouped_gemm); "auto" picks
 # mosaic (jax's kernels) on Hopper GPUs, else tiled (JAX_EP_MOE_MATMUL overrides).
 MATMULS = grouped_gemm.MATMULS
 DEFAULT_MATMUL = "auto"
@@ -369,7 +369,7 @@ def swiglu_experts(
         precision: matmul precision of `"tiled"` / `"ragged_dot"` (e.g. `"highest"` to avoid
             TF32 on GPUs for float32); the library kernels take bfloat16 / float16 only.
         matmul: how the three grouped matmuls run (forward and both backward products), same
-            function either way (`jax_ep.grouped_gemm.MATMULS`):
+            function either way (`jax_ep.moe.grouped_gemm.MATMULS`):
             `"auto"` (default): `JAX_EP_MOE_MATMUL` if set, else `"mosaic"` for bfloat16 /
             float16 rows on Hopper GPUs where jax's Mosaic GPU kernels import, else `"tiled"`
             (also when the library kernels cannot tile `H` / `F`: widths not multiples of 128).

@@ -1,6 +1,6 @@
 """`grouped_matmul`: the tiled grouped matmul of `jax_ep.moe`, `jax.lax.ragged_dot`'s function
 with ordinary batched matmuls over row tiles (the portable fallback of the expert matmuls: CPU
-and GPUs without a grouped-GEMM library; `jax_ep.grouped_gemm` holds the library kernels)."""
+and GPUs without a grouped-GEMM library; `jax_ep.moe.grouped_gemm` holds the library kernels)."""
 
 from __future__ import annotations
 

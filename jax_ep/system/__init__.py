@@ -2,6 +2,6 @@
 versions, devices, GPUs, peer links and the extension (`probes`), the records they fill
 (`records`) and what code runs on which GPU and driver (`compat`).
 
-Used by the backend gate (`jax_ep.backends.gate`), the NVSHMEM transport and the environment
+Used by the backend gate (`jax_ep.backends.gate`), the NVSHMEM peer mapping and the environment
 report; imports nothing else of jax_ep.
 """

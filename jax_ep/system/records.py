@@ -181,7 +181,7 @@ class ExtensionInfo:
 
 @dataclasses.dataclass(frozen=True)
 class NvshmemInfo:
-    """NVSHMEM (the JAX_EP_TRANSPORT=nvshmem transport, jax_ep/transports/nvshmem.py).
+    """NVSHMEM (the JAX_EP_TRANSPORT=nvshmem peer mapping, jax_ep/peers/nvshmem.py).
 
     Attributes:
       package: the installed wheel, e.g. "nvidia-nvshmem-cu12", None if none is installed.

@@ -1,4 +1,4 @@
-"""The main job: ``python -m jax_ep.demo``.
+"""The main job: ``jax-ep-demo`` (or ``python -m jax_ep.tools.demo``).
 
 Builds a Buffer over every device (8 host CPU devices and the reference backend when there is
 no GPU; the CUDA kernels on GPUs), dispatches and combines a random MoE batch, checks the result

@@ -1,6 +1,8 @@
-// Static limits and shared constants of the kernels, visible to host code (handlers, runtime).
+// Static limits, shared constants and size arithmetic of the kernels, visible to host code
+// (handlers, runtime).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace jax_ep {
@@ -18,5 +20,9 @@ constexpr int kBytesPerVector = 16;
 constexpr int kWarpSize = 32;
 
 static_assert(kMaxTopk <= kWarpSize, "one lane per top-k slot");
+
+constexpr size_t align_up(size_t value, size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
 
 }  // namespace jax_ep

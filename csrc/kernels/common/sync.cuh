@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "runtime/context.h"
+#include "kernels/common/wait_phase.h"
 
 namespace jax_ep {
 

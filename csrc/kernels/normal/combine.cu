@@ -11,14 +11,16 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/api.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/combine_transfer.cuh"
-#include "kernels/normal/normal.h"
-#include "kernels/normal/normal_nvshmem.h"
-#include "kernels/normal/normal_transport.cuh"
-#include "kernels/normal/normal_workspace.h"
+#include "kernels/normal/launch.cuh"
+#include "kernels/normal/nvshmem.h"
+#include "kernels/normal/transport.cuh"
+#include "kernels/normal/workspace.h"
+#include "kernels/preload.h"
 
 namespace jax_ep {
 namespace {
@@ -32,33 +34,39 @@ using normal_combine::kTransferThreads;
 using transport::EmulatedTransport;
 using transport::MappedTransport;
 
-// The transfer kernel of Element on the rank's path: stores, or a device transport.
+// The plan kernel on the rank's path: stores, or a device transport.
+cudaError_t launch_plan(const RankContext& ctx, const CombinePlanArgs& plan, cudaStream_t stream) {
+  return launch_on_path(
+      ctx,
+      [&](auto path) {
+        using Path = typename decltype(path)::type;
+        combine_plan_kernel<Path><<<1, kCombinePlanThreads, 0, stream>>>(plan);
+        return cudaGetLastError();
+      },
+      [&] { return launch_combine_plan_nvshmem(plan, stream); });
+}
+
+// The transfer kernel of Element on the rank's path.
 template <typename Element>
 cudaError_t launch_transfer(const RankContext& ctx, const CombineTransferArgs& args,
                             cudaStream_t stream) {
-  switch (ctx.config.device_transport) {
-    case DeviceTransport::kMapped:
-      combine_transfer_kernel<Element, TransportPath<MappedTransport>>
-          <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
-      break;
-    case DeviceTransport::kEmulated:
-      combine_transfer_kernel<Element, TransportPath<EmulatedTransport>>
-          <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
-      break;
-    case DeviceTransport::kNvshmem:  // the plugin's instance
-      return launch_combine_transfer_nvshmem(static_cast<int>(sizeof(Element)), ctx.normal_blocks,
-                                             args, stream);
-    default:  // stores
-      combine_transfer_kernel<Element, StoresPath>
-          <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
-  }
-  return cudaGetLastError();
+  return launch_on_path(
+      ctx,
+      [&](auto path) {
+        using Path = typename decltype(path)::type;
+        combine_transfer_kernel<Element, Path>
+            <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
+        return cudaGetLastError();
+      },
+      [&] {
+        return launch_combine_transfer_nvshmem(static_cast<int>(sizeof(Element)), ctx.normal_blocks,
+                                               args, stream);
+      });
 }
 
-template <typename Transport>
-cudaError_t preload_combine_kernels_over() {
+template <typename Path>
+cudaError_t preload_combine_kernels_on() {
   cudaFuncAttributes attributes;
-  using Path = TransportPath<Transport>;
   CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<Path>));
   CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, Path>));
   return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, Path>);
@@ -70,42 +78,21 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
                            cudaStream_t stream) {
   const BufferConfig& config = ctx.config;
   const NormalLayout layout = normal_layout(config);
-  char* workspace = ctx.workspace;
 
   CombinePlanArgs plan = {};
+  fill_plan_args(ctx, layout, WaitPhase::kCombineBarrier, plan);
   plan.recv_src = params.recv_src;
   plan.num_recv_tokens = params.num_recv_tokens;
   plan.num_tokens = params.num_tokens;
   plan.capacity = params.capacity;
-  plan.num_ranks = config.num_ranks;
-  plan.rank = ctx.rank;
-  plan.seq = reinterpret_cast<const uint64_t*>(workspace + layout.seq);
-  plan.plan = reinterpret_cast<NormalPlan*>(workspace + layout.plan);
-  plan.barrier = reinterpret_cast<const uint64_t*>(workspace + layout.barrier);
+  plan.barrier = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.barrier);
   for (int r = 0; r < config.num_ranks; ++r) {
     plan.peer_barrier[r] = reinterpret_cast<uint64_t*>(ctx.peer_workspaces[r] + layout.barrier);
   }
-  plan.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank,
-               static_cast<int32_t>(WaitPhase::kCombineBarrier)};
-  if (normal_over_transport(config)) plan.transport = normal_transport_args(ctx);
-  switch (config.device_transport) {
-    case DeviceTransport::kMapped:
-      combine_plan_kernel<TransportPath<MappedTransport>>
-          <<<1, kCombinePlanThreads, 0, stream>>>(plan);
-      break;
-    case DeviceTransport::kEmulated:
-      combine_plan_kernel<TransportPath<EmulatedTransport>>
-          <<<1, kCombinePlanThreads, 0, stream>>>(plan);
-      break;
-    case DeviceTransport::kNvshmem:  // the plugin's instance
-      CUDA_RETURN_IF_ERROR(launch_combine_plan_nvshmem(plan, stream));
-      break;
-    default:  // stores
-      combine_plan_kernel<StoresPath><<<1, kCombinePlanThreads, 0, stream>>>(plan);
-  }
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
 
   CombineTransferArgs args = {};
+  fill_transfer_args(ctx, layout, WaitPhase::kCombineArrival, args);
   args.y = static_cast<const char*>(params.y);
   args.y_bytes_per_row = static_cast<int64_t>(config.hidden) * config.dtype_bytes;
   args.y_w = params.y_w;
@@ -114,27 +101,9 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
   args.recv_src = params.recv_src;
   args.num_tokens = params.num_tokens;
   args.capacity = params.capacity;
-  args.num_ranks = config.num_ranks;
-  args.rank = ctx.rank;
-  args.max_tokens = config.max_tokens_per_rank;
   args.combined = static_cast<char*>(params.combined);
   args.combined_w = params.combined_w;
-  args.plan = reinterpret_cast<const NormalPlan*>(workspace + layout.plan);
-  args.seq = reinterpret_cast<uint64_t*>(workspace + layout.seq);
-  args.work_counter = reinterpret_cast<uint32_t*>(workspace + layout.counters);
-  args.done_counter = args.work_counter + 1;
-  args.rows = workspace + layout.data;
-  args.row_flags = reinterpret_cast<const uint64_t*>(workspace + layout.row_flags);
-  for (int r = 0; r < config.num_ranks; ++r) {
-    args.peer_rows[r] = ctx.peer_workspaces[r] + layout.data;
-    args.peer_row_flags[r] = reinterpret_cast<uint64_t*>(ctx.peer_workspaces[r] + layout.row_flags);
-  }
   args.region_bytes_per_row = combine_region_row_bytes(args.y_bytes_per_row, params.num_w);
-  args.num_push_blocks = ctx.normal_push_blocks;
-  args.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank,
-               static_cast<int32_t>(WaitPhase::kCombineArrival)};
-
-  if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);
   if (config.dtype_bytes == 4) return launch_transfer<float>(ctx, args, stream);
   return launch_transfer<__nv_bfloat16>(ctx, args, stream);
 }
@@ -143,17 +112,11 @@ int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w) {
   return region_row_bytes(y_bytes_per_row, num_w);
 }
 
-cudaError_t preload_combine_kernels() {
-  cudaFuncAttributes attributes;
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<StoresPath>));
-  CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, StoresPath>));
-  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, StoresPath>);
-}
+cudaError_t preload_combine_kernels() { return preload_combine_kernels_on<StoresPath>(); }
 
 cudaError_t preload_combine_transport_kernels() {
-  CUDA_RETURN_IF_ERROR(preload_combine_kernels_over<MappedTransport>());
-  return preload_combine_kernels_over<EmulatedTransport>();
+  CUDA_RETURN_IF_ERROR(preload_combine_kernels_on<TransportPath<MappedTransport>>());
+  return preload_combine_kernels_on<TransportPath<EmulatedTransport>>();
 }
 
 }  // namespace jax_ep

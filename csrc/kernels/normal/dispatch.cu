@@ -17,15 +17,17 @@
 
 #include <algorithm>
 
+#include "kernels/api.h"
 #include "kernels/common/fast_divisor.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
 #include "kernels/normal/dispatch_plan.cuh"
 #include "kernels/normal/dispatch_transfer.cuh"
-#include "kernels/normal/normal.h"
-#include "kernels/normal/normal_nvshmem.h"
-#include "kernels/normal/normal_transport.cuh"
-#include "kernels/normal/normal_workspace.h"
+#include "kernels/normal/launch.cuh"
+#include "kernels/normal/nvshmem.h"
+#include "kernels/normal/transport.cuh"
+#include "kernels/normal/workspace.h"
+#include "kernels/preload.h"
 
 namespace jax_ep {
 namespace {
@@ -45,17 +47,14 @@ DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layo
                                 int capacity, WaitPhase phase) {
   const BufferConfig& config = ctx.config;
   DispatchPlanArgs args = {};
+  fill_plan_args(ctx, layout, phase, args);
   args.num_tokens = num_tokens;
   args.num_topk = config.num_topk;
-  args.num_ranks = config.num_ranks;
-  args.rank = ctx.rank;
   args.num_experts = config.num_experts;
   args.num_local_experts = config.num_local_experts();
   args.experts_per_rank = FastDivisor(static_cast<uint32_t>(config.num_local_experts()));
   args.max_tokens = config.max_tokens_per_rank;
   args.capacity = capacity;
-  args.seq = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.seq);
-  args.plan = reinterpret_cast<NormalPlan*>(ctx.workspace + layout.plan);
   args.send_tokens = reinterpret_cast<int32_t*>(ctx.workspace + layout.send_tokens);
   args.token_masks = reinterpret_cast<uint8_t*>(ctx.workspace + layout.token_masks);
   args.plan_counts = reinterpret_cast<uint64_t*>(ctx.workspace + layout.plan_counts);
@@ -65,8 +64,6 @@ DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layo
         reinterpret_cast<uint64_t*>(ctx.peer_workspaces[r] + layout.count_matrix);
   }
   args.errors = ctx.error_counters;
-  args.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank, static_cast<int32_t>(phase)};
-  if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);
   return args;
 }
 
@@ -74,19 +71,14 @@ DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layo
 template <int kRankSlots>
 cudaError_t launch_plan_on_path(const RankContext& ctx, int num_blocks, cudaStream_t stream,
                                 const DispatchPlanArgs& args) {
-  switch (ctx.config.device_transport) {
-    case DeviceTransport::kMapped:
-      return launch_cooperative(dispatch_plan_kernel<kRankSlots, TransportPath<MappedTransport>>,
-                                num_blocks, kPlanThreads, 0, stream, args);
-    case DeviceTransport::kEmulated:
-      return launch_cooperative(dispatch_plan_kernel<kRankSlots, TransportPath<EmulatedTransport>>,
-                                num_blocks, kPlanThreads, 0, stream, args);
-    case DeviceTransport::kNvshmem:  // the plugin's instance
-      return launch_dispatch_plan_nvshmem(kRankSlots, num_blocks, args, stream);
-    default:  // stores
-      return launch_cooperative(dispatch_plan_kernel<kRankSlots, StoresPath>, num_blocks,
-                                kPlanThreads, 0, stream, args);
-  }
+  return launch_on_path(
+      ctx,
+      [&](auto path) {
+        using Path = typename decltype(path)::type;
+        return launch_cooperative(dispatch_plan_kernel<kRankSlots, Path>, num_blocks, kPlanThreads,
+                                  0, stream, args);
+      },
+      [&] { return launch_dispatch_plan_nvshmem(kRankSlots, num_blocks, args, stream); });
 }
 
 // Grid of the plan: one block per kPlanTokensPerBlock tokens (so at most plan_block_slots()),
@@ -105,31 +97,24 @@ cudaError_t launch_plan(const RankContext& ctx, DispatchPlanArgs args, cudaStrea
   return launch_plan_on_path<8>(ctx, num_blocks, stream, args);
 }
 
+// Fields shared by the transfer arguments of dispatch and cached dispatch (Params: either's), the
+// rows both move included: x (and its scales) into recv_x (and recv_scales).
+template <typename Params>
 DispatchTransferArgs make_transfer_args(const RankContext& ctx, const NormalLayout& layout,
-                                        int num_tokens, int capacity, WaitPhase phase) {
-  const BufferConfig& config = ctx.config;
+                                        const Params& params, WaitPhase phase) {
   DispatchTransferArgs args = {};
-  args.num_tokens = num_tokens;
-  args.capacity = capacity;
-  args.num_ranks = config.num_ranks;
-  args.rank = ctx.rank;
-  args.num_local_experts = config.num_local_experts();
-  args.experts_per_rank = FastDivisor(static_cast<uint32_t>(config.num_local_experts()));
-  args.max_tokens = config.max_tokens_per_rank;
-  args.plan = reinterpret_cast<const NormalPlan*>(ctx.workspace + layout.plan);
+  fill_transfer_args(ctx, layout, phase, args);
+  args.num_tokens = params.num_tokens;
+  args.capacity = params.capacity;
+  args.num_local_experts = ctx.config.num_local_experts();
+  args.experts_per_rank = FastDivisor(static_cast<uint32_t>(ctx.config.num_local_experts()));
   args.send_tokens = reinterpret_cast<const int32_t*>(ctx.workspace + layout.send_tokens);
-  args.seq = reinterpret_cast<uint64_t*>(ctx.workspace + layout.seq);
-  args.work_counter = reinterpret_cast<uint32_t*>(ctx.workspace + layout.counters);
-  args.done_counter = args.work_counter + 1;
-  args.rows = ctx.workspace + layout.data;
-  args.row_flags = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.row_flags);
-  for (int r = 0; r < config.num_ranks; ++r) {
-    args.peer_rows[r] = ctx.peer_workspaces[r] + layout.data;
-    args.peer_row_flags[r] = reinterpret_cast<uint64_t*>(ctx.peer_workspaces[r] + layout.row_flags);
-  }
-  args.num_push_blocks = ctx.normal_push_blocks;
-  args.wait = {ctx.timeout_ns, ctx.timeout_record, ctx.rank, static_cast<int32_t>(phase)};
-  if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);
+  args.x = static_cast<const char*>(params.x);
+  args.x_bytes_per_row = params.x_bytes_per_row;
+  args.x_scales = params.x_scales;
+  args.num_scales = params.num_scales;
+  args.recv_x = static_cast<char*>(params.recv_x);
+  args.recv_scales = params.recv_scales;
   return args;
 }
 
@@ -137,21 +122,14 @@ cudaError_t launch_transfer(const RankContext& ctx, const DispatchTransferArgs& 
                             cudaStream_t stream) {
   const size_t shared_bytes = sizeof(int) * args.num_shared_experts;
   const int grid = ctx.normal_blocks;
-  switch (ctx.config.device_transport) {
-    case DeviceTransport::kMapped:
-      dispatch_transfer_kernel<TransportPath<MappedTransport>>
-          <<<grid, kTransferThreads, shared_bytes, stream>>>(args);
-      break;
-    case DeviceTransport::kEmulated:
-      dispatch_transfer_kernel<TransportPath<EmulatedTransport>>
-          <<<grid, kTransferThreads, shared_bytes, stream>>>(args);
-      break;
-    case DeviceTransport::kNvshmem:  // the plugin's instance
-      return launch_dispatch_transfer_nvshmem(grid, shared_bytes, args, stream);
-    default:  // stores
-      dispatch_transfer_kernel<StoresPath><<<grid, kTransferThreads, shared_bytes, stream>>>(args);
-  }
-  return cudaGetLastError();
+  return launch_on_path(
+      ctx,
+      [&](auto path) {
+        using Path = typename decltype(path)::type;
+        dispatch_transfer_kernel<Path><<<grid, kTransferThreads, shared_bytes, stream>>>(args);
+        return cudaGetLastError();
+      },
+      [&] { return launch_dispatch_transfer_nvshmem(grid, shared_bytes, args, stream); });
 }
 
 template <typename Path>
@@ -164,66 +142,65 @@ cudaError_t preload_dispatch_kernels_on() {
   return cudaFuncGetAttributes(&attributes, dispatch_transfer_kernel<Path>);
 }
 
+// Both dispatches: the plan kernel (arguments completed by `set_plan`, waits in `plan_phase`),
+// then the transfer kernel (completed by `set_transfer`, waits in `transfer_phase`).
+template <typename Params, typename SetPlan, typename SetTransfer>
+cudaError_t launch_plan_and_transfer(const RankContext& ctx, const Params& params,
+                                     WaitPhase plan_phase, WaitPhase transfer_phase,
+                                     cudaStream_t stream, SetPlan set_plan,
+                                     SetTransfer set_transfer) {
+  const NormalLayout layout = normal_layout(ctx.config);
+  DispatchPlanArgs plan =
+      make_plan_args(ctx, layout, params.num_tokens, params.capacity, plan_phase);
+  set_plan(plan);
+  CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
+  DispatchTransferArgs transfer = make_transfer_args(ctx, layout, params, transfer_phase);
+  set_transfer(transfer);
+  return launch_transfer(ctx, transfer, stream);
+}
+
 }  // namespace
 
 cudaError_t launch_dispatch(const RankContext& ctx, const DispatchParams& params,
                             cudaStream_t stream) {
-  const NormalLayout layout = normal_layout(ctx.config);
-
-  DispatchPlanArgs plan =
-      make_plan_args(ctx, layout, params.num_tokens, params.capacity, WaitPhase::kDispatchCounts);
-  plan.topk_idx = params.topk_idx;
-  plan.send_pos_out = params.send_pos;
-  plan.num_recv_tokens = params.num_recv_tokens;
-  plan.num_recv_tokens_per_expert = params.num_recv_tokens_per_expert;
-  CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
-
-  DispatchTransferArgs transfer = make_transfer_args(ctx, layout, params.num_tokens,
-                                                     params.capacity, WaitPhase::kDispatchArrival);
-  transfer.x = static_cast<const char*>(params.x);
-  transfer.x_bytes_per_row = params.x_bytes_per_row;
-  transfer.x_scales = params.x_scales;
-  transfer.num_scales = params.num_scales;
-  transfer.topk_idx = params.topk_idx;
-  transfer.topk_weights = params.topk_weights;
-  transfer.num_topk = ctx.config.num_topk;
-  transfer.recv_x = static_cast<char*>(params.recv_x);
-  transfer.recv_scales = params.recv_scales;
-  transfer.recv_topk_idx = params.recv_topk_idx;
-  transfer.recv_topk_weights = params.recv_topk_weights;
-  transfer.recv_src = params.recv_src;
-  transfer.num_recv_tokens_per_expert = params.num_recv_tokens_per_expert;
-  transfer.num_shared_experts = ctx.config.num_local_experts() < kTransferSharedExperts
-                                    ? ctx.config.num_local_experts()
-                                    : kTransferSharedExperts;
-  transfer.region_bytes_per_row =
-      dispatch_region_row_bytes(params.x_bytes_per_row, params.num_scales, ctx.config.num_topk);
-  return launch_transfer(ctx, transfer, stream);
+  return launch_plan_and_transfer(
+      ctx, params, WaitPhase::kDispatchCounts, WaitPhase::kDispatchArrival, stream,
+      [&](DispatchPlanArgs& plan) {
+        plan.topk_idx = params.topk_idx;
+        plan.send_pos_out = params.send_pos;
+        plan.num_recv_tokens = params.num_recv_tokens;
+        plan.num_recv_tokens_per_expert = params.num_recv_tokens_per_expert;
+      },
+      [&](DispatchTransferArgs& transfer) {
+        transfer.topk_idx = params.topk_idx;
+        transfer.topk_weights = params.topk_weights;
+        transfer.num_topk = ctx.config.num_topk;
+        transfer.recv_topk_idx = params.recv_topk_idx;
+        transfer.recv_topk_weights = params.recv_topk_weights;
+        transfer.recv_src = params.recv_src;
+        transfer.num_recv_tokens_per_expert = params.num_recv_tokens_per_expert;
+        transfer.num_shared_experts = ctx.config.num_local_experts() < kTransferSharedExperts
+                                          ? ctx.config.num_local_experts()
+                                          : kTransferSharedExperts;
+        transfer.region_bytes_per_row = dispatch_region_row_bytes(
+            params.x_bytes_per_row, params.num_scales, ctx.config.num_topk);
+      });
 }
 
+// The cached dispatch: routing from send_pos (its plan and exchange wait in the combine's phases,
+// its place in a step), rows of x and an optional float32 payload w.
 cudaError_t launch_cached_dispatch(const RankContext& ctx, const CachedDispatchParams& params,
                                    cudaStream_t stream) {
-  const NormalLayout layout = normal_layout(ctx.config);
-
-  DispatchPlanArgs plan =
-      make_plan_args(ctx, layout, params.num_tokens, params.capacity, WaitPhase::kCombineBarrier);
-  plan.send_pos = params.send_pos;
-  CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
-
-  DispatchTransferArgs transfer = make_transfer_args(ctx, layout, params.num_tokens,
-                                                     params.capacity, WaitPhase::kCombineArrival);
-  transfer.x = static_cast<const char*>(params.x);
-  transfer.x_bytes_per_row = params.x_bytes_per_row;
-  transfer.x_scales = params.x_scales;
-  transfer.num_scales = params.num_scales;
-  transfer.payload = params.w;
-  transfer.num_payload = params.num_w;
-  transfer.recv_x = static_cast<char*>(params.recv_x);
-  transfer.recv_scales = params.recv_scales;
-  transfer.recv_payload = params.recv_w;
-  transfer.region_bytes_per_row =
-      cached_dispatch_region_row_bytes(params.x_bytes_per_row, params.num_scales, params.num_w);
-  return launch_transfer(ctx, transfer, stream);
+  return launch_plan_and_transfer(
+      ctx, params, WaitPhase::kCombineBarrier, WaitPhase::kCombineArrival, stream,
+      [&](DispatchPlanArgs& plan) { plan.send_pos = params.send_pos; },
+      [&](DispatchTransferArgs& transfer) {
+        transfer.payload = params.w;
+        transfer.num_payload = params.num_w;
+        transfer.recv_payload = params.recv_w;
+        transfer.region_bytes_per_row = cached_dispatch_region_row_bytes(
+            params.x_bytes_per_row, params.num_scales, params.num_w);
+      });
 }
 
 size_t normal_data_bytes(const BufferConfig& config) { return normal_layout(config).data_bytes; }

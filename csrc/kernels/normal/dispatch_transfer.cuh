@@ -1,6 +1,6 @@
 // The normal-mode dispatch's transfer kernel (launcher: dispatch.cu): the data movement of a
 // dispatch or cached dispatch, templated on the path by which it crosses ranks
-// (normal_transport.cuh). In a header so that the NVSHMEM plugin
+// (normal/transport.cuh). In a header so that the NVSHMEM plugin
 // (plugins/nvshmem_transport_kernels.cu) instantiates it with its transport, as dispatch.cu does
 // with the others.
 #pragma once
@@ -13,8 +13,8 @@
 #include "kernels/common/fast_divisor.h"
 #include "kernels/common/limits.h"
 #include "kernels/common/sync.cuh"
-#include "kernels/normal/normal_transport.cuh"
-#include "kernels/normal/normal_workspace.h"
+#include "kernels/normal/transport.cuh"
+#include "kernels/normal/workspace.h"
 
 namespace jax_ep {
 namespace normal_dispatch {

@@ -1,10 +1,11 @@
 // jax_ep_layout_v2: routing statistics of one rank's top-k ids (no communication).
 #include <cuda_runtime.h>
 
+#include "kernels/api.h"
 #include "kernels/common/fast_divisor.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
-#include "kernels/normal/normal.h"
+#include "kernels/preload.h"
 
 namespace jax_ep {
 namespace {

@@ -1,0 +1,122 @@
+// What a launcher gets for one rank: the Buffer's configuration and the rank's context (plain
+// data, filled by the runtime's registry, read by the launchers of kernels/api.h).
+//
+// One Buffer = one EP group per slice of the mesh along the EP axis. For every device of the
+// Buffer the runtime allocates one zeroed "workspace" of identical layout on every rank, so a
+// peer's region is `peer_workspaces[peer] + the same offset`. The normal and low-latency modes
+// carve their regions (and their own sequence words) out of that workspace; see
+// workspace_bytes() (kernels/api.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/common/wait_phase.h"
+#include "transport/command_ring.h"
+#include "transport/mutant.h"
+
+namespace jax_ep {
+
+// Ranks reachable over NVLink in one EP group (one host).
+constexpr int kMaxRanks = 8;
+
+// Regions per rank in the ops' table of a device transport (RankContext::transport_region_bases):
+// the low-latency kernels' two (kernels/low_latency/transport.h), then the normal
+// mode's two (kernels/normal/workspace.h).
+constexpr int kTransportRegions = 4;
+
+// How the ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the kernels' own stores
+// through peer mappings (NVLink). The others run the put-protocol kernels of
+// kernels/low_latency/transport.h and the normal-mode kernels' transport path
+// (kernels/normal/transport.cuh), written for peers without a mapping
+// (docs/transport.md): kMapped performs each put as stores through the peer mapping;
+// kEmulated hands every command to a host proxy per rank, which delivers it with copy-engine
+// copies, adversarially (the test transport of issue 20); kNvshmem performs it with NVSHMEM's
+// device API (the workspace on NVSHMEM's symmetric heap, JAX_EP_TRANSPORT=nvshmem; the kernels
+// are the NVSHMEM plugin's).
+enum class DeviceTransport : int32_t { kStores = 0, kMapped = 1, kEmulated = 2, kNvshmem = 3 };
+
+// Static configuration of a Buffer, identical on every rank.
+struct BufferConfig {
+  int num_ranks = 0;
+  int num_experts = 0;          // global experts; num_experts % num_ranks == 0
+  int hidden = 0;               // channels per token; multiple of 128
+  int max_tokens_per_rank = 0;  // T_max
+  int num_topk = 0;             // K
+  int capacity = 0;             // normal-mode receive rows C_max (<= num_ranks * T_max)
+  int dtype_bytes = 2;          // bytes per element of the Buffer's data dtype (bf16: 2, f32: 4)
+  bool low_latency = false;     // allocate the low-latency regions too
+  double timeout_s = 10.0;      // bound on every spin-wait
+  // Grids (tuning, per process; 0: from the device). Python reads them from the JAX_EP_*
+  // settings (jax_ep/settings.py).
+  int normal_blocks = 0;       // normal-mode transfer kernels (default: one per SM)
+  int normal_push_blocks = 0;  // of those, the pushing ones (default: a quarter)
+  int low_latency_blocks = 0;  // low-latency launches (default: all SMs but 8)
+  // Over a device transport: send slots per push warp of a normal transfer kernel (0: as many as
+  // the send region holds; fewer makes a warp restage slots within a call, as tests want).
+  int normal_send_slots = 0;
+  DeviceTransport device_transport = DeviceTransport::kStores;
+  uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
+
+  int num_local_experts() const { return num_experts / num_ranks; }
+};
+
+// Device-side counters of bad input, read by Buffer.check().
+struct ErrorCounters {
+  unsigned long long invalid_expert_ids;  // topk ids outside [-1, num_experts), treated as -1
+  unsigned long long overflow_rows;       // rows not received because capacity was exceeded
+  // Low-latency dispatch: (token, k) selections not sent because their source already filled
+  // the T_max rows it has at that expert (only possible when a token repeats an expert in its
+  // top-k). Counted by the sending rank.
+  unsigned long long dropped_low_latency_rows;
+};
+
+// The error counters by the names Buffer.errors() reports them (read_errors' keys,
+// _C.error_counter_names()), with the field of ErrorCounters each one reads.
+struct ErrorCounterField {
+  const char* name;
+  unsigned long long ErrorCounters::* field;
+};
+inline constexpr ErrorCounterField kErrorCounterFields[] = {
+    {"invalid_expert_ids", &ErrorCounters::invalid_expert_ids},
+    {"overflow_rows", &ErrorCounters::overflow_rows},
+    {"dropped_low_latency_rows", &ErrorCounters::dropped_low_latency_rows},
+};
+
+// Everything a launcher needs for one rank. Plain data: kernels receive copies of its fields.
+struct RankContext {
+  BufferConfig config;
+  int group = 0;              // index of the EP group (slice of the mesh) in the Buffer
+  int rank = 0;               // index along the EP axis
+  int device = 0;             // CUDA device ordinal
+  char* workspace = nullptr;  // this rank's workspace (device memory)
+  size_t workspace_bytes = 0;
+  bool symmetric_workspace = false;         // on NVSHMEM's symmetric heap (runtime/nvshmem_host.h)
+  char* peer_workspaces[kMaxRanks] = {};    // every rank's workspace, as seen from this device
+  char** peer_workspaces_device = nullptr;  // the same table in device memory
+  ErrorCounters* error_counters = nullptr;  // device memory
+  TimeoutRecord* timeout_record = nullptr;  // host-mapped; device pointer of the mapping
+  TimeoutRecord* timeout_record_host = nullptr;
+  uint64_t timeout_ns = 0;     // config.timeout_s in nanoseconds
+  int num_sms = 0;             // multiprocessors of `device`
+  int normal_blocks = 0;       // grid of the normal-mode transfer kernels
+  int low_latency_blocks = 0;  // grid of the low-latency kernels (0: the default, see
+                               // low_latency_grid_size)
+  int normal_push_blocks = 0;  // of which the first ones send (push roles)
+  // DeviceTransport other than kStores: the device table [kMaxRanks][kTransportRegions] of every
+  // rank's transport regions (each inside that rank's workspace), and with kEmulated this rank's
+  // command ring (pinned host memory; its proxy is the registry's).
+  char** transport_region_bases = nullptr;
+  transport::RingView transport_ring{};
+  // kEmulated: the ring's warp index of the normal-mode kernels' first warp (the low-latency
+  // kernels' warps come first; every warp has its own acknowledgement word).
+  uint32_t normal_first_warp = 0;
+  int pes[kMaxRanks] = {};  // symmetric_workspace: every rank's NVSHMEM PE
+  // Set by tests only (the test module jax_ep._C_testing, after creation): the ops'
+  // put-protocol kernels break one rule (transport/mutant.h), so that a test with one process
+  // per rank shows the emulated transport catches it. The normal kernels over a transport
+  // honour all but no_fence (they issue no fence).
+  transport::Mutant transport_mutant = transport::Mutant::kNone;
+};
+
+}  // namespace jax_ep
