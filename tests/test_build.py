@@ -1,6 +1,7 @@
 """What the build put into jax_ep._C, against what it says it carries (no GPU needed).
 
-Skips where the extension was not built (no nvcc). CI builds the default list of architectures,
+Where nvcc is found or jax sees a GPU, a missing jax_ep._C fails these tests; elsewhere they skip
+(conftest.require_extension). CI builds the default list of architectures,
 so these tests are also the check that a multi-architecture build works.
 """
 
@@ -8,16 +9,20 @@ import collections
 import glob
 import os
 import re
-import shutil
 import subprocess
 
 import fatbin
 import pytest
+from conftest import find_nvcc
 
 from jax_ep import env
+from jax_ep.backends import cuda
 from jax_ep.system import compat, probes
 
-_C = pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+# None where the extension is missing: the `extension` fixture (conftest's rule) then fails each
+# test where nvcc or a GPU is found, and skips it elsewhere, before the test touches _C.
+_C, _ = cuda.load_extension()
+pytestmark = pytest.mark.usefixtures("extension")
 
 
 def test_cuda_architectures_name_the_code_in_the_module():
@@ -74,8 +79,8 @@ def test_kernels_compile_for_the_oldest_architecture_we_promise():
     (sm_70 with CUDA 12, sm_75 with CUDA 13, which dropped sm_70): the default build starts at
     sm_80, so an instruction newer than the oldest target (cp.async needs sm_80) would pass
     CI's build and fail a user's JAX_EP_CUDA_ARCHS=75 build."""
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    if not os.path.exists(nvcc):
+    nvcc = find_nvcc()
+    if nvcc is None:
         pytest.skip("no nvcc here")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     major = int(re.search(r"release (\d+)\.", version).group(1))

@@ -65,6 +65,7 @@ def test_the_reference_backend_reports_no_transport_errors():
     buf.check()
 
 
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
 def test_the_workspace_holds_the_transports_area():
     module, reason = cuda.load_extension()
     if module is None:
@@ -91,6 +92,7 @@ def test_the_workspace_holds_the_transports_area():
     assert mapped - stores >= send_region + 2 * 2 * 4 * 2 * 8 * 512
 
 
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
 def test_what_a_device_transport_does_not_carry_is_refused_by_name():
     """no_fence breaks the low-latency kernels only, a mutant runs over the emulated transport
     only, and a negative slot count is no count: each is refused before any device is touched,
@@ -120,6 +122,7 @@ def test_what_a_device_transport_does_not_carry_is_refused_by_name():
         module.create_buffer(2**40, [[0, 1]], config(2, send_slots=-1))
 
 
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
 def test_a_protocol_mutant_is_named_and_needs_a_device_transport(monkeypatch):
     """JAX_EP_TRANSPORT_MUTANT (tests only) reaches the C++ configuration by name; an unknown
     name is an error naming the variable and the known names, and a mutant without a device
@@ -336,6 +339,7 @@ def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_dige
         assert digests != mapped_normal_digests, f"{mutant} survived seed {seed}: the mapped bits"
 
 
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
 def test_the_nvshmem_device_transport_loads_where_it_is_built():
     """The NVSHMEM device transport's kernels are a plugin (libjax_ep_nvshmem.so): jax_ep._C
     imports without NVSHMEM, and where NVSHMEM was found at build time the plugin loads after
