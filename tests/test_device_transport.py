@@ -167,7 +167,9 @@ def _nvshmem_env():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["mapped", "emulated", "nvshmem"])
+@pytest.mark.parametrize("transport", [pytest.param("mapped", marks=pytest.mark.stress),
+                                       "emulated",
+                                       pytest.param("nvshmem", marks=pytest.mark.stress)])
 def test_low_latency_ops_over_a_device_transport(transport):
     """Over NVSHMEM's device API the process is one PE whose puts reach itself (issue 20: the
     NVSHMEM build forced onto its put path for peers that do have a mapping)."""
@@ -182,8 +184,10 @@ def test_low_latency_ops_over_a_device_transport(transport):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("transport", "seed"),
-                         [("mapped", 0), ("emulated", 7), ("emulated", 8), ("emulated", 9),
-                          ("nvshmem", 0)])
+                         [pytest.param("mapped", 0, marks=pytest.mark.stress), ("emulated", 7),
+                          pytest.param("emulated", 8, marks=pytest.mark.stress),
+                          pytest.param("emulated", 9, marks=pytest.mark.stress),
+                          pytest.param("nvshmem", 0, marks=pytest.mark.stress)])
 def test_normal_ops_over_a_device_transport(transport, seed):
     """The normal-mode suite in a child process per transport (and per emulator seed). Its
     ranks are the GPUs of one process: on one GPU a single rank, whose transport carries the
@@ -246,6 +250,7 @@ def mapped_normal_digests():
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 def test_emulated_transport_across_fake_hosts_moves_the_bits_of_the_reference(mapped_digests):
     """Two processes on one GPU, each a host of its own (launcher --fake-hosts 2), their
     low-latency ops over the emulated transport: under every seed (JAX_EP_TRANSPORT_SEEDS,
@@ -270,6 +275,7 @@ RESTAGING = {"JAX_EP_NORMAL_PUSH_BLOCKS": "1", "JAX_EP_NORMAL_SEND_SLOTS": "1"}
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 def test_normal_ops_across_fake_hosts_move_the_bits_of_the_stores_path(mapped_normal_digests):
     """The normal-mode ops (dispatch bf16 and fp8, combine, cached dispatch, layout, a gradient)
     of two processes on one GPU, as two hosts over the emulated transport: under every seed
@@ -295,6 +301,7 @@ CAUGHT_SIGNS = ("the emulated transport:", "longer than the timeout", "CUDA_ERRO
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 @pytest.mark.parametrize("mutant", ["no_fence", "signal_before_data", "unregistered_source",
                                     "no_final_quiet"])
 def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
@@ -315,6 +322,7 @@ def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 @pytest.mark.parametrize("mutant", ["signal_before_data", "reuse_before_quiet",
                                     "unregistered_source"])
 def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_digests, mutant):

@@ -92,6 +92,7 @@ def sequential_send_pos(idx, num_experts):
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 def test_plan_grid_shapes(rng):
     """The dispatch plan's grid (a block per 256 tokens, at most one per SM, more rounds per
     block past that) numbers rows as one sequential scan: T at block and round boundaries, up to

@@ -175,7 +175,8 @@ def test_chain_ties_every_send_to_the_previous_receive(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("command_buffers", ("default", "off"))
+@pytest.mark.parametrize("command_buffers", (
+    pytest.param("default", marks=pytest.mark.stress), "off"))
 def test_chain_of_16_pairs_with_and_without_command_buffers(rng, command_buffers):
     """The longest chain, every pattern, compiled with XLA's default command buffers and with
     them off (``xla_gpu_enable_command_buffer`` empty): the same bits as the fused ops."""
