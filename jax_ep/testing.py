@@ -238,3 +238,43 @@ def assert_combine_close(got, rows, recv_src, num_tokens, *, what="combine"):
     assert_sums_close(got, combine(rows, recv_src, num_tokens),
                       combine(np.abs(rows), recv_src, num_tokens), term_rtol=sum_rtol(most),
                       out_rtol=rounding_rtol(np.asarray(got).dtype), what=what)
+
+
+def assert_products_close(got, want, magnitude, num_terms, *, operand_rtol=0.0, dtype=None,
+                          what="product"):
+    """Matmul results (a grouped GEMM's value, dx or dw) per element (``assert_sums_close``):
+    ``want`` the product in float32 or wider, ``magnitude`` the same product of the operands'
+    absolute values (it grows with the ``num_terms`` each element sums). Each term carries
+    ``operand_rtol`` (e.g. a cotangent rounded to bfloat16, or ``want``'s own rounding) and the
+    float32 accumulation of ``num_terms`` (``sum_rtol``); the result one rounding to ``dtype``
+    (the product's, when ``got`` was cast after it; default ``got``'s)."""
+    got = np.asarray(got)
+    assert np.isfinite(got.astype(np.float64)).all(), f"{what}: non-finite values"
+    assert_sums_close(got, want, magnitude, term_rtol=operand_rtol + sum_rtol(num_terms),
+                      out_rtol=rounding_rtol(got.dtype if dtype is None else dtype), what=what)
+
+
+# A layer of products with a nonlinearity between them (an MoE layer, its experts' swiglu),
+# in `dtype` against its float32 reference on the same inputs, counted in roundings of `dtype`:
+# a term's own path (x, the weights, the gate and up products, the swiglu, the down product)
+# and, of each row's largest magnitude, what the inner products' cancelling sums leave.
+LAYER_TERM_ROUNDINGS = 4
+LAYER_ROW_ROUNDINGS = 8
+
+
+def assert_layer_close(got, want, magnitude=None, *, dtype, num_terms, what="layer"):
+    """A layer's output or gradient per element (``assert_sums_close``): ``magnitude`` the sum
+    of the absolute values of the terms summed last (a token's ``sum_k |gate_k *
+    expert_k(x)|``), ``|want|`` where there is no such sum; ``num_terms`` the longest sum
+    inside (hidden size, tokens of an expert). The tolerance is per element and per row,
+    never from the tensor's maximum: LAYER_TERM_ROUNDINGS roundings to ``dtype`` of the
+    element's magnitude, LAYER_ROW_ROUNDINGS of its row's largest magnitude, and ``sum_rtol``
+    of ``num_terms`` float32 additions of both."""
+    got = np.asarray(got)
+    assert np.isfinite(got.astype(np.float64)).all(), f"{what}: non-finite values"
+    want = np.asarray(want, np.float64)
+    magnitude = np.abs(want) if magnitude is None else magnitude
+    unit, accumulation = rounding_rtol(dtype), sum_rtol(num_terms)
+    assert_sums_close(got, want, magnitude, term_rtol=LAYER_TERM_ROUNDINGS * unit + accumulation,
+                      out_rtol=unit, row_rtol=LAYER_ROW_ROUNDINGS * unit + accumulation,
+                      what=what)
