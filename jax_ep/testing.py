@@ -6,6 +6,7 @@ Arrays here are *global*: a leading ``[R]`` axis holds every rank's per-rank arr
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 # ------------------------------------------------------------------------------------ routing
@@ -177,25 +178,42 @@ F32_SUM_RTOL = 2.0**-20   # float32 accumulation of a few terms, in any order
 FP8_TERM_RTOL = 1.5 * 2.0**-3 + 2.0**-8
 
 
+ROW_FLOOR_RTOL = 2.0**-16  # of a row's largest magnitude: results that cancel to ~0
+
+
+def rounding_rtol(dtype):
+    """Half an ulp, relative: one rounding to ``dtype`` (2^-8 for bfloat16, 2^-24 for
+    float32)."""
+    return float(ml_dtypes.finfo(dtype).eps) / 2
+
+
+def sum_rtol(num_terms, dtype=np.float32):
+    """Error of a sum of ``num_terms`` terms accumulated in ``dtype`` in any order, per unit
+    of the terms' absolute sum: twice the classic ``n * eps / 2`` bound, for accumulators
+    (tensor cores) that round less often than every addition. 2^-20 (F32_SUM_RTOL) at 8
+    float32 terms."""
+    return max(int(num_terms), 1) * float(ml_dtypes.finfo(dtype).eps)
+
+
 def assert_sums_close(got, want, magnitude, *, term_rtol=F32_SUM_RTOL,
-                      out_rtol=BF16_OUT_RTOL, what="sum"):
+                      out_rtol=BF16_OUT_RTOL, row_rtol=ROW_FLOOR_RTOL, what="sum"):
     """Checks every element of a weighted sum against its own tolerance.
 
     ``want[..., H]`` is the exact sum ``sum_i w_i * y_i`` of each element and
     ``magnitude[..., H]`` the sum of its terms' absolute values ``sum_i |w_i * y_i|`` (the
     oracle run on ``abs(w)``, ``abs(y)``; it grows with the number of summed terms). Element
     ``j`` passes when ``|got - want| <= out_rtol * |want| + term_rtol * magnitude +
-    2^-16 * max(magnitude of j's row)``: rounding of the result, rounding of each term (e.g.
-    an fp8 cast of every row), and a floor from the row's own scale for results that cancel
-    to ~0 (the rows of one token, never the maximum of the whole tensor: an error in small
-    channels is not hidden by large ones elsewhere). Raises AssertionError naming the worst
-    element.
+    row_rtol * max(magnitude of j's row)``: rounding of the result, rounding of each term
+    (e.g. an fp8 cast of every row, or sum_rtol of its accumulation), and a floor from the
+    row's own scale for results that cancel to ~0 (the rows of one token, never the maximum
+    of the whole tensor: an error in small channels is not hidden by large ones elsewhere).
+    Raises AssertionError naming the worst element.
     """
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     magnitude = np.asarray(magnitude, np.float64)
     assert got.shape == want.shape == magnitude.shape, (got.shape, want.shape, magnitude.shape)
-    row_floor = 2.0**-16 * magnitude.max(axis=-1, keepdims=True) if got.size else 0.0
+    row_floor = row_rtol * magnitude.max(axis=-1, keepdims=True) if got.size else 0.0
     tol = out_rtol * np.abs(want) + term_rtol * magnitude + row_floor
     excess = np.abs(got - want) - tol
     bad = ~(excess <= 0)  # NaN counts as bad
@@ -206,3 +224,57 @@ def assert_sums_close(got, want, magnitude, *, term_rtol=F32_SUM_RTOL,
             f"{what}: {int(bad.sum())} of {bad.size} elements outside their tolerance; worst "
             f"at {tuple(int(i) for i in worst)}: got {got[worst]!r}, want {want[worst]!r}, "
             f"tolerance {tol[worst]!r}")
+
+
+def assert_combine_close(got, rows, recv_src, num_tokens, *, what="combine"):
+    """Normal-mode combine ``got [R, T, ...]`` against the sums of the rows it combines
+    (``rows [R, C, ...]``, their sources ``recv_src [R, C]``), per element
+    (``assert_sums_close``): each row is a term, summed in float32 (``sum_rtol`` of the most
+    rows of one token), the result rounded once to ``got``'s dtype."""
+    rows = np.asarray(rows).astype(np.float64)
+    recv_src = np.asarray(recv_src)
+    sources = recv_src[recv_src >= 0]
+    most = int(np.bincount(sources).max()) if sources.size else 1
+    assert_sums_close(got, combine(rows, recv_src, num_tokens),
+                      combine(np.abs(rows), recv_src, num_tokens), term_rtol=sum_rtol(most),
+                      out_rtol=rounding_rtol(np.asarray(got).dtype), what=what)
+
+
+def assert_products_close(got, want, magnitude, num_terms, *, operand_rtol=0.0, dtype=None,
+                          what="product"):
+    """Matmul results (a grouped GEMM's value, dx or dw) per element (``assert_sums_close``):
+    ``want`` the product in float32 or wider, ``magnitude`` the same product of the operands'
+    absolute values (it grows with the ``num_terms`` each element sums). Each term carries
+    ``operand_rtol`` (e.g. a cotangent rounded to bfloat16, or ``want``'s own rounding) and the
+    float32 accumulation of ``num_terms`` (``sum_rtol``); the result one rounding to ``dtype``
+    (the product's, when ``got`` was cast after it; default ``got``'s)."""
+    got = np.asarray(got)
+    assert np.isfinite(got.astype(np.float64)).all(), f"{what}: non-finite values"
+    assert_sums_close(got, want, magnitude, term_rtol=operand_rtol + sum_rtol(num_terms),
+                      out_rtol=rounding_rtol(got.dtype if dtype is None else dtype), what=what)
+
+
+# A layer of products with a nonlinearity between them (an MoE layer, its experts' swiglu),
+# in `dtype` against its float32 reference on the same inputs, counted in roundings of `dtype`:
+# a term's own path (x, the weights, the gate and up products, the swiglu, the down product)
+# and, of each row's largest magnitude, what the inner products' cancelling sums leave.
+LAYER_TERM_ROUNDINGS = 4
+LAYER_ROW_ROUNDINGS = 8
+
+
+def assert_layer_close(got, want, magnitude=None, *, dtype, num_terms, what="layer"):
+    """A layer's output or gradient per element (``assert_sums_close``): ``magnitude`` the sum
+    of the absolute values of the terms summed last (a token's ``sum_k |gate_k *
+    expert_k(x)|``), ``|want|`` where there is no such sum; ``num_terms`` the longest sum
+    inside (hidden size, tokens of an expert). The tolerance is per element and per row,
+    never from the tensor's maximum: LAYER_TERM_ROUNDINGS roundings to ``dtype`` of the
+    element's magnitude, LAYER_ROW_ROUNDINGS of its row's largest magnitude, and ``sum_rtol``
+    of ``num_terms`` float32 additions of both."""
+    got = np.asarray(got)
+    assert np.isfinite(got.astype(np.float64)).all(), f"{what}: non-finite values"
+    want = np.asarray(want, np.float64)
+    magnitude = np.abs(want) if magnitude is None else magnitude
+    unit, accumulation = rounding_rtol(dtype), sum_rtol(num_terms)
+    assert_sums_close(got, want, magnitude, term_rtol=LAYER_TERM_ROUNDINGS * unit + accumulation,
+                      out_rtol=unit, row_rtol=LAYER_ROW_ROUNDINGS * unit + accumulation,
+                      what=what)

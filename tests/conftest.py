@@ -64,17 +64,53 @@ def gpu_devices():
         return []
 
 
-def require_gpus(count=1):
-    """Skips (saying why) unless jax sees `count` GPUs. Fails when it sees a GPU but jax_ep._C
-    is missing or cannot load: on a GPU machine the GPU suite must not pass by skipping."""
-    gpus = gpu_devices()
-    if len(gpus) < count:
-        pytest.skip(f"needs {count} CUDA GPU(s), jax sees {len(gpus)}")
+# Where CMake's check_language(CUDA) finds nvcc besides PATH and CUDACXX (CI adds it to PATH).
+NVCC_DIRS = ("/usr/local/cuda/bin",)
+
+
+def find_nvcc():
+    """The nvcc a build here would use (CUDACXX, PATH, then NVCC_DIRS), or None."""
+    candidates = [os.environ.get("CUDACXX"), shutil.which("nvcc")]
+    candidates += [os.path.join(d, "nvcc") for d in NVCC_DIRS]
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)),
+                None)
+
+
+def require_extension():
+    """jax_ep._C, by the suite's one rule for a missing extension. Where nvcc is found (the
+    build compiles _C wherever it finds nvcc) or jax sees a GPU, a missing or unloadable _C
+    FAILS the test: a broken build must not pass as skipped tests. Elsewhere it skips, saying
+    why."""
     from jax_ep.backends import cuda as _cuda
 
     module, reason = _cuda.load_extension()
-    if module is None:
-        pytest.fail(f"jax sees {len(gpus)} GPU(s) but {reason}")
+    if module is not None:
+        return module
+    nvcc, gpus = find_nvcc(), gpu_devices()
+    if nvcc is None and not gpus:
+        pytest.skip(f"{reason}; no nvcc and no GPU here to build or run it")
+    seen = f"nvcc is at {nvcc}" if nvcc else f"jax sees {len(gpus)} GPU(s)"
+    import jax_ep
+
+    pytest.fail(f"{seen} but {reason} (jax_ep imported from "
+                f"{os.path.dirname(jax_ep.__file__)}): build it with `pip install -e .`; run "
+                "`pytest`, not `python -m pytest`, which puts the uncompiled source tree first")
+
+
+@pytest.fixture
+def extension():
+    """jax_ep._C for tests that need it (``require_extension``'s rule)."""
+    return require_extension()
+
+
+def require_gpus(count=1):
+    """Skips (saying why) unless jax sees `count` GPUs. Fails when it sees a GPU but jax_ep._C
+    is missing or cannot load (``require_extension``): on a GPU machine the GPU suite must not
+    pass by skipping."""
+    gpus = gpu_devices()
+    if len(gpus) < count:
+        pytest.skip(f"needs {count} CUDA GPU(s), jax sees {len(gpus)}")
+    require_extension()
     return gpus
 
 

@@ -66,6 +66,7 @@ def test_the_reference_backend_reports_no_transport_errors():
     buf.check()
 
 
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
 def test_the_workspace_holds_the_transports_area():
     module, reason = cuda.load_extension()
     if module is None:
@@ -92,6 +93,7 @@ def test_the_workspace_holds_the_transports_area():
     assert mapped - stores >= send_region + 2 * 2 * 4 * 2 * 8 * 512
 
 
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
 def test_what_a_device_transport_does_not_carry_is_refused_by_name():
     """A negative slot count is no count, and NVSHMEM's device transport needs the symmetric
     heap: each is refused before any device is touched, naming why. NVSHMEM's device transport
@@ -113,14 +115,13 @@ def test_what_a_device_transport_does_not_carry_is_refused_by_name():
         module.create_buffer(2**40, [[0, 1]], config(2, send_slots=-1))
 
 
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
 def test_a_protocol_mutant_is_the_test_modules_and_needs_the_emulated_transport():
     """Protocol mutants are set by the test module (jax_ep._C_testing) on a Buffer after its
     creation: the user's configuration carries none. An unknown name is an error naming the
     known ones; a mutant without a device transport, over another than the emulated one, or
     no_fence on a Buffer without the low-latency kernels is refused, naming why."""
-    module, reason = cuda.load_extension()
-    if module is None:
-        pytest.skip(f"the CUDA extension is not built here: {reason}")
+    module, _ = cuda.load_extension()
     from jax_ep import _C_testing  # noqa: PLC0415
 
     assert not hasattr(module.BufferConfig(), "transport_mutant")
@@ -165,7 +166,9 @@ def _nvshmem_env():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["mapped", "emulated", "nvshmem"])
+@pytest.mark.parametrize("transport", [pytest.param("mapped", marks=pytest.mark.stress),
+                                       "emulated",
+                                       pytest.param("nvshmem", marks=pytest.mark.stress)])
 def test_low_latency_ops_over_a_device_transport(transport):
     """Over NVSHMEM's device API the process is one PE whose puts reach itself (issue 20: the
     NVSHMEM build forced onto its put path for peers that do have a mapping)."""
@@ -180,8 +183,10 @@ def test_low_latency_ops_over_a_device_transport(transport):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("transport", "seed"),
-                         [("mapped", 0), ("emulated", 7), ("emulated", 8), ("emulated", 9),
-                          ("nvshmem", 0)])
+                         [pytest.param("mapped", 0, marks=pytest.mark.stress), ("emulated", 7),
+                          pytest.param("emulated", 8, marks=pytest.mark.stress),
+                          pytest.param("emulated", 9, marks=pytest.mark.stress),
+                          pytest.param("nvshmem", 0, marks=pytest.mark.stress)])
 def test_normal_ops_over_a_device_transport(transport, seed):
     """The normal-mode suite in a child process per transport (and per emulator seed). Its
     ranks are the GPUs of one process: on one GPU a single rank, whose transport carries the
@@ -245,6 +250,7 @@ def mapped_normal_digests():
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 def test_emulated_transport_across_fake_hosts_moves_the_bits_of_the_reference(mapped_digests):
     """Two processes on one GPU, each a host of its own (launcher --fake-hosts 2), their
     low-latency ops over the emulated transport: under every seed (JAX_EP_TRANSPORT_SEEDS,
@@ -269,6 +275,7 @@ RESTAGING = {"JAX_EP_NORMAL_PUSH_BLOCKS": "1", "JAX_EP_NORMAL_SEND_SLOTS": "1"}
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 def test_normal_ops_across_fake_hosts_move_the_bits_of_the_stores_path(mapped_normal_digests):
     """The normal-mode ops (dispatch bf16 and fp8, combine, cached dispatch, layout, a gradient)
     of two processes on one GPU, as two hosts over the emulated transport: under every seed
@@ -307,6 +314,7 @@ def _caught_evidence(output):
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 @pytest.mark.parametrize("mutant", ["no_fence", "signal_before_data", "unregistered_source",
                                     "no_final_quiet"])
 def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
@@ -327,6 +335,7 @@ def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 @pytest.mark.parametrize("mutant", ["signal_before_data", "reuse_before_quiet",
                                     "unregistered_source"])
 def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_digests, mutant):
@@ -351,6 +360,7 @@ def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_dige
         assert digests != mapped_normal_digests, f"{mutant} survived seed {seed}: the mapped bits"
 
 
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
 def test_the_nvshmem_device_transport_loads_where_it_is_built():
     """The NVSHMEM device transport's kernels are a plugin (libjax_ep_nvshmem.so): jax_ep._C
     imports without NVSHMEM, and where NVSHMEM was found at build time the plugin loads after

@@ -80,6 +80,7 @@ PAIR_SELECTION = "not test_gradients_through_send_and_recv_equal_fused"
 PAIR_SELECTION_EMULATED = PAIR_SELECTION + " and not plan_grid_shapes"
 
 
+@pytest.mark.stress  # ~90 s each on one H200
 @pytest.mark.parametrize("hosts", ["one_host", "two_fake_hosts"])
 def test_the_op_suite_passes_in_both_processes_of_a_pair_on_one_gpu(hosts):
     """2 ranks on one GPU (launcher --processes-per-gpu 2), each process running the op tests

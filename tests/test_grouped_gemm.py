@@ -23,18 +23,18 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import moe
+from jax_ep import testing as oracle
 from jax_ep.moe import grouped_gemm
 
 NUM_DEVICES = 8
-# bf16 comparisons: |got - want| <= BF16_TOL * (max|want| + |want|).
-BF16_TOL = 2e-2
+BF16_RTOL = oracle.rounding_rtol(jnp.bfloat16)
 
 
-def _assert_bf16_close(got, want, name):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.isfinite(got).all(), f"{name}: non-finite values"
-    scale = max(float(np.abs(want).max()), 1e-6)
-    np.testing.assert_allclose(got, want, rtol=BF16_TOL, atol=BF16_TOL * scale, err_msg=name)
+def _assert_layer_close(got, want, name, magnitude=None, num_terms=1024):
+    """bfloat16 layer results (swiglu experts, the MoE layer) per element and row
+    (``oracle.assert_layer_close``; no sum here is longer than 1024 terms)."""
+    oracle.assert_layer_close(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                              magnitude, dtype=jnp.bfloat16, num_terms=num_terms, what=name)
 
 
 def _reference_product(library, product, a, b, group_sizes):
@@ -87,16 +87,35 @@ def _reference_value_and_grads(x, w, sizes, ct):
         sizes, ct)
 
 
-def _check_library_matmul(matmul, rng, num_rows, sizes, k, m):
+def _check_products(matmul, got, want, magnitude, sizes, k, m):
+    """Value, dx and dw of a bfloat16 grouped GEMM against float32 (``want``) per element:
+    each sums k, m and a group's rows of terms (``magnitude``: the same products of absolute
+    values); the gradients' terms carry the cotangent's rounding to bfloat16."""
+    (y, (dx, dw)), used = got, int(np.sum(sizes))
+    (want_y, (want_dx, want_dw)), (mag_y, (mag_dx, mag_dw)) = want, magnitude
+    oracle.assert_products_close(y, want_y, mag_y, k, dtype=jnp.bfloat16,
+                                 what=f"{matmul} value")
+    oracle.assert_products_close(dx[:used], want_dx[:used], mag_dx[:used], m,
+                                 operand_rtol=BF16_RTOL, what=f"{matmul} dx")
+    oracle.assert_products_close(dw, want_dw, mag_dw, max(np.asarray(sizes).max(), 1),
+                                 operand_rtol=BF16_RTOL, what=f"{matmul} dw")
+
+
+def _library_products(matmul, rng, num_rows, sizes, k, m):
+    """``(got, want, magnitude, sizes)`` of `matmul`'s value and gradients (see
+    _check_products)."""
     x, w, sizes, ct = _operands(rng, num_rows, sizes, k, m)
-    y, (dx, dw) = _matmul_value_and_grads(
+    got = _matmul_value_and_grads(
         functools.partial(grouped_gemm.library_matmul, matmul=matmul), x, w, sizes, ct)
-    want_y, (want_dx, want_dw) = _reference_value_and_grads(x, w, sizes, ct)
-    assert dx.dtype == x.dtype and dw.dtype == w.dtype
-    used = int(np.sum(sizes))
-    _assert_bf16_close(y, want_y, f"{matmul} value")
-    _assert_bf16_close(dx[:used], want_dx[:used], f"{matmul} dx")
-    _assert_bf16_close(dw, want_dw, f"{matmul} dw")
+    assert got[1][0].dtype == x.dtype and got[1][1].dtype == w.dtype
+    want = _reference_value_and_grads(x, w, sizes, ct)
+    magnitude = _reference_value_and_grads(abs(x), abs(w), sizes, abs(ct))
+    return jax.tree.map(np.asarray, (got, want, magnitude)), sizes
+
+
+def _check_library_matmul(matmul, rng, num_rows, sizes, k, m):
+    (got, want, magnitude), sizes = _library_products(matmul, rng, num_rows, sizes, k, m)
+    _check_products(matmul, got, want, magnitude, sizes, k, m)
 
 
 # ---------------------------------------------------------------------------- selection
@@ -178,6 +197,45 @@ def test_library_matmul_rejects_bad_arguments(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- plumbing on CPU
+def test_product_check_catches_kernel_like_mutations(reference_kernels):
+    """The per-element check of the grouped GEMMs (``oracle.assert_products_close``) passes
+    the bfloat16 products and fails kernel-like mutations: in the value (a) half a row zeroed,
+    (b) one term of a row's sums left out (a k index skipped), (c) output columns 128-255
+    negated; in dw (d) one row of a group left out (a group boundary off by one). Columns
+    128-255 of the weights are 100x smaller: the former check (2% of the tensor's maximum)
+    lets (c) through."""
+    rng = np.random.default_rng(7)
+    num_rows, sizes, k, m = 96, [20, 0, 41, 9, 13], 256, 256
+    x, w, sizes, ct = _operands(rng, num_rows, sizes, k, m)
+    w = w.at[..., 128:].multiply(0.01)
+    matmul = functools.partial(grouped_gemm.library_matmul, matmul="mosaic")
+    got = jax.tree.map(np.asarray, _matmul_value_and_grads(matmul, x, w, sizes, ct))
+    want = _reference_value_and_grads(x, w, sizes, ct)
+    magnitude = _reference_value_and_grads(abs(x), abs(w), sizes, abs(ct))
+
+    def check(y=got[0], dw=got[1][1]):
+        _check_products("mosaic", (y, (got[1][0], dw)), want, magnitude, sizes, k, m)
+
+    check()
+    y, dw = got[0], got[1][1]
+    x32, w32, ct32 = (np.asarray(a, np.float32) for a in (x, w, ct))
+    half_row = y.copy()
+    half_row[25, m // 2:] = 0  # a row of group 2 (rows 20-60)
+    dropped_term = y.copy()
+    j = np.argmax(np.abs(x32[25]) * np.abs(w32[2]).max(1))  # the largest term of row 25
+    dropped_term[25] -= x32[25, j] * w32[2, j]
+    negated = y.copy()
+    negated[:, 128:256] = -negated[:, 128:256]
+    dropped_row = dw.copy()
+    dropped_row[2] -= np.outer(x32[60], ct32[60].astype(jnp.bfloat16).astype(np.float32))
+    for mutated in (dict(y=half_row), dict(y=dropped_term), dict(y=negated),
+                    dict(dw=dropped_row)):
+        with pytest.raises(AssertionError, match="outside their tolerance"):
+            check(**mutated)
+    np.testing.assert_allclose(negated, want[0], rtol=2e-2,  # the former check
+                               atol=2e-2 * np.abs(want[0]).max())
+
+
 @pytest.mark.parametrize("matmul", sorted(grouped_gemm.LIBRARY_MATMULS))
 def test_library_matmul_plumbing(matmul, reference_kernels):
     rng = np.random.default_rng(1)
@@ -192,6 +250,8 @@ def test_swiglu_library_masks_rows_past_the_groups(reference_kernels):
     x = jnp.asarray(rng.normal(size=(num_rows, hidden)), jnp.float32).at[82:].set(0.0)
     weights = [jnp.asarray(rng.normal(size=s) * s[1]**-0.5, jnp.float32) for s in
                ((5, hidden, ffn), (5, hidden, ffn), (5, ffn, hidden))]
+    # bfloat16-representable: both runs compute the same function of the same inputs
+    x, *weights = (a.astype(jnp.bfloat16).astype(jnp.float32) for a in (x, *weights))
     ct = jnp.asarray(rng.normal(size=(num_rows, hidden)), jnp.float32)
 
     def run(matmul, dtype):
@@ -206,21 +266,25 @@ def test_swiglu_library_masks_rows_past_the_groups(reference_kernels):
     (_, want_y), want_grads = run("ragged_dot", jnp.float32)
     assert y.dtype == jnp.bfloat16
     assert not np.asarray(y[82:], np.float32).any()  # rows past the groups: exactly zero
-    _assert_bf16_close(y, want_y, "value")
+    _assert_layer_close(y, want_y, "value")
     for name, g, want in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, want_grads,
                              strict=True):
         if name == "dx":  # rows past the groups: unspecified (no consumer reads them)
             g, want = g[:82], want[:82]
-        _assert_bf16_close(g, want, name)
+        _assert_layer_close(g, want, name)
 
 
-def _dense_moe(x, topk_idx, topk_weights, w_gate, w_up, w_down):
+def _dense_moe(x, topk_idx, topk_weights, w_gate, w_up, w_down, magnitude=False):
     """Every token through every expert, gated by its top-k (the oracle; float32 in, highest
-    precision)."""
+    precision). ``magnitude``: the sum of the absolute values of each token's terms instead,
+    ``sum_k |weight_k * expert_k(x)|``."""
     dot = functools.partial(jnp.einsum, precision="highest")
     gates = jnp.einsum("tk,tke->te", topk_weights, jax.nn.one_hot(topk_idx, w_gate.shape[0]))
     h = jax.nn.silu(dot("th,ehf->tef", x, w_gate)) * dot("th,ehf->tef", x, w_up)
-    return jnp.einsum("te,teh->th", gates, dot("tef,efh->teh", h, w_down))
+    y = dot("tef,efh->teh", h, w_down)
+    if magnitude:
+        return dot("te,teh->th", jnp.abs(gates), jnp.abs(y))
+    return dot("te,teh->th", gates, y)
 
 
 def _check_moe_layer(mesh, backend, matmul, experts, topk, tokens_per_rank, hidden, ffn, seed):
@@ -263,11 +327,17 @@ def _check_moe_layer(mesh, backend, matmul, experts, topk, tokens_per_rank, hidd
 
     got_grads, got_y = grads(ep, jnp.bfloat16)
     want_grads, want_y = grads(_dense_moe, jnp.float32)
+    magnitude = _dense_moe(params["x"], topk_idx, topk_weights, params["w_gate"],
+                           params["w_up"], params["w_down"], magnitude=True)
     buf.close()
     assert float(jnp.abs(want_y).max()) > 0.1
-    _assert_bf16_close(got_y, want_y, f"{matmul} EP={mesh.shape['ep']} output")
+    # the longest sums: a product's hidden size, an expert's tokens (weight gradients)
+    num_terms = max(hidden, ffn, num_tokens)
+    _assert_layer_close(got_y, want_y, f"{matmul} EP={mesh.shape['ep']} output",
+                        magnitude=np.asarray(magnitude), num_terms=num_terms)
     for name in params:
-        _assert_bf16_close(got_grads[name], want_grads[name], f"{matmul} gradient {name}")
+        _assert_layer_close(got_grads[name], want_grads[name], f"{matmul} gradient {name}",
+                            num_terms=num_terms)
 
 
 @pytest.mark.parametrize("matmul", ["tiled", "mosaic"])
@@ -302,10 +372,10 @@ def test_gate_and_up_in_one_weight_is_the_same_function(matmul, reference_kernel
         jnp.concatenate([w_gate, w_up], axis=2), None, w_down)
     if matmul != "tiled":
         assert (split_products, len(products)) == (9, 6), (split_products, products)
-    _assert_bf16_close(y1, y, f"{matmul} value")
-    _assert_bf16_close(dx1[:82], dx[:82], f"{matmul} dx")  # rows past the groups unspecified
-    _assert_bf16_close(dw_gate_up, jnp.concatenate([dw_gate, dw_up], axis=2), f"{matmul} dw")
-    _assert_bf16_close(dw_down1, dw_down, f"{matmul} dw_down")
+    _assert_layer_close(y1, y, f"{matmul} value")
+    _assert_layer_close(dx1[:82], dx[:82], f"{matmul} dx")  # rows past the groups unspecified
+    _assert_layer_close(dw_gate_up, jnp.concatenate([dw_gate, dw_up], axis=2), f"{matmul} dw")
+    _assert_layer_close(dw_down1, dw_down, f"{matmul} dw_down")
     with pytest.raises(ValueError, match="side by side"):
         moe.swiglu_experts(x, sizes, w_gate, None, w_down, matmul=matmul)
 

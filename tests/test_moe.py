@@ -26,6 +26,7 @@ from jax.test_util import check_grads
 
 import jax_ep
 from jax_ep import moe
+from jax_ep import testing as oracle
 from jax_ep.moe import tiled_matmul
 
 NUM_DEVICES = 8
@@ -220,11 +221,15 @@ def _grouped_operands(case, dtype, k=24, m=40):
     return x, w, jnp.asarray(sizes, jnp.int32), ct, tile
 
 
-def _assert_close(got, want, tol, name):
+def _assert_products_close(got, want, magnitude, num_terms, name):
+    """Two grouped matmuls of the same inputs per element (``oracle.assert_products_close``):
+    ``magnitude`` the product of the absolute values; each sums at most ``num_terms`` in float32
+    in its own order and rounds to its dtype (``want``'s rounding counts per term)."""
     assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype)
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(np.abs(want).max(), 1e-6),
-                               err_msg=name)
+    as_rows = functools.partial(np.atleast_1d)  # a scalar (the loss) is a row of one
+    oracle.assert_products_close(as_rows(np.asarray(got)), as_rows(np.asarray(want, np.float64)),
+                                 as_rows(np.asarray(magnitude, np.float64)), num_terms,
+                                 operand_rtol=oracle.rounding_rtol(got.dtype), what=name)
 
 
 # Every group layout with both chunkings (the scan over chunks is where layouts and chunks
@@ -248,9 +253,8 @@ def test_grouped_matmul_matches_ragged_dot(case, dtype, chunk_items, monkeypatch
         monkeypatch.setattr(tiled_matmul, "_CHUNK_BYTES", chunk_items * 4 * w.shape[1] * w.shape[2])
     # Same products in float32 either way: only the summation order of dw's partial sums differs
     # (float32 rounding); bfloat16 gradients may then round one ulp apart.
-    tol = 1e-5 if dtype == jnp.float32 else 8e-3
 
-    def value_and_grads(matmul):
+    def value_and_grads(matmul, x=x, w=w, ct=ct):
         def loss(x, w):
             y = matmul(x, w, sizes, precision="highest", preferred_element_type=jnp.float32)
             return jnp.sum(y * ct), y
@@ -259,11 +263,14 @@ def test_grouped_matmul_matches_ragged_dot(case, dtype, chunk_items, monkeypatch
 
     (loss, y), (dx, dw) = value_and_grads(functools.partial(moe.grouped_matmul, tile=tile))
     (want_loss, want_y), (want_dx, want_dw) = value_and_grads(jax.lax.ragged_dot)
+    (mag_loss, mag_y), (mag_dx, mag_dw) = value_and_grads(jax.lax.ragged_dot, abs(x), abs(w),
+                                                           abs(ct))
     assert y.dtype == jnp.float32
-    _assert_close(y, want_y, 1e-5, "value")
-    _assert_close(loss, want_loss, 1e-5, "loss")
-    _assert_close(dx, want_dx, tol, "dx")
-    _assert_close(dw, want_dw, tol, "dw")
+    (n, k), m = x.shape, w.shape[2]  # each sums: k terms, the loss n * m of them, dx m, dw n
+    _assert_products_close(y, want_y, mag_y, k, "value")
+    _assert_products_close(loss, want_loss, mag_loss, n * m + k, "loss")
+    _assert_products_close(dx, want_dx, mag_dx, m, "dx")
+    _assert_products_close(dw, want_dw, mag_dw, n, "dw")
     np.testing.assert_allclose(np.asarray(y), _np_grouped_matmul(np.asarray(x, np.float32),
                                                                  np.asarray(w, np.float32),
                                                                  GROUPED_CASES[case][0]),
@@ -280,7 +287,8 @@ def test_grouped_matmul_default_result_dtype(dtype):
     x, w, sizes, _, tile = _grouped_operands("tiny_groups_share_tiles", dtype)
     got = moe.grouped_matmul(x, w, sizes, tile=tile)
     want = jax.lax.ragged_dot(x, w, sizes)
-    _assert_close(got, want, 1e-5 if dtype == jnp.float32 else 8e-3, "value")
+    magnitude = jax.lax.ragged_dot(abs(x).astype(jnp.float32), abs(w).astype(jnp.float32), sizes)
+    _assert_products_close(got, want, magnitude, x.shape[1], "value")
     grads = jax.grad(lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, tile=tile)
                                           .astype(jnp.float32)), argnums=(0, 1))(x, w)
     assert [g.dtype for g in grads] == [dtype, dtype]
@@ -351,24 +359,27 @@ def test_swiglu_experts_tiled_equals_ragged_dot(dtype):
 
     (_, y), grads = run("tiled")
     (_, want_y), want_grads = run("ragged_dot")
-    tol = 1e-5 if dtype == jnp.float32 else 8e-3
-    _assert_close(y, want_y, tol, "value")
-    for name, g, want in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, want_grads,
-                             strict=True):
-        _assert_close(g, want, tol, name)
+    for name, g, want in zip(("value", "dx", "dw_gate", "dw_up", "dw_down"), (y, *grads),
+                             (want_y, *want_grads), strict=True):
+        assert g.dtype == want.dtype, (name, g.dtype, want.dtype)
+        oracle.assert_layer_close(np.asarray(g, np.float32), np.asarray(want, np.float32),
+                                  dtype=dtype, num_terms=num_rows, what=name)
     with pytest.raises(ValueError, match="matmul"):
         moe.swiglu_experts(x, sizes, *weights, matmul="dense")
 
 
 # ---------------------------------------------------------------------------- MoE layer vs dense
-def _dense_moe_layer(x, w_router, w_gate, w_up, w_down, topk):
-    """All experts on one device, every token through every expert, gated by its top-k."""
+def _dense_moe_layer(x, w_router, w_gate, w_up, w_down, topk, terms=False):
+    """All experts on one device, every token through every expert, gated by its top-k.
+    ``terms``: ``gates [T, E] * expert outputs [T, E, H]``, the terms each token sums."""
     probs = jax.nn.softmax(x @ w_router, axis=-1)
     vals, idx = jax.lax.top_k(probs, topk)
     vals = vals / vals.sum(-1, keepdims=True)
     gates = jnp.einsum("tk,tke->te", vals, jax.nn.one_hot(idx, w_router.shape[1]))
     h = jax.nn.silu(jnp.einsum("th,ehf->tef", x, w_gate)) * jnp.einsum("th,ehf->tef", x, w_up)
     y_all = jnp.einsum("tef,efh->teh", h, w_down)
+    if terms:
+        return gates[..., None] * y_all
     return jnp.einsum("te,teh->th", gates, y_all)
 
 
@@ -437,7 +448,10 @@ def test_moe_layer_matches_dense(mesh_shape, experts, topk, matmul, chunked, mon
                                    err_msg=f"gradient w.r.t. {name}")
 
 
-def test_moe_ffn_bfloat16_forward():
+def _bfloat16_layer(small_tokens=0):
+    """``(y, terms)``: moe_ffn in bfloat16 on the reference backend, and the float32 dense
+    layer's terms ``[T, E, H]`` on the same tokens (y's oracle: their sum over E); the first
+    ``small_tokens`` tokens 16x smaller (their outputs ~100x)."""
     _require_devices()
     mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("ep",))
     tokens_per_rank, hidden, ffn, experts, topk = 8, 128, 32, 8, 2
@@ -453,10 +467,51 @@ def test_moe_ffn_bfloat16_forward():
 
     ep = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"), P(), P("ep"), P("ep"),
                                                            P("ep")), out_specs=P("ep")))
-    y = ep(p["x"].astype(jnp.bfloat16), p["w_router"], p["w_gate"], p["w_up"], p["w_down"])
+    x = p["x"].at[:small_tokens].multiply(1 / 16).astype(jnp.bfloat16)
+    y = ep(x, p["w_router"], p["w_gate"], p["w_up"], p["w_down"])
     assert y.dtype == jnp.bfloat16
-    want = _dense_moe_layer(p["x"], p["w_router"], p["w_gate"], p["w_up"], p["w_down"], topk)
-    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=0.05, atol=0.05)
+    terms = _dense_moe_layer(x.astype(jnp.float32), p["w_router"], p["w_gate"], p["w_up"],
+                             p["w_down"], topk, terms=True)
+    return np.asarray(y), np.asarray(terms, np.float64)
+
+
+def _assert_layer_matches_terms(y, terms, what="moe_ffn bfloat16"):
+    """Per element (``oracle.assert_layer_close``): the sum of a token's terms, each element's
+    tolerance from the sum of their absolute values and its row's largest."""
+    oracle.assert_layer_close(y.astype(np.float32), terms.sum(1), np.abs(terms).sum(1),
+                              dtype=jnp.bfloat16, num_terms=y.shape[-1], what=what)
+
+
+def test_moe_ffn_bfloat16_forward():
+    y, terms = _bfloat16_layer()
+    _assert_layer_matches_terms(y, terms)
+
+
+def test_layer_check_catches_kernel_like_mutations():
+    """The per-element check of the MoE layer fails kernel-like mutations of moe_ffn's output:
+    (a) half a row zeroed, (b) one expert's term left out of a token, (c) channels 64-127
+    negated in every row. Half the tokens are 16x smaller (outputs ~100x): the former check
+    (rtol = atol = 0.05) lets (a) and (b) through in their rows, and so would a tolerance from
+    the tensor's maximum."""
+    y, terms = _bfloat16_layer(small_tokens=32)  # of 64
+    _assert_layer_matches_terms(y, terms)
+    half_row = y.copy()
+    half_row[3, y.shape[1] // 2:] = 0
+    # (b) the larger term of a small token of two terms
+    summed = np.abs(terms).sum(-1)  # [T, E]
+    t = np.flatnonzero((summed > 0).sum(1) == 2)[0]
+    assert t < y.shape[0] // 2
+    e = np.argmax(summed[t])
+    dropped_term = y.copy()
+    dropped_term[t] = (y[t].astype(np.float64) - terms[t, e]).astype(y.dtype)
+    negated = y.copy()
+    negated[:, 64:128] = -negated[:, 64:128]
+    for mutated in (half_row, dropped_term, negated):
+        with pytest.raises(AssertionError, match="outside their tolerance"):
+            _assert_layer_matches_terms(mutated, terms)
+    for mutated in (half_row, dropped_term):  # the former check
+        np.testing.assert_allclose(mutated.astype(np.float32), terms.sum(1), rtol=0.05,
+                                   atol=0.05)
 
 
 def test_moe_ffn_rejects_wrong_expert_count():

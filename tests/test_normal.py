@@ -43,11 +43,48 @@ def assert_dispatch_matches(out, expected, num_tokens):
                                       exp["num_recv_tokens_per_expert"])
         np.testing.assert_array_equal(d.handle.recv_src[r], exp["recv_src"])
         np.testing.assert_array_equal(d.handle.send_pos[r], exp["send_pos"])
-    expected_y = oracle.combine(d.recv_x.astype(np.float32), d.handle.recv_src, num_tokens)
-    tol = 1e-5 if y.dtype == np.float32 else 1e-2
-    np.testing.assert_allclose(y.astype(np.float64), expected_y, rtol=tol, atol=tol)
-    expected_w = oracle.combine(d.recv_topk_weights, d.handle.recv_src, num_tokens)
-    np.testing.assert_allclose(y_w, expected_w, rtol=1e-6, atol=1e-6)
+    oracle.assert_combine_close(y, d.recv_x, d.handle.recv_src, num_tokens)
+    oracle.assert_combine_close(y_w, d.recv_topk_weights, d.handle.recv_src, num_tokens,
+                                what="combined weights")
+
+
+def test_combine_check_catches_kernel_like_mutations(rng):
+    """The per-element check of the normal combine (``oracle.assert_combine_close``) passes
+    the reference backend's combine and fails kernel-like mutations of it: (a) half a row
+    zeroed, (b) one rank's row left out of a token sent to several, (c) channels 128-255
+    negated in every row. The inputs' channels 128-255 are 10^4 x smaller than the rest (small
+    activations), where the former check (rtol = atol = 1e-2) lets (c) through."""
+    mesh = ep_mesh("xla")
+    R, T, H = mesh.shape["ep"], 16, 256
+    buf = make_buffer("xla", mesh, H, T, jnp.bfloat16)
+    idx, w = oracle.make_routing("with_minus_one", rng, R, T, E, K)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    x[..., 128:] *= 1e-4
+    x = x.astype(ml_dtypes.bfloat16)
+    d, y, _ = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
+
+    def check(out):
+        oracle.assert_combine_close(out, d.recv_x, d.handle.recv_src, T)
+
+    check(y)
+    # (a) a received token; (b) a row of a token that two or more ranks received
+    sources = np.concatenate([src[src >= 0] for src in d.handle.recv_src])
+    counts = np.bincount(sources, minlength=R * T)
+    half_row = y.copy()
+    s, t = divmod(int(np.flatnonzero(counts)[0]), T)
+    half_row[s, t, H // 2:] = 0
+    dropped_row = y.copy()
+    r, i = np.argwhere(np.isin(d.handle.recv_src, np.flatnonzero(counts > 1)))[0]
+    s, t = divmod(int(d.handle.recv_src[r, i]), T)
+    dropped_row[s, t] = (y[s, t].astype(np.float32)
+                         - d.recv_x[r, i].astype(np.float32)).astype(ml_dtypes.bfloat16)
+    negated = y.copy()
+    negated[..., 128:256] = -negated[..., 128:256]
+    for mutated in (half_row, dropped_row, negated):
+        with pytest.raises(AssertionError, match="outside their tolerance"):
+            check(mutated)
+    former = oracle.combine(d.recv_x.astype(np.float32), d.handle.recv_src, T)
+    np.testing.assert_allclose(negated.astype(np.float64), former, rtol=1e-2, atol=1e-2)
 
 
 # Every pair on the GPU; on CPU each routing once, the dtypes alternating (the reference's
@@ -92,6 +129,7 @@ def sequential_send_pos(idx, num_experts):
 
 
 @pytest.mark.gpu
+@pytest.mark.stress
 def test_plan_grid_shapes(rng):
     """The dispatch plan's grid (a block per 256 tokens, at most one per SM, more rounds per
     block past that) numbers rows as one sequential scan: T at block and round boundaries, up to
@@ -217,8 +255,7 @@ def test_capacity_overflow_is_reported(backend, rng):
     for r, exp in enumerate(expected):
         np.testing.assert_array_equal(d.recv_x[r], exp["recv_x"])
         np.testing.assert_array_equal(d.handle.recv_src[r], exp["recv_src"])
-    np.testing.assert_allclose(y.astype(np.float64),
-                               oracle.combine(d.recv_x, d.handle.recv_src, T), atol=1e-5)
+    oracle.assert_combine_close(y, d.recv_x, d.handle.recv_src, T)
     with pytest.raises(RuntimeError, match="capacity 3 overflowed"):
         buf.check()
     buf.check()  # reset after raising

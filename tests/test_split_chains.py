@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import ep_mesh, per_backend, require_gpus
 from harness import run_sharded, shard_spec
-from test_low_latency import E, K, make_buffer
+from test_low_latency import E, K, fp8_steps_apart, make_buffer, weighted_copies
 from test_low_latency_split import assert_split_calls_ordered, lowering_buffer, shard_map_body
 
 import jax_ep
@@ -41,11 +41,13 @@ def between(pattern, buf, x, idx, h, pending):
     return h, pending, None
 
 
-def chain(buf, n, pattern, split, with_combine=True):
+def chain(buf, n, pattern, split, with_combine=True, keep_counts=False):
     """Per-rank step over ``n`` micro-batches: dispatch, stand-in expert, combine, each op split
     into halves (``split``) or fused (the reference). Keeps the combined rows and, of every
-    dispatch, its received rows only. ``with_combine=False``: dispatches only (the combined rows
-    are then the expert's output summed over experts, computed by XLA)."""
+    dispatch, its received rows only (``keep_counts``: its recv_count too, last). Pair ``i``:
+    ``(recv_x, combined, [fused call's recv_count], [recv_count])``. ``with_combine=False``:
+    dispatches only (the combined rows are then the expert's output summed over experts,
+    computed by XLA)."""
 
     def step(x, idx, w):
         h = x[0].astype(jnp.float32)
@@ -81,7 +83,8 @@ def chain(buf, n, pattern, split, with_combine=True):
             else:
                 out = jax_ep.low_latency_combine(buf, y, idx[i], w[i], d.handle)
                 out = out.astype(jnp.float32)
-            outs.append((d.recv_x, out) if extra is None else (d.recv_x, out, extra))
+            extras = ([] if extra is None else [extra]) + ([d.recv_count] if keep_counts else [])
+            outs.append((d.recv_x, out, *extras))
             del d
         if pattern == "xla_between":
             outs.append(h)
@@ -113,6 +116,38 @@ def assert_chain_equal(got, want, x, idx, n, num_experts=E):
             np.testing.assert_array_equal(extra_got, extra_want)
 
 
+def assert_chain_matches_oracle(got, x, idx, w, n, num_experts=E, counts_at=()):
+    """Every pair of a chain against the NumPy oracle: the received rows up to each expert's
+    count (bf16 pairs bit for bit, fp8 pairs, the odd ones, within docs/api.md's one fp8 step),
+    the combined rows per element (``oracle.assert_sums_close``: the stand-in expert scales
+    pair i's rows by i + 2 and rounds them to bf16, each term's rounding on top of the fp8
+    cast's), and the recv_count outputs at positions ``counts_at`` of a pair's outputs."""
+    for i in range(n):
+        use_fp8 = i % 2 == 1
+        expected = oracle.low_latency_dispatch(x[:, i], idx[:, i], num_experts, T)
+        for r, exp in enumerate(expected):
+            for at in counts_at:
+                np.testing.assert_array_equal(np.asarray(got[i][at][r]), exp["recv_count"],
+                                              err_msg=f"pair {i} rank {r} recv_count")
+            for e, count in enumerate(exp["recv_count"]):
+                if count == 0:
+                    continue
+                have = np.asarray(got[i][0][r, e, :count])
+                if not use_fp8:
+                    np.testing.assert_array_equal(have.view(np.uint16),
+                                                  exp["recv_x"][e].view(np.uint16),
+                                                  err_msg=f"pair {i} rank {r} expert {e}")
+                    continue
+                scaled, _ = oracle.fp8_cast(exp["recv_x"][e].astype(np.float32))
+                steps = fp8_steps_apart(have, scaled.astype(ml_dtypes.float8_e4m3fn))
+                assert steps.max() <= 1, (i, r, e)
+        want, magnitude = weighted_copies(x[:, i], idx[:, i], w[:, i])
+        term_rtol = oracle.BF16_OUT_RTOL + (oracle.FP8_TERM_RTOL if use_fp8
+                                            else oracle.F32_SUM_RTOL)
+        oracle.assert_sums_close(np.asarray(got[i][1]), (i + 2) * want, (i + 2) * magnitude,
+                                 term_rtol=term_rtol, what=f"pair {i} combine")
+
+
 # On the GPU every length with every pattern. On CPU the reference backend's halves are plain
 # XLA ops, which no schedule can pair wrongly: one pair and three (the double buffers' parity
 # wraps) keep its results checked; test_chain_ties_every_send_to_the_previous_receive checks the
@@ -130,6 +165,8 @@ def test_chain_of_split_pairs_equals_fused(backend, rng, n, pattern):
     got = run_sharded(mesh, chain(buf, n, pattern, split=True), x, idx, w)
     want = run_sharded(mesh, chain(buf, n, pattern, split=False), x, idx, w)
     assert_chain_equal(got, want, x, idx, n)
+    assert_chain_matches_oracle(got, x, idx, w, n,
+                                counts_at=(2,) if pattern == "fused_between" else ())
 
 
 @pytest.mark.parametrize(("backend", "n"), per_backend([(8,), (16,)], [(3,)]),
@@ -147,12 +184,12 @@ def test_chain_with_every_slot_written(backend, rng, n):
     idx = np.broadcast_to(np.arange(num_experts, dtype=np.int32), (R, n, T, num_experts)).copy()
     w = rng.random((R, n, T, num_experts)).astype(np.float32)
     x = rng.standard_normal((R, n, T, H)).astype(ml_dtypes.bfloat16)
-    got = run_sharded(mesh, chain(buf, n, "alone", split=True), x, idx, w)
-    want = run_sharded(mesh, chain(buf, n, "alone", split=False), x, idx, w)
+    got, want = (run_sharded(mesh, chain(buf, n, "alone", split, keep_counts=True), x, idx, w)
+                 for split in (True, False))
     assert_chain_equal(got, want, x, idx, n, num_experts)
-    for i in range(n):
-        for exp in oracle.low_latency_dispatch(x[:, i], idx[:, i], num_experts, T):
-            assert (np.asarray(exp["recv_count"]) == R * T).all()  # every slot written
+    assert_chain_matches_oracle(got, x, idx, w, n, num_experts, counts_at=(2,))
+    for i in range(n):  # the receive's own counts: every slot written
+        assert (np.asarray(got[i][2]) == R * T).all(), (i, got[i][2])
 
 
 @pytest.mark.parametrize("n", (2, 16))
@@ -175,7 +212,8 @@ def test_chain_ties_every_send_to_the_previous_receive(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("command_buffers", ("default", "off"))
+@pytest.mark.parametrize("command_buffers", (
+    pytest.param("default", marks=pytest.mark.stress), "off"))
 def test_chain_of_16_pairs_with_and_without_command_buffers(rng, command_buffers):
     """The longest chain, every pattern, compiled with XLA's default command buffers and with
     them off (``xla_gpu_enable_command_buffer`` empty): the same bits as the fused ops."""
@@ -189,6 +227,8 @@ def test_chain_of_16_pairs_with_and_without_command_buffers(rng, command_buffers
         got, want = (run_sharded(mesh, chain(buf, n, pattern, split), x, idx, w,
                                  compiler_options=options) for split in (True, False))
         assert_chain_equal(got, want, x, idx, n)
+        assert_chain_matches_oracle(got, x, idx, w, n,
+                                    counts_at=(2,) if pattern == "fused_between" else ())
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ep_mesh, require_gpus
+from conftest import ep_mesh, require_extension, require_gpus
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -159,7 +159,7 @@ def test_bad_arguments_are_named(rng):
 def _lowered_overlap(monkeypatch=None):
     """StableHLO of one overlapped pair over a CUDA Buffer(overlap=True): B's dispatch beside
     a matmul (lowered for platform cuda on any machine)."""
-    pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+    require_extension()  # the suite's rule for a missing _C
     mesh = ep_mesh("xla", 1)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
                         backend="cuda", lowering_only=True, overlap=True)
@@ -220,7 +220,7 @@ def test_overlap_pins_compute_between_start_and_wait():
 @pytest.mark.parametrize("mutant", ["no_barrier", "no_after", "no_wait"])
 def test_a_missing_dependence_is_caught(monkeypatch, mutant):
     """Each dependence the schedule relies on, removed in turn, is reported."""
-    pytest.importorskip("jax_ep._C", reason="the CUDA extension is not built here")
+    require_extension()  # the suite's rule for a missing _C
     if mutant == "no_barrier":
         monkeypatch.setattr(deferred.jax.lax, "optimization_barrier", lambda values: values)
     elif mutant == "no_after":
