@@ -1,7 +1,7 @@
 """Communication hidden behind compute: one model segment, two micro-batches, with and without
 overlap, and the device timeline.
 
-    python benchmarks/bench_overlap.py [--shapes bench,deepseek] [--modes train,decode]
+    python benchmarks/bench_overlap.py [--cases train:bench,decode:deepseek]
         [--num-sms 24] [--gemm-sms 0] [--steps 10] [--repeats 3] [--out DIR] [--quick] [--sm-curve]
 
 The segment, per micro-batch (half of each rank's tokens): attention stand-in + router ->
@@ -56,18 +56,14 @@ SM_BUDGETS = (16, 24, 32, 48, 66)
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="bench,deepseek",
-                   help="comma-separated: bench (H=2048, F=1024, 64 experts) and/or deepseek "
-                        "(H=7168, F=2048, 256 experts), top-8 (default both)")
-    p.add_argument("--modes", default="train,decode",
-                   help="train (T=4096 per rank, forward + backward) and/or decode (T=128, "
-                        "low-latency ops, forward)")
+    p.add_argument("--cases", default="train:bench,decode:bench,train:deepseek,decode:deepseek",
+                   help="mode:shape pairs, comma-separated. Modes: train (T=4096 per rank, "
+                        "forward + backward), decode (T=128, low-latency ops, forward); shapes: "
+                        "bench (H=2048, F=1024, 64 experts), deepseek (H=7168, F=2048, 256 "
+                        "experts), top-8 (default: all four)")
     p.add_argument("--num-sms", default="24",
                    help="SM budgets of the overlapped Buffer's kernels, comma-separated, 0 = all "
                         "SMs (default 24); one overlapped program each")
-    p.add_argument("--cases", default="",
-                   help="mode:shape pairs to run instead of --modes x --shapes, e.g. "
-                        "train:bench,decode:deepseek")
     p.add_argument("--gemm-sms", type=int, default=0,
                    help="CTAs of jax's Mosaic GPU grouped GEMMs in the overlapped step (0: "
                         "their default, one per SM)")
@@ -444,9 +440,7 @@ def main(argv=None):
     if a.sm_curve:
         record = {**header, **sm_curve(mesh, a)}
         bc.write_json(os.path.join(a.out, f"{bc.machine_name()}-sm-curve.json"), record)
-    cases = ([tuple(c.split(":")) for c in a.cases.split(",")] if a.cases else
-             [(m, s) for s in a.shapes.split(",") for m in a.modes.split(",")])
-    for mode, shape_name in cases:
+    for mode, shape_name in (c.split(":") for c in a.cases.split(",")):
         log(f"{mode} {shape_name}:")
         record = {**header, **run_case(mesh, shape_name, mode, a)}
         path = os.path.join(a.out, f"{bc.machine_name()}-overlap-{mode}-{shape_name}.json")

@@ -99,21 +99,21 @@ def test_a_dropped_micro_batch_fails_the_comparison(rng):
                               jax.jit(_layer(buf, mesh, 1))(x, idx, w, *weights))
 
 
+def _decode_layer(buf, mesh, micro_batches, use_fp8=False):
+    def body(x, idx, w, *weights):
+        return moe.low_latency_moe_ffn(
+            buf, x, idx, w, lambda p, xs, g: moe.swiglu_experts(xs, g, *p, matmul="tiled"),
+            tuple(weights), use_fp8=use_fp8, micro_batches=micro_batches)
+    return jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+
+
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_decode_two_micro_batches_equal_one(rng, use_fp8):
     mesh = ep_mesh("xla", 2)
     buf = _buffer(mesh, "xla", low_latency=True)
     x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
-
-    def run(micro_batches):
-        def body(x, idx, w, *weights):
-            return moe.low_latency_moe_ffn(
-                buf, x, idx, w, lambda p, xs, g: moe.swiglu_experts(xs, g, *p, matmul="tiled"),
-                tuple(weights), use_fp8=use_fp8, micro_batches=micro_batches)
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
-            x, idx, w, *weights)
-
-    one, two = run(1), run(2)
+    one, two = (jax.jit(_decode_layer(buf, mesh, m, use_fp8))(x, idx, w, *weights)
+                for m in (1, 2))
     np.testing.assert_array_equal(two, one)
     # Against the normal-mode layer (same experts, another path): bf16 roundings apart.
     normal = jax.jit(_layer(_buffer(mesh, "xla"), mesh, 1))(x, idx, w, *weights)
@@ -128,12 +128,7 @@ def test_decode_stages_have_no_backward(rng):
     x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
 
     def loss(x):
-        def body(x, idx, w, *weights):
-            return moe.low_latency_moe_ffn(
-                buf, x, idx, w, lambda p, xs, g: moe.swiglu_experts(xs, g, *p, matmul="tiled"),
-                tuple(weights), micro_batches=2)
-        out = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
-            x, idx, w, *weights)
+        out = _decode_layer(buf, mesh, 2)(x, idx, w, *weights)
         return jnp.sum(out.astype(jnp.float32))
     with pytest.raises(ValueError, match="without a backward"):
         jax.jit(jax.grad(loss))(x)

@@ -39,17 +39,6 @@ from jax_ep._types import LowLatencyHandle
 from jax_ep.moe.layer import permute, unpermute
 from jax_ep.moe.two_batch import Comm, Compute, two_batch
 
-__all__ = [
-    "combine_stage",
-    "dispatch_stage",
-    "expert_stage",
-    "low_latency_combine_stage",
-    "low_latency_dispatch_stage",
-    "low_latency_expert_stage",
-    "low_latency_moe_ffn",
-    "two_batch_moe_ffn",
-]
-
 
 def _no_scales(rows):
     return jnp.zeros((rows.shape[0], 0), jnp.float32)
