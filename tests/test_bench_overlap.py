@@ -15,7 +15,8 @@ def test_quick_run_writes_the_overlap_records(tmp_path):
     run = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_overlap.py"), "--quick",
          "--cases", "train:bench,decode:bench", "--steps", "1", "--repeats", "1",
-         "--out", str(tmp_path), "--note", "test"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+         "--out", str(tmp_path), "--note", "test"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     for mode in ("train", "decode"):
         (path,) = tmp_path.glob(f"*-overlap-{mode}-bench.json")
