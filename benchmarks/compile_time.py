@@ -20,8 +20,9 @@ Cases:
 
 For each case: ``lower_s`` (tracing and lowering to StableHLO: ``jax.jit(f).lower(...)``, which
 includes each Pallas kernel's lowering to its Mosaic GPU module), ``compile_s``
-(``lowered.compile()``: XLA), and unless ``--no-run`` the first call (``first_call_s``: where a
-custom call's kernels are loaded or built on first use) and a second one (``second_call_s``).
+(``lowered.compile()``: XLA), and unless ``--no-run`` the first call (``first_call_s``: what a
+custom call does on first use, such as loading or building its kernels, is in it) and a second
+one (``second_call_s``).
 From the compiled HLO: ``num_instructions``, ``num_fusions``, ``num_custom_calls`` and their
 targets, ``num_mosaic_kernels`` (Mosaic GPU custom calls: Pallas on Hopper), ``num_triton_kernels``
 and ``unique_kernels``, the distinct kernel bodies among those (Mosaic GPU's ``kernel_hash``),
