@@ -70,6 +70,19 @@ def import_jax_ep():
 # ----------------------------------------------------------------------------- environment
 
 
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+HOST_DEVICES = 8  # CPU devices when there is no GPU, as jax-ep-demo and the tests use
+
+
+def default_host_devices(count: int = HOST_DEVICES) -> None:
+    """Gives XLA:CPU ``count`` devices unless ``XLA_FLAGS`` already sets a count, so that a CPU
+    run has ranks to exchange between. XLA reads the flag when its first backend starts: call
+    this before anything touches a device. Only the CPU platform sees it (GPUs stay GPUs)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if HOST_DEVICES_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {HOST_DEVICES_FLAG}={count}".strip()
+
+
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
@@ -526,6 +539,7 @@ def time_per_op_us(
 
     Each program is one host dispatch, so the fixed host cost (~200 us for a 2-GPU call) and the
     prologue cancel in the difference. Short and long runs are interleaved so drift hits both.
+    The extras hold both medians and the per-op timer noise (``noise_us``, see ``noise_us``).
     """
     for _ in range(warmup):
         wall_us(compiled_short, *args)
@@ -536,4 +550,38 @@ def time_per_op_us(
         long.append(wall_us(compiled_long, *args))
     med_short, med_long = statistics.median(short), statistics.median(long)
     per_op = (med_long - med_short) / (n_long - n_short)
-    return per_op, {"t_short_us": med_short, "t_long_us": med_long}
+    return per_op, {"t_short_us": med_short, "t_long_us": med_long,
+                    "noise_us": noise_us(short, long, n_long - n_short)}
+
+
+# Standard deviation of normal samples = 1.4826 x their median absolute deviation (robust to the
+# odd slow call); the standard error of a median of n samples = 1.2533 sigma / sqrt(n).
+_MAD_TO_SIGMA = 1.4826
+_MEDIAN_STDERR = 1.2533
+# A per-op time within this many standard errors of zero is reported as below the noise.
+NOISE_STDERRS = 2.0
+
+
+def noise_us(short: Sequence[float], long: Sequence[float], calls: int) -> float:
+    """Timer noise of a per-op time ``(median(long) - median(short)) / calls``: ``NOISE_STDERRS``
+    standard errors of that difference, each median's from its samples' median absolute
+    deviation. A time at or below it cannot be told from zero."""
+
+    def stderr(samples):
+        center = statistics.median(samples)
+        mad = statistics.median(abs(s - center) for s in samples)
+        return _MEDIAN_STDERR * _MAD_TO_SIGMA * mad / len(samples) ** 0.5
+
+    return NOISE_STDERRS * (stderr(short) ** 2 + stderr(long) ** 2) ** 0.5 / calls
+
+
+def below_noise(time_us: float, extra: dict[str, float]) -> bool:
+    """Whether a per-op time from ``time_per_op_us`` is too small to tell from its noise."""
+    return time_us <= extra.get("noise_us", 0.0)
+
+
+def noise_text(extra: dict[str, float]) -> str:
+    """``"below noise (±x us)"``, the words a table prints for such a time."""
+    noise = extra.get("noise_us", 0.0)
+    return f"below noise (±{noise / 1e3:.3g} ms)" if noise >= 1e3 else \
+        f"below noise (±{noise:.3g} us)"

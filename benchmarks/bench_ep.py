@@ -15,9 +15,12 @@ Method (see README.md): one jitted shard_map'd program runs the op N times unrol
 chained to the previous one through an optimization barrier and fed a different pre-generated
 input; per-op device time = (median t(N_long) - median t(N_short)) / (N_long - N_short), so the
 host dispatch (~200 us for a 2-GPU call) cancels. Bytes are counted as DeepEP counts them
-(docs/api.md, "Measuring"). Writes ``<out>/<machine>-<date>.json`` and prints a table last.
-On a machine without GPUs (e.g. CPU with 8 host devices) jax_ep and ragged_all_to_all are
-skipped, so the script itself can be tested there.
+(docs/api.md, "Measuring"). A time within its timer noise of zero (twice the standard error of
+the difference, ``bench_common.noise_us``) is reported as "below noise (±x us)", not as a figure.
+Writes ``<out>/<machine>-<date>.json`` (or ``--out`` itself when it ends in ``.json``) and prints
+a table last. Without GPUs the script runs on 8 host CPU devices (unless ``XLA_FLAGS`` sets a
+count) and skips jax_ep's kernels and ragged_all_to_all, so the script itself can be tested
+there.
 """
 
 from __future__ import annotations
@@ -71,15 +74,20 @@ def parse_args(argv):
                         "for testing on CPU")
     p.add_argument("--sweep", action="store_true",
                    help="add normal mode for 256..8192 tokens per rank and write PNG plots")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
+                   help="a folder for <machine>-<date>[-<tag>].json (default "
+                        "benchmarks/results), or a file name ending in .json (the --sweep "
+                        "plots go beside it, named after it)")
     p.add_argument("--tokens", type=int, help="normal-mode tokens per rank (default 4096)")
     p.add_argument("--hidden", type=int, help="default 7168")
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
     p.add_argument("--experts", type=int, help="default 256")
     p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
     p.add_argument("--ll-tokens", type=lambda s: tuple(int(t) for t in s.split(",")),
                    help="comma-separated low-latency tokens per rank (default 1,16,64,128,256)")
-    p.add_argument("--sweep-tokens", type=lambda s: tuple(int(t) for t in s.split(",")))
+    p.add_argument("--sweep-tokens", type=lambda s: tuple(int(t) for t in s.split(",")),
+                   help="comma-separated normal-mode tokens per rank of --sweep (default "
+                        "256,512,...,8192; --quick: 64,128,256)")
     p.add_argument("--ops", type=lambda s: tuple(s.split(",")), default=OPS,
                    help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=IMPLS,
@@ -94,7 +102,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, help="untimed runs of each program first (default 3)")
     p.add_argument("--tag", help="appended to the result file name: <machine>-<date>-<tag>.json")
     bc.add_note_argument(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     p.add_argument("--max-minutes", type=float,
                    help="start no new case after this many minutes (the decomposer child gets "
                         "a quarter); results so far are written and the table printed")
@@ -354,35 +362,43 @@ def split_time(mesh, args, jax_ep, buf, case, inputs, pool, time_us, extra, send
     op_name, half = SPLIT_OPS[case.op]
     key = (op_name, case.dtype)
     if half == "send":
-        send_us[key] = time_us
+        send_us[key] = (time_us, extra["noise_us"])
         return time_us, dict(extra, method=(
             "unrolled difference of N sends of one call (the call's receive once after the "
             "last; benchmark-only, see split_program)"))
     if key not in send_us:
         send_case = dataclasses.replace(case, op=f"{op_name}_send")
-        send_us[key], _ = measure(mesh, args, split_program(jax_ep, buf, send_case, inputs),
-                                  pool)
-    return time_us - send_us[key], dict(
-        extra, pair_us=time_us, send_us=send_us[key],
+        send_time, send_extra = measure(mesh, args,
+                                        split_program(jax_ep, buf, send_case, inputs), pool)
+        send_us[key] = (send_time, send_extra["noise_us"])
+    send_time, send_noise = send_us[key]
+    return time_us - send_time, dict(
+        extra, pair_us=time_us, send_us=send_time,
+        noise_us=(extra["noise_us"] ** 2 + send_noise ** 2) ** 0.5,
         method=f"pair - send: unrolled difference of N ({op_name}_send, {op_name}_recv) pairs "
                f"(pair_us) minus the {op_name}_send record (send_us)")
 
 
 def make_record(args, num_ranks, case, impl, time_us, inputs, extra):
+    """The result record of one case. A time at or below its timer noise
+    (``bench_common.noise_us``) is no figure: ``time_us`` and the rates are None,
+    ``below_noise`` is true and ``measured_us`` keeps the difference measured."""
     stats = inputs.stats_first if "combine" in case.op else inputs.stats_mean
     # A send half moves the op's bytes; a receive half's GB/s would mean nothing (None).
     op_name, half = SPLIT_OPS.get(case.op, (case.op, None))
     nbytes, remote = bc.bytes_per_rank(op_name if half != "recv" else "", case.dtype,
                                        args.hidden, stats, peer=impl in bc.PEER_CLASSES)
+    noisy = bc.below_noise(time_us, extra)
     rec = {
         "op": case.op, "impl": impl, "dtype": case.dtype, "ranks": num_ranks,
         "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,
-        "experts": args.experts, "time_us": sig(time_us),
+        "experts": args.experts, "time_us": None if noisy else sig(time_us),
+        "below_noise": noisy, "measured_us": sig(time_us),
         "gbps": None, "bytes_per_rank": nbytes, "remote_bytes_per_rank": remote,
         "nvlink_share": None, "n_short": args.n_short, "n_long": args.n_long,
         "repeats": args.repeats,
     }
-    if nbytes is not None and time_us > 0:
+    if nbytes is not None and not noisy:
         rec["gbps"] = sig(nbytes / 1e9 / (time_us * 1e-6))
         rec["nvlink_share"] = sig(remote / (time_us * 1e-6) / bc.NVLINK_BYTES_PER_S)
     rec.update({k: sig(v) if isinstance(v, float) else v for k, v in extra.items()})
@@ -481,14 +497,11 @@ def run_all(args, impls, rename=None, deadline=None, checkpoint=None):
                         time_us, extra = split_time(mesh, args, jax_ep, buf, case, inputs, pool,
                                                     time_us, extra, send_us)
                     rec = make_record(args, num_ranks, case, name, time_us, inputs, extra)
-                    if time_us <= 0:
-                        raise RuntimeError(
-                            f"non-positive time {time_us:.3f} us (noise larger than the op; "
-                            f"raise --n-long/--repeats): {extra}")
                     records.append(rec)
+                    figure = (bc.noise_text(rec) if rec["below_noise"] else
+                              f"{time_us:10.1f} us  {fmt(rec['gbps'], '8.1f')} GB/s")
                     log(f"  {case.op:25s} {name:28s} {case.dtype:4s} T={tokens:<5d} "
-                        f"{time_us:10.1f} us  {fmt(rec['gbps'], '8.1f')} GB/s  "
-                        f"(compile {extra['compile_s']:.1f} s, "
+                        f"{figure}  (compile {extra['compile_s']:.1f} s, "
                         f"{time.perf_counter() - t_start:.0f} s so far)")
                 except Exception as e:  # noqa: BLE001
                     errors.append(error_row(case, name, e, num_ranks))
@@ -577,14 +590,15 @@ def add_ratios(records):
     """``speedup_vs_best_peer`` = best peer time / this time (> 1: faster than every peer)."""
     best = {}
     for r in records:
-        if r["impl"] in PEER_IMPLS:
+        if r["impl"] in PEER_IMPLS and r["time_us"] is not None:
             key = (r["op"], r["dtype"], r["tokens"])
             if key not in best or r["time_us"] < best[key]["time_us"]:
                 best[key] = r
     for r in records:
         peer = best.get((r["op"], r["dtype"], r["tokens"]))
-        r["best_peer"] = peer["impl"] if peer else None
-        r["speedup_vs_best_peer"] = sig(peer["time_us"] / r["time_us"], 4) if peer else None
+        timed = peer is not None and r["time_us"] is not None
+        r["best_peer"] = peer["impl"] if timed else None
+        r["speedup_vs_best_peer"] = sig(peer["time_us"] / r["time_us"], 4) if timed else None
 
 
 def sort_key(r):
@@ -603,11 +617,15 @@ def print_table(records, errors):
         if "error" in r:
             print(f"{lead} ERROR {r['error'][:160]}")
             continue
+        if r["below_noise"]:
+            print(f"{lead} {bc.noise_text(r):>10s}")
+            continue
         share = r["nvlink_share"] * 100 if r["nvlink_share"] is not None else None
         print(f"{lead} {r['time_us']:10.1f} {fmt(r['gbps'], '8.1f')} {fmt(share, '6.1f')} "
               f"{fmt(r['speedup_vs_best_peer'], '11.2f')}")
     print("x best peer = (fastest of reference, all_to_all, ragged_all_to_all[_decomposer]) "
-          "time / this time; NVL% = remote bytes/s over 283 GB/s.", flush=True)
+          "time / this time; NVL% = remote bytes/s over 283 GB/s; below noise (±x us): the "
+          "time was within x us of zero, x being twice its standard error.", flush=True)
 
 
 def write_plots(records, out_prefix):
@@ -651,8 +669,21 @@ def write_plots(records, out_prefix):
     return written
 
 
+def result_path(out, header, tag=None):
+    """The JSON file to write: ``out`` itself when it ends in ``.json``, else
+    ``<out>/<machine>-<date>[-<tag>].json``; its folder is created."""
+    if out.endswith(".json"):
+        path = out
+    else:
+        name = f"{header['machine']}-{header['date']}" + (f"-{tag}" if tag else "")
+        path = os.path.join(out, name + ".json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    bc.default_host_devices()  # before anything starts a backend: 8 ranks on CPU
     args = parse_args(argv)
     deadline = (time.perf_counter() + 60 * args.max_minutes) if args.max_minutes else None
 
@@ -684,10 +715,9 @@ def main(argv=None):
                                                "XLA:CPU"})
             log(f"[skip] {DECOMPOSER_IMPL}: {child[2][DECOMPOSER_IMPL]}")
     header = bc.result_header(argv, args.note, __file__)  # initialises JAX, after the child
-    os.makedirs(args.out, exist_ok=True)
-    name = f"{header['machine']}-{header['date']}" + (f"-{args.tag}" if args.tag else "")
-    prefix = os.path.join(args.out, name)
-    path = prefix + ".json"
+    path = result_path(args.out, header, args.tag)
+    prefix = path[: -len(".json")]
+    out_dir = os.path.dirname(path)
     method = {"n_short": args.n_short, "n_long": args.n_long, "repeats": args.repeats,
               "warmup": args.warmup, "outputs": args.outputs,
               "nvlink_bytes_per_s": bc.NVLINK_BYTES_PER_S}
@@ -709,12 +739,12 @@ def main(argv=None):
     payload = dict(header, results=records, errors=errors, skipped=skipped, method=method)
     if args.sweep:
         try:
-            payload["plots"] = [os.path.relpath(p, args.out) for p in write_plots(records, prefix)]
+            payload["plots"] = [os.path.relpath(p, out_dir) for p in write_plots(records, prefix)]
         except Exception as e:  # noqa: BLE001
             errors.append({"op": "plot", "impl": "-", "error": f"{type(e).__name__}: {e}"})
     bc.write_json(path, payload)
     log(f"\n[bench] wrote {path}" + "".join(
-        f"\n[bench] wrote {os.path.join(args.out, p)}" for p in payload.get("plots", [])))
+        f"\n[bench] wrote {os.path.join(out_dir, p)}" for p in payload.get("plots", [])))
     print_table(records, errors)
 
 

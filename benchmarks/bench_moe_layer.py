@@ -102,7 +102,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes (T=64, H=256, F=128, E=16, top-2), few iterations, forward "
                         "check on: for CPU with 8 host devices")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
+                   help="folder of the result file (default benchmarks/results)")
     p.add_argument("--tokens", type=int, help="tokens per rank (default 4096)")
     p.add_argument("--hidden", type=int, help="model width H (default 2048)")
     p.add_argument("--ffn", type=int, help="expert FFN width F (default 1024)")
@@ -139,7 +140,7 @@ def parse_args(argv):
     p.add_argument("--gate-up", choices=GATE_UP, default="fused",
                    help="experts and layer sections: gate and up as one [E, H, 2F] weight "
                         "(fused, default: what the Flax example stores) or two (split)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     args = p.parse_args(argv)
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:

@@ -72,17 +72,20 @@ def _layer_counts(text):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", type=lambda s: tuple(s.split(",")), default=OPS)
+    p.add_argument("--ops", type=lambda s: tuple(s.split(",")), default=OPS,
+                   help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--impls", type=lambda s: tuple(s.split(",")), default=IMPLS,
                    help="jax_ep (CUDA kernels; the reference backend on CPU), all_to_all, "
                         "ragged_all_to_all")
     p.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=("bf16", "fp8"),
                    help="decode_step's dispatch rows (normal_step is bf16)")
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--ll-tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="tokens per rank of the normal steps (default 4096)")
+    p.add_argument("--ll-tokens", type=int, default=128,
+                   help="tokens per rank of the decode step (default 128)")
+    p.add_argument("--hidden", type=int, default=7168, help="model width H (default 7168)")
+    p.add_argument("--experts", type=int, default=256, help="experts over all ranks (default 256)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
     p.add_argument("--bare", action="store_true",
                    help="each layer is dispatch -> combine alone, no stand-in expert and no "
                         "residual add: the op pair's own in-program cost (the fp8 decode step's "
@@ -98,8 +101,9 @@ def parse_args(argv):
                    help="the programs' layer counts, ascending, e.g. 4,8,12,16 (each step is "
                         "the slope of their wall times' least-squares line)")
     p.add_argument("--quick", action="store_true", help="small shapes, for CPU tests")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
-    p.add_argument("--tag", help="file name <machine>-<date>-step-<tag>.json")
+    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
+                   help="folder of the result file (default benchmarks/results)")
+    p.add_argument("--tag", help="appended to the file name: <machine>-<date>-step-<tag>.json")
     bc.add_note_argument(p)
     args = p.parse_args(argv)
     if args.quick:

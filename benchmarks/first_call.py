@@ -42,15 +42,18 @@ QUICK = {"tokens": 64, "ll_tokens": 4, "hidden": 256, "experts": 32, "steady_cal
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes (CPU testing)")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
+                   help="folder of the result file (default benchmarks/results)")
     p.add_argument("--tokens", type=int, help="normal-mode tokens per rank (default 4096)")
     p.add_argument("--ll-tokens", type=int, help="low-latency tokens per rank (default 128)")
     p.add_argument("--hidden", type=int, help="default 7168")
     p.add_argument("--experts", type=int, help="default 256")
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
     p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
-    p.add_argument("--backend", default="auto", choices=("auto", "cuda", "xla"))
-    p.add_argument("--modes", type=lambda s: tuple(s.split(",")), default=MODES)
+    p.add_argument("--backend", default="auto", choices=("auto", "cuda", "xla"),
+                   help="jax_ep's Buffer backend (default auto: the CUDA kernels on GPUs)")
+    p.add_argument("--modes", type=lambda s: tuple(s.split(",")), default=MODES,
+                   help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--no-peer", action="store_true", help="skip the all_to_all peer")
     p.add_argument("--steady-calls", type=int, help="calls for the steady state (default 20)")
     p.add_argument("--case-timeout", type=float, default=900.0, help="seconds per child process")

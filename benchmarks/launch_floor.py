@@ -65,8 +65,10 @@ def median_wall_us(fn, x, repeats):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
+    p.add_argument("--repeats", type=int, default=50,
+                   help="timed calls of each program, whose median counts (default 50)")
+    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
+                   help="folder of the result file (default benchmarks/results)")
     bc.add_note_argument(p)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as workdir:

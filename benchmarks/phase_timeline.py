@@ -124,12 +124,14 @@ def summarise(launches):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", type=lambda s: tuple(s.split(",")), default=OPS)
-    p.add_argument("--ll-tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--launches", type=int, default=8)
+    p.add_argument("--ops", type=lambda s: tuple(s.split(",")), default=OPS,
+                   help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (default 128)")
+    p.add_argument("--hidden", type=int, default=7168, help="model width H (default 7168)")
+    p.add_argument("--experts", type=int, default=256, help="experts over all ranks (default 256)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--launches", type=int, default=8,
+                   help="launches of each op timed, after one that warms up (default 8)")
     p.add_argument("--split", action="store_true", help="the send/receive halves, not the fused op")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -47,16 +47,20 @@ LOOP_STEPS = 20  # calls of the loop wall (loop_wall_ms)
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke test)")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
+                   help="folder of the result file (default benchmarks/results)")
     p.add_argument("--matmul", default="auto", help="jax_ep.moe matmul (default auto)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (the docstring says "
+                        "what each is)")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="synchronous calls timed for wall_ms (default 10)")
     p.add_argument("--unrolled", type=int, default=0,
                    help="also trace bench_moe_layer's program of this many unrolled steps "
                         "(distinct inputs, every output kept): per step wall, span and kernels")
     p.add_argument("--tag", help="file name <machine>-<date>-moe_experts_profile-<tag>.json")
     bc.add_note_argument(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     args = p.parse_args(argv)
     args.variants = tuple(v for v in args.variants.split(",") if v)
     bad = [v for v in args.variants if v not in VARIANTS]

@@ -144,14 +144,19 @@ def _program(mesh, buf, mode, op, num_inputs):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--ll-tokens", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=4096,
+                        help="normal-mode tokens per rank (default 4096)")
+    parser.add_argument("--ll-tokens", type=int, default=128,
+                        help="low-latency tokens per rank (default 128)")
+    parser.add_argument("--hidden", type=int, default=7168, help="model width H (default 7168)")
+    parser.add_argument("--experts", type=int, default=256,
+                        help="experts over all ranks (default 256)")
+    parser.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    parser.add_argument("--iters", type=int, default=8,
+                        help="calls of each op in its program, each on its own input (default 8)")
     parser.add_argument("--out", default=os.path.join(bench_common.REPO_ROOT, "benchmarks",
-                                                      "results"))
+                                                      "results"),
+                        help="folder of the record (default benchmarks/results)")
     parser.add_argument("--tag", help="file name <machine>-<date>-profile_ops-<tag>.json")
     bench_common.add_note_argument(parser)
     parser.add_argument("--ops", type=lambda text: set(text.split(",")),

@@ -5,16 +5,19 @@ CPU tests run the real probes on this machine (no GPU expected) and the decision
 device descriptions; the `gpu` test checks a machine with at least two peer-connected GPUs.
 """
 
+import dataclasses
+import importlib.machinery
 import json
 import os
 import subprocess
 import sys
+from types import ModuleType
 
 import jax
 import pytest
 
 from jax_ep import env
-from jax_ep.system import compat
+from jax_ep.system import compat, probes
 from jax_ep.system import cuda_driver as _cuda_driver
 from jax_ep.tools import env_report
 
@@ -44,7 +47,8 @@ SECTION_KEYS = {
             "device_count": int, "local_devices": list, "error": (str, NONE)},
     "extension": {"importable": bool, "cuda_architectures": (str, NONE), "path": (str, NONE),
                   "error": (str, NONE), "nvshmem_built": (bool, NONE),
-                  "cuda_runtime_version": (int, NONE), "max_ranks": (int, NONE)},
+                  "cuda_runtime_version": (int, NONE), "max_ranks": (int, NONE),
+                  "source_tree": (str, NONE), "shadowed_build": (str, NONE)},
     "nvshmem": {"package": (str, NONE), "version": (str, NONE), "host_library": (str, NONE),
                 "reason": (str, NONE)},
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
@@ -415,6 +419,55 @@ def test_auto_backend_extension_missing():
     assert backend == "xla" and len(reasons) == 1
     assert "the CUDA extension jax_ep._C does not import (ModuleNotFoundError" in reasons[0]
     assert "JAX_EP_ENABLE_CUDA=ON pip install ." in reasons[0]
+
+
+def _checkout_and_install(tmp_path):
+    """A source checkout without a build (``checkout/jax_ep``) and an installed jax_ep with one
+    (``site/jax_ep/_C<suffix>``), as after ``pip install .`` in a checkout."""
+    checkout = tmp_path / "checkout"
+    (checkout / "jax_ep").mkdir(parents=True)
+    for name in ("pyproject.toml", "CMakeLists.txt"):
+        (checkout / name).write_text("")
+    (checkout / "jax_ep" / "__init__.py").write_text("")
+    site = tmp_path / "site"
+    (site / "jax_ep").mkdir(parents=True)
+    built = site / "jax_ep" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    built.write_bytes(b"")
+    return checkout, site, built
+
+
+def test_extension_hidden_by_the_source_tree_says_so(tmp_path, monkeypatch):
+    """Python run from inside a checkout imports the checkout's jax_ep, which has no _C, while
+    the installed build is fine: the report names both and the fix (another directory or the
+    console script), not a rebuild with nvcc."""
+    checkout, site, built = _checkout_and_install(tmp_path)
+    package = ModuleType("jax_ep")
+    package.__file__ = str(checkout / "jax_ep" / "__init__.py")
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "jax_ep", package)
+        m.setitem(sys.modules, "jax_ep._C", None)  # import jax_ep._C -> ModuleNotFoundError
+        m.setattr(sys, "path", ["", str(site)])
+        m.chdir(checkout)  # "" on sys.path is the current directory, as under python -m
+        ext = probes.probe_extension()
+    assert not ext.importable and ext.error.startswith("ModuleNotFoundError")
+    assert ext.source_tree == str(checkout) and ext.shadowed_build == str(built)
+    backend, reasons = decide([fake_gpu(0), fake_gpu(1)], extension=ext)
+    assert backend == "xla" and len(reasons) == 1, reasons
+    assert f"source tree {checkout}" in reasons[0] and str(built) in reasons[0], reasons
+    assert "run from another directory" in reasons[0] and "nvcc" not in reasons[0], reasons
+    text = env.format_report(fake_report(extension=ext))
+    assert f"hides the installed build {built}" in text, text
+    assert "jax-ep-env console script" in text, text
+
+    # No installed build anywhere: the checkout is still named, and the fix is to install it.
+    assert probes.shadowed_build(str(checkout / "jax_ep"), [str(checkout)]) is None
+    alone = dataclasses.replace(ext, shadowed_build=None)
+    reason = decide([fake_gpu(0)], extension=alone)[1][0]
+    assert f"source tree {checkout}" in reason and "pip install ." in reason, reason
+    # An installed package (no pyproject.toml beside it) is no source tree; a package folder
+    # with its own build hides nothing.
+    assert probes.source_tree(str(site / "jax_ep")) is None
+    assert probes.shadowed_build(str(site / "jax_ep"), [str(checkout)]) is None
 
 
 def test_auto_backend_other_reasons(monkeypatch):

@@ -22,7 +22,9 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -82,8 +84,25 @@ def make_mesh(data_parallel: int) -> Mesh:
     return Mesh(grid, ("data", "ep"))
 
 
-def train(cfg: Config) -> dict:
-    """Runs the training loop; returns {"losses": per-step CE losses, "eval_loss", ...}."""
+class Setup(NamedTuple):
+    """What the training loop runs: `train_step(model, optimizer, inputs, targets, mask)` ->
+    `(ce, aux_loss)` and `eval_step(model, inputs, targets, mask)` -> per-sequence metrics, both
+    `nnx.jit`-ed; `put(batch)` places a `SyntheticLanguage` batch on the mesh, batch axis split
+    over ("data", "ep")."""
+
+    mesh: Mesh
+    buf: jax_ep.Buffer
+    lang: SyntheticLanguage
+    model: MoETransformer
+    optimizer: nnx.Optimizer
+    train_step: Callable
+    eval_step: Callable
+    put: Callable
+
+
+def setup(cfg: Config) -> Setup:
+    """The mesh, Buffer, data, sharded model and optimizer, and the jitted steps of `cfg`
+    (`benchmarks/compile_time.py` compiles the same train step)."""
     mesh = make_mesh(cfg.data_parallel)
     num_devices = mesh.devices.size
     if cfg.batch % num_devices:
@@ -135,6 +154,13 @@ def train(cfg: Config) -> dict:
         return [jax.device_put(a, data_sharding) for a in (batch.inputs, batch.targets,
                                                             batch.mask)]
 
+    return Setup(mesh, buf, lang, model, optimizer, train_step, eval_step, put)
+
+
+def train(cfg: Config) -> dict:
+    """Runs the training loop; returns {"losses": per-step CE losses, "eval_loss", ...}."""
+    mesh, buf, lang, model, optimizer, train_step, eval_step, put = setup(cfg)
+    num_devices = mesh.devices.size
     rng = np.random.default_rng(cfg.seed + 1)
     devices = f"{num_devices} x {jax.devices()[0].device_kind}"
     # What the MoE layer's swiglu_experts(matmul="auto") runs for these widths and dtype.

@@ -68,6 +68,27 @@ def _gib(n: int) -> str:
 
 
 
+def _extension_reason(extension: ExtensionInfo) -> str:
+    """Why jax_ep._C does not import, and the fix. A source checkout on the import path (Python
+    run from inside it) hides an installed build: then the build is fine, and the fix is where
+    Python runs, not nvcc."""
+    head = f"the CUDA extension jax_ep._C does not import ({extension.error})"
+    if extension.shadowed_build:
+        return (
+            f"{head}: jax_ep was imported from the source tree {extension.source_tree}, which "
+            f"has no build and hides the installed one ({extension.shadowed_build}); run from "
+            f"another directory (the console scripts jax-ep-env and jax-ep-demo work from "
+            f"anywhere)"
+        )
+    if extension.source_tree:
+        return (
+            f"{head}: jax_ep was imported from the source tree {extension.source_tree}, which "
+            f"has no build, and no installed jax_ep has one: on a machine with nvcc, pip "
+            f"install . there, then run from another directory"
+        )
+    return f"{head}: build it on a machine with nvcc (JAX_EP_ENABLE_CUDA=ON pip install .)"
+
+
 def decide_backend(
     devices: Sequence[DeviceInfo],
     *,
@@ -132,10 +153,7 @@ def decide_backend(
 
     # Extension.
     if not extension.importable:
-        reasons.append(
-            f"the CUDA extension jax_ep._C does not import ({extension.error}): build it on a "
-            f"machine with nvcc (JAX_EP_ENABLE_CUDA=ON pip install .)"
-        )
+        reasons.append(_extension_reason(extension))
 
     # The driver against the CUDA runtime linked into jax_ep._C.
     runtime = extension.cuda_runtime_version if extension.importable else None

@@ -8,6 +8,7 @@ Each returns a record of `jax_ep.system.records` and never raises for a missing 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
 import os
 import re
@@ -267,12 +268,61 @@ def probe_peers(
     return tuple(links)
 
 
+def _built_extension(package_dir: str) -> str | None:
+    """The file of a built `_C` module in a `jax_ep` package folder, or None."""
+    try:
+        names = sorted(os.listdir(package_dir))
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith("_C.") and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+            return os.path.join(package_dir, name)
+    return None
+
+
+def source_tree(package_dir: str) -> str | None:
+    """The source checkout a `jax_ep` package folder sits in (pyproject.toml and CMakeLists.txt
+    beside it), or None for an installed package."""
+    root = os.path.dirname(os.path.abspath(package_dir))
+    if all(os.path.isfile(os.path.join(root, f)) for f in ("pyproject.toml", "CMakeLists.txt")):
+        return root
+    return None
+
+
+def shadowed_build(package_dir: str, search_path: Sequence[str] | None = None) -> str | None:
+    """A built `jax_ep/_C` in another entry of `search_path` (default `sys.path`) when the
+    imported package folder `package_dir` has none: an installed build that `import jax_ep`
+    never reached, because the folder came first (a source checkout in the current directory).
+    """
+    if _built_extension(package_dir) is not None:
+        return None
+    here = os.path.realpath(package_dir)
+    for entry in sys.path if search_path is None else search_path:
+        candidate = os.path.join(entry or os.getcwd(), "jax_ep")
+        if os.path.realpath(candidate) != here:
+            built = _built_extension(candidate)
+            if built is not None:
+                return built
+    return None
+
+
 def probe_extension() -> ExtensionInfo:
-    """Whether jax_ep._C imports, and the CUDA architectures it was built for."""
+    """Whether jax_ep._C imports, and the CUDA architectures it was built for. When it does not
+    import because `jax_ep` came from a source checkout without a build, says so (with the
+    installed build that the checkout hides, if there is one)."""
     try:
         module = importlib.import_module("jax_ep._C")
     except Exception as e:  # ImportError, or OSError from a missing CUDA library
-        return ExtensionInfo(False, None, None, f"{type(e).__name__}: {e}")
+        error = f"{type(e).__name__}: {e}"
+        package = sys.modules.get("jax_ep")
+        package_dir = os.path.dirname(getattr(package, "__file__", None) or "")
+        if (isinstance(e, ModuleNotFoundError) and package_dir
+                and _built_extension(package_dir) is None):
+            tree = source_tree(package_dir)
+            if tree is not None:
+                return ExtensionInfo(False, None, None, error, source_tree=tree,
+                                     shadowed_build=shadowed_build(package_dir))
+        return ExtensionInfo(False, None, None, error)
     archs = None
     try:
         archs = str(module.cuda_architectures())

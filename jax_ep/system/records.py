@@ -168,6 +168,10 @@ class ExtensionInfo:
         (its CUDA runtime is linked in, so the driver must support it), None if unknown.
       max_ranks: most ranks in one EP group its kernels support (_C.max_ranks()), None if
         unknown.
+      source_tree: when not importable because the imported `jax_ep` is a source checkout
+        without a build (run from inside the checkout): the checkout's folder; else None.
+      shadowed_build: in that case, a built jax_ep._C of an installed jax_ep further down
+        sys.path, which the checkout hides; else None.
     """
 
     importable: bool
@@ -177,6 +181,8 @@ class ExtensionInfo:
     nvshmem_built: bool | None = None
     cuda_runtime_version: int | None = None
     max_ranks: int | None = None
+    source_tree: str | None = None
+    shadowed_build: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

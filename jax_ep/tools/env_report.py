@@ -47,7 +47,10 @@ JSON schema (`--json`; `schema_version` 1; keys are stable, `null` where unknown
                   "cuda_architectures": str|null (e.g. "sm_80 sm_90 compute_90"),
                   "path": str|null, "error": str|null, "nvshmem_built": bool|null,
                   "cuda_runtime_version": int|null (CUDART_VERSION of the build, e.g. 13000),
-                  "max_ranks": int|null (most ranks in one EP group, _C.max_ranks())},
+                  "max_ranks": int|null (most ranks in one EP group, _C.max_ranks()),
+                  "source_tree": str|null (not importable because jax_ep came from this
+                                 source checkout, which has no build),
+                  "shadowed_build": str|null (then: an installed build the checkout hides)},
     "nvshmem": {"package": str|null, "version": str|null, "host_library": str|null,
                 "reason": str|null},
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
@@ -351,6 +354,13 @@ def format_report(report: EnvReport) -> str:
         out.extend(f"  {line}" for line in _driver_and_code_lines(report))
     else:
         out.append(f"  does not import: {ext.error}")
+        if ext.shadowed_build:
+            out.append(f"  jax_ep was imported from the source tree {ext.source_tree}, which has "
+                       f"no build; it hides the installed build {ext.shadowed_build}: run from "
+                       f"another directory, or use the jax-ep-env console script")
+        elif ext.source_tree:
+            out.append(f"  jax_ep was imported from the source tree {ext.source_tree}, which has "
+                       f"no build, and no installed jax_ep has one")
     out.append("")
 
     nv = report.nvshmem
