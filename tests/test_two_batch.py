@@ -202,9 +202,32 @@ def _dependence_problems(text):
         problems.append("the wait does not depend on the matmul")
     if not reaches(start[0], wait[0]):
         problems.append("the wait does not take the start's results")
+    problems += _aliased_and_read(text)
     returned = re.findall(r"return (.*?) :", text)
     if returned and not reaches(wait[0], re.findall(r"%[\w.]+", returned[-1])[0]):
         problems.append("the returned rows are not the wait's")
+    return problems
+
+
+def _aliased_and_read(text):
+    """Waits that alias an operand whose value another of their operands also carries (directly
+    or through an optimization barrier): XLA then copies it on its stream, before the wait."""
+    passes = {}  # barrier result -> its input
+    for m in re.finditer(r"(%[\w.]+):\d+ = stablehlo.optimization_barrier (.*?) :", text):
+        for i, value in enumerate(v.strip() for v in m.group(2).split(",")):
+            passes[f"{m.group(1)}#{i}"] = value
+
+    def source(value):
+        while value in passes:
+            value = passes[value]
+        return value
+    problems = []
+    for m in re.finditer(r"custom_call @jax_ep_wait_\w+\((.*?)\).*?output_operand_aliases = "
+                         r"(.*)", text):
+        operands = [source(v.strip()) for v in m.group(1).split(",")]
+        for index in map(int, re.findall(r"operand_index = (\d+)", m.group(2))):
+            if operands.count(operands[index]) > 1:
+                problems.append(f"a wait aliases {operands[index]} and reads it again")
     return problems
 
 
@@ -212,19 +235,25 @@ def test_overlap_pins_compute_between_start_and_wait():
     assert _dependence_problems(_lowered_overlap()) == []
 
 
-@pytest.mark.parametrize("mutant", ["no_barrier", "no_after", "no_wait"])
+@pytest.mark.parametrize("mutant", ["no_barrier", "no_after", "no_wait", "aliased_tie"])
 def test_a_missing_dependence_is_caught(monkeypatch, mutant):
     """Each dependence the schedule relies on, removed in turn, is reported."""
     require_extension()  # the suite's rule for a missing _C
     if mutant == "no_barrier":
         monkeypatch.setattr(deferred.jax.lax, "optimization_barrier", lambda values: values)
+    elif mutant == "aliased_tie":  # the tie also aliased: a copy before the wait would read it
+        real = cuda.CudaBackend.wait
+        monkeypatch.setattr(cuda.CudaBackend, "wait",
+                            lambda self, raw, operands, after=(), unaliased=():
+                            real(self, raw, operands, after))
     elif mutant == "no_after":
         real = cuda.CudaBackend.wait
         monkeypatch.setattr(cuda.CudaBackend, "wait",
-                            lambda self, raw, operands, after=(): real(self, raw, operands))
+                            lambda self, raw, operands, after=(), unaliased=():
+                            real(self, raw, operands))
     else:
         monkeypatch.setattr(cuda.CudaBackend, "wait",
-                            lambda self, raw, operands, after=(): raw)
+                            lambda self, raw, operands, after=(), unaliased=(): raw)
     assert _dependence_problems(_lowered_overlap()) != []
 
 
@@ -275,7 +304,8 @@ def test_a_left_out_wait_reads_rows_before_they_arrive(rng, monkeypatch):
         return jnp.sum(flow[0].astype(jnp.float32), axis=1)
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     want = np.asarray(program(x, idx, w))
-    monkeypatch.setattr(cuda.CudaBackend, "wait", lambda self, raw, operands, after=(): raw)
+    monkeypatch.setattr(cuda.CudaBackend, "wait",
+                        lambda self, raw, operands, after=(), unaliased=(): raw)
     got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"),
                                            out_specs=P("ep")))(x, idx, w))
     assert not np.array_equal(got, want)

@@ -160,14 +160,15 @@ class CudaBackend:
             return raw
         return jax.lax.optimization_barrier(self.wait(raw, operands))
 
-    def wait(self, raw, operands, after=()):
+    def wait(self, raw, operands, after=(), unaliased=()):
         """The results ``raw`` of an op's async start, once XLA's stream has waited for its
-        kernels (the same buffers: aliased). ``operands`` (the start's) stay alive until then;
-        the wait comes after every value of ``after`` (never read)."""
+        kernels (the same buffers: aliased, but for the indices in ``unaliased``, which the
+        wait copies after joining). ``operands`` (the start's) stay alive until then; the wait
+        comes after every value of ``after`` (never read)."""
         every = _vma.align(self.buf.axis_name, [*raw, *operands, *after])
         return custom_call(target_name("wait"), [jax.typeof(r) for r in every[:len(raw)]],
                            *every, buffer_id=np.int64(self.buf.buffer_id),
-                           aliases=tuple((i, i) for i in range(len(raw))))
+                           aliases=tuple((i, i) for i in range(len(raw)) if i not in unaliased))
 
     def layout(self, topk_idx):
         T = topk_idx.shape[0]

@@ -72,13 +72,19 @@ def overlap(comm: Callable, compute: Callable, *compute_args):
         comm_out = comm()
     if not started.ops:
         return comm_out, compute(*compute_args)
-    token = started.ops[0][1][0]
-    compute_args, token = jax.lax.optimization_barrier((compute_args, token))
+    # The tie: the first start's smallest result. Its wait does not alias it (XLA would copy
+    # a buffer that is both an aliased operand and, through the barrier, another operand of
+    # the same call, and copy it on its stream before the wait: a read before the kernels
+    # wrote it); the wait copies it after joining instead, a few bytes.
+    first = started.ops[0][1]
+    tie = min(range(len(first)), key=lambda i: first[i].size * first[i].dtype.itemsize)
+    compute_args, token = jax.lax.optimization_barrier((compute_args, first[tie]))
     compute_out = compute(*compute_args)
     after = [leaf for leaf in jax.tree.leaves(compute_out) if isinstance(leaf, jax.Array)]
     waited = {}
-    for backend, raw, operands in started.ops:
-        results = jax.lax.optimization_barrier(backend.wait(raw, operands, (*after, token)))
+    for n, (backend, raw, operands) in enumerate(started.ops):
+        results = jax.lax.optimization_barrier(backend.wait(
+            raw, operands, (*after, token), unaliased=(tie,) if n == 0 else ()))
         waited.update({id(r): w for r, w in zip(raw, results, strict=True)})
     leaves, treedef = jax.tree.flatten(comm_out)
     return jax.tree.unflatten(treedef, [waited.get(id(leaf), leaf) for leaf in leaves]), compute_out
