@@ -158,6 +158,36 @@ def result_header(argv: Sequence[str], note: str | None = None,
     }
 
 
+def result_path(out: str, header: dict[str, Any], *parts: str | None) -> str:
+    """The JSON file a script writes: ``out`` itself when it ends in ``.json``, else
+    ``<out>/<machine>-<date>[-<part>...].json`` (parts that are None left out); its folder is
+    created."""
+    if out.endswith(".json"):
+        path = out
+    else:
+        name = "-".join([header["machine"], header["date"], *(p for p in parts if p)])
+        path = os.path.join(out, name + ".json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
+def add_shape_arguments(p, defaults: dict[str, Any]) -> None:
+    """The MoE shape options (``--tokens --hidden --ffn --experts --topk --ranks``; default
+    None: ``fill_defaults`` sets them), their help naming ``defaults``."""
+    helps = {"tokens": "tokens per rank", "hidden": "model width H", "ffn": "expert FFN width F",
+             "experts": "experts over all ranks", "topk": "experts per token"}
+    for name, text in helps.items():
+        p.add_argument(f"--{name}", type=int, help=f"{text} (default {defaults[name]})")
+    p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
+
+
+def fill_defaults(args, defaults: dict[str, Any], quick: dict[str, Any]) -> None:
+    """Every option of ``defaults`` left None set from ``quick`` (with ``--quick``) or it."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick[name] if args.quick else value)
+
+
 def join_processes() -> bool:
     """Joins ``jax.distributed`` when started by ``python -m jax_ep.launch`` (before any device
     is touched). Every process then runs the same cases; process 0 writes and prints results."""

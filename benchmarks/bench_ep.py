@@ -669,18 +669,6 @@ def write_plots(records, out_prefix):
     return written
 
 
-def result_path(out, header, tag=None):
-    """The JSON file to write: ``out`` itself when it ends in ``.json``, else
-    ``<out>/<machine>-<date>[-<tag>].json``; its folder is created."""
-    if out.endswith(".json"):
-        path = out
-    else:
-        name = f"{header['machine']}-{header['date']}" + (f"-{tag}" if tag else "")
-        path = os.path.join(out, name + ".json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return path
-
-
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     bc.default_host_devices()  # before anything starts a backend: 8 ranks on CPU
@@ -715,7 +703,7 @@ def main(argv=None):
                                                "XLA:CPU"})
             log(f"[skip] {DECOMPOSER_IMPL}: {child[2][DECOMPOSER_IMPL]}")
     header = bc.result_header(argv, args.note, __file__)  # initialises JAX, after the child
-    path = result_path(args.out, header, args.tag)
+    path = bc.result_path(args.out, header, args.tag)
     prefix = path[: -len(".json")]
     out_dir = os.path.dirname(path)
     method = {"n_short": args.n_short, "n_long": args.n_long, "repeats": args.repeats,

@@ -104,12 +104,7 @@ def parse_args(argv):
                         "check on: for CPU with 8 host devices")
     p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
                    help="folder of the result file (default benchmarks/results)")
-    p.add_argument("--tokens", type=int, help="tokens per rank (default 4096)")
-    p.add_argument("--hidden", type=int, help="model width H (default 2048)")
-    p.add_argument("--ffn", type=int, help="expert FFN width F (default 1024)")
-    p.add_argument("--experts", type=int, help="experts over all ranks (default 64)")
-    p.add_argument("--topk", type=int, help="default 8")
-    p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
+    bc.add_shape_arguments(p, DEFAULTS)
     p.add_argument("--impls", type=_names, default=IMPLS,
                    help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument("--matmul", type=_names, default=None,
@@ -142,9 +137,7 @@ def parse_args(argv):
                         "(fused, default: what the Flax example stores) or two (split)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     args = p.parse_args(argv)
-    for name, value in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, QUICK[name] if args.quick else value)
+    bc.fill_defaults(args, DEFAULTS, QUICK)
     args.check = args.check or args.quick
     jax_ep, _ = bc.import_jax_ep()
     if jax_ep is not None and not hasattr(jax_ep.moe, "grouped_gemm"):

@@ -73,12 +73,7 @@ def parse_args(argv):
     p.add_argument("--cases", type=lambda s: tuple(c for c in s.split(",") if c), default=CASES,
                    help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--layers", type=int, help="MoE layers in the stack (default 16)")
-    p.add_argument("--tokens", type=int, help="tokens per rank (default 4096)")
-    p.add_argument("--hidden", type=int, help="model width H (default 2048)")
-    p.add_argument("--ffn", type=int, help="expert FFN width F (default 1024)")
-    p.add_argument("--experts", type=int, help="experts over all ranks (default 64)")
-    p.add_argument("--topk", type=int, help="experts per token (default 8)")
-    p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
+    bc.add_shape_arguments(p, DEFAULTS)
     p.add_argument("--matmul", default="auto",
                    help="the stack's expert matmul, a name of jax_ep.moe.MATMULS (default auto: "
                         "Mosaic GPU on Hopper, tiled elsewhere)")
@@ -96,9 +91,7 @@ def parse_args(argv):
     p.add_argument("--tag", help="appended to the file name")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     args = p.parse_args(argv)
-    for name, value in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, QUICK[name] if args.quick else value)
+    bc.fill_defaults(args, DEFAULTS, QUICK)
     bad = [c for c in args.cases if c not in CASES]
     if bad:
         p.error(f"unknown case {bad}: expected some of {','.join(CASES)}")
@@ -178,12 +171,10 @@ def hlo_counts(hlo_text: str) -> dict:
 @contextlib.contextmanager
 def no_compilation_cache():
     """jax's persistent compilation cache off (a cache hit would hide the compile time)."""
-    before = jax.config.jax_enable_compilation_cache
+    enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", before)
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def measure(jitted, call_args, run: bool) -> dict:
@@ -310,18 +301,6 @@ def stack_case(args, mesh, jax_ep, scan: bool):
 # ----------------------------------------------------------------------------- report
 
 
-def result_path(out, header, tag=None):
-    """``out`` itself when it ends in ``.json``, else
-    ``<out>/<machine>-<date>-compile_time[-<tag>].json``; its folder is created."""
-    if out.endswith(".json"):
-        path = out
-    else:
-        name = f"{header['machine']}-{header['date']}-{OP}" + (f"-{tag}" if tag else "")
-        path = os.path.join(out, name + ".json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return path
-
-
 def print_table(records, errors):
     head = (f"{'case':20s} {'layers':>6s} {'lower_s':>8s} {'compile_s':>9s} {'1st call':>9s} "
             f"{'fusions':>8s} {'custom':>7s} {'mosaic':>7s} {'unique':>7s}")
@@ -344,7 +323,7 @@ def main(argv=None):
     bc.default_host_devices()  # before anything starts a backend: 8 ranks on CPU
     args = parse_args(argv)
     header = bc.result_header(argv)
-    path = result_path(args.out, header, args.tag)
+    path = bc.result_path(args.out, header, OP, args.tag)
     jax_ep, why = bc.import_jax_ep()
     if jax_ep is None:
         raise SystemExit(f"jax_ep does not import: {why}")

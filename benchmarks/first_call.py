@@ -66,9 +66,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     defaults = {"tokens": 4096, "ll_tokens": 128, "hidden": 7168, "experts": 256,
                 "steady_calls": 20}
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, QUICK[name] if args.quick else value)
+    bc.fill_defaults(args, defaults, QUICK)
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown mode {bad}; choose from {MODES}")

@@ -111,11 +111,11 @@ def test_bench_ep_sweep_writes_plots(tmp_path):
 def test_bench_ep_out_is_a_folder_or_a_json_file(tmp_path):
     header = {"machine": "8xcpu", "date": "2026-12-04"}
     folder = tmp_path / "results"
-    assert bench_ep.result_path(str(folder), header) == str(folder / "8xcpu-2026-12-04.json")
-    assert bench_ep.result_path(str(folder), header, "t") == str(folder / "8xcpu-2026-12-04-t.json")
+    assert bc.result_path(str(folder), header) == str(folder / "8xcpu-2026-12-04.json")
+    assert bc.result_path(str(folder), header, "t") == str(folder / "8xcpu-2026-12-04-t.json")
     assert folder.is_dir()
     named = tmp_path / "new" / "x.json"
-    assert bench_ep.result_path(str(named), header, "ignored") == str(named)
+    assert bc.result_path(str(named), header, "ignored") == str(named)
     assert named.parent.is_dir() and not named.exists()
 
 
