@@ -565,7 +565,7 @@ def wall_us(fn: Callable, *args) -> float:
 def time_per_op_us(
     compiled_short, compiled_long, args, n_short: int, n_long: int, repeats: int, warmup: int
 ) -> tuple[float, dict[str, float]]:
-    """Device time of one op: ``(median t(n_long) - median t(n_short)) / (n_long - n_short)``.
+    """GPU time of one op: ``(median t(n_long) - median t(n_short)) / (n_long - n_short)``.
 
     Each program is one host dispatch, so the fixed host cost (~200 us for a 2-GPU call) and the
     prologue cancel in the difference. Short and long runs are interleaved so drift hits both.

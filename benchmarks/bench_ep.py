@@ -13,7 +13,7 @@ combine at ``--tokens``; low-latency mode: dispatch (fp8, bf16) and combine for 
 
 Method (see README.md): one jitted shard_map'd program runs the op N times unrolled, each call
 chained to the previous one through an optimization barrier and fed a different pre-generated
-input; per-op device time = (median t(N_long) - median t(N_short)) / (N_long - N_short), so the
+input; per-op GPU time = (median t(N_long) - median t(N_short)) / (N_long - N_short), so the
 host dispatch (~200 us for a 2-GPU call) cancels. Bytes are counted as DeepEP counts them
 (docs/api.md, "Measuring"). A time within its timer noise of zero (twice the standard error of
 the difference, ``bench_common.noise_us``) is reported as "below noise (±x us)", not as a figure.

@@ -47,7 +47,7 @@ matmul computes on top (padding rows, dense expansion); the products count ``2 *
 
 Timed layer step: ``jax.value_and_grad`` of ``loss = sum(out * cotangent)`` w.r.t. ``x [T, H]``
 and the rank's three expert weights ``[E_loc, H, F]``, ``[E_loc, H, F]``, ``[E_loc, F, H]`` (bf16,
-``E_loc = E / R``). Device time per step with bench_common's unrolled N_short / N_long difference
+``E_loc = E / R``). GPU time per step with bench_common's unrolled N_short / N_long difference
 (distinct inputs per iteration; see README.md). Before timing a layer (always with ``--quick``,
 else with ``--check``) its forward output is compared with the jax_ep reference backend's forward
 with the tiled matmul on the same inputs (bf16 tolerance), so every row computes the same
@@ -477,7 +477,7 @@ def iterations(args, matmul):
 
 
 def measure(mesh, args, step, fixed, sets, pool, matmul):
-    """Device time per step of ``step(prologue(*fixed), *sets[i])`` (unrolled N_short/N_long)."""
+    """GPU time per step of ``step(prologue(*fixed), *sets[i])`` (unrolled N_short/N_long)."""
     n_short, n_long, repeats, warmup = iterations(args, matmul)
     options = XLA_VARIANTS.get(matmul)
 

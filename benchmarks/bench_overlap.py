@@ -1,5 +1,5 @@
 """Communication hidden behind compute: one model segment, two micro-batches, with and without
-overlap, and the device timeline.
+overlap, and the GPU timeline.
 
     python benchmarks/bench_overlap.py [--cases train:bench,decode:deepseek]
         [--num-sms 24] [--gemm-sms 0] [--steps 10] [--repeats 3] [--out DIR] [--quick] [--sm-curve]
@@ -360,7 +360,7 @@ def run_case(mesh, shape_name, mode, a):
 
 # ------------------------------------------------------------------------------- SM curve
 def sm_curve(mesh, a):
-    """Kernel time of each op (device time, profiler) against the Buffer's num_sms."""
+    """Kernel time of each op (GPU time, profiler) against the Buffer's num_sms."""
     shape = QUICK if a.quick else SHAPES["deepseek"]
     num_ranks = mesh.shape["ep"]
     tokens, ll_tokens = shape["train"], shape["decode"]

@@ -9,9 +9,9 @@ multinomially over 64 experts, H=2048, F=1024, bf16, EP=1), measured four ways:
 - `wall_ms`: the median wall time of a synchronous call (what a loop of blocking steps pays);
 - `loop_ms`: per step, the wall time of 20 calls dispatched back to back and awaited once (what
   a training loop pays: the host prepares the next call while the GPU runs this one);
-- `span_ms` / `idle_ms`: from a profiler trace of 3 calls in a row, the device timeline's span
+- `span_ms` / `idle_ms`: from a profiler trace of 3 calls in a row, the GPU timeline's span
   per step and the time in it where no kernel ran;
-- `kernels`: device time per step of each kernel name (`busy_ms` their sum).
+- `kernels`: GPU time per step of each kernel name (`busy_ms` their sum).
 TFLOP/s count the useful work, 18 * rows * H * F per step, like bench_moe_layer.
 
 Variants: `split` is `jax_ep.moe.swiglu_experts` with gate and up as two weights; `fused` with
@@ -111,7 +111,7 @@ def variant_step(args, variant, inputs):
 
 def unrolled_profile(args, step, weights, sets, tflops):
     """bench_moe_layer's measured program, `--unrolled` steps: per step, the wall of one call
-    and the device timeline's span and idle time."""
+    and the GPU timeline's span and idle time."""
     n = args.unrolled
     program = bc.repeated_program(bc.make_mesh(1), step, n, lambda *fixed: fixed)
     call_args = (tuple(weights), tuple(tuple(s) for s in sets[:n]))

@@ -1,10 +1,10 @@
-"""Kernel-level device times of jax_ep's ops from a profiler trace (CUPTI), per GPU.
+"""Kernel-level GPU times of jax_ep's ops from a profiler trace (CUPTI), per GPU.
 
     python benchmarks/profile_ops.py [--tokens 4096] [--ll-tokens 128] [--iters 8] [--out DIR]
 
 Runs each op ``--iters`` times in one jitted program under ``jax.profiler.trace`` and prints,
 per op and device, every kernel's median duration and the median span of one op (first kernel
-start to last kernel end of each call). Unlike wall-clock differences this is pure device time:
+start to last kernel end of each call). Unlike wall-clock differences this is pure GPU time:
 it shows what the GPU spends and where the gaps are. The ``*_split`` ops run the low-latency
 ops as send + receive halves back to back: the two kernels' medians are the halves' device
 times (the receive's includes waiting for the peers' sends), the span is the pair's. Writes

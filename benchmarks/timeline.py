@@ -1,4 +1,4 @@
-"""The device timeline of a program from a profiler trace: kernels per stream, and overlap.
+"""The GPU timeline of a program from a profiler trace: kernels per stream, and overlap.
 
     events = timeline.kernels(fn, *args, calls=5)       # [Kernel(name, stream, start, end)]
     timeline.hidden_fraction(events, is_ours)          # share of our kernel time under compute
@@ -22,7 +22,7 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One kernel on the device timeline: ``start``/``end`` in ns of the trace's clock."""
+    """One kernel on the GPU timeline: ``start``/``end`` in ns of the trace's clock."""
 
     name: str
     device: str

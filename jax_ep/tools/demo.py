@@ -28,7 +28,7 @@ from jax_ep import testing as oracle  # noqa: E402
 
 
 def _time_per_call(make_fn, args, counts, repeats=7):
-    """Device time of one op: the difference between programs with two unrolled counts, so the
+    """GPU time of one op: the difference between programs with two unrolled counts, so the
     host dispatch of the jitted call cancels out."""
     medians = []
     for count in counts:
