@@ -214,7 +214,7 @@ def _exit_code(returncode):
 
 def _signal_group(proc, sig):
     try:
-        os.killpg(proc.pid, sig)  # the child leads its own session: its subprocesses too
+        os.killpg(proc.pid, sig)  # the child leads its own process group: its subprocesses too
     except (ProcessLookupError, PermissionError):
         pass
 
