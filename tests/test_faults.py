@@ -241,9 +241,11 @@ def test_adversarial_routings_match_the_oracle_and_are_reported(backend):
 @pytest.mark.gpu
 def test_hundred_buffers_return_device_memory():
     """Creating and closing 100 Buffers (normal + low latency) leaves free device memory where it
-    started (within 1 MiB on every GPU of this process: with several processes each process
-    measures its own)."""
+    started (within 1 MiB on every GPU of this process). Free memory is the whole GPU's: with
+    several processes, all of them meet before and after each reading, so that none holds a
+    Buffer another is still closing (processes sharing one GPU see each other's workspaces)."""
     require_gpus(1)
+    from jax_ep.peers import ipc
     from jax_ep.system import cuda_driver as _cuda_driver
 
     driver, reason = _cuda_driver.get_driver()
@@ -254,8 +256,14 @@ def test_hundred_buffers_return_device_memory():
                 if d.process_index == jax.process_index()]
     assert ordinals and None not in ordinals, ordinals
 
-    def free():
-        return [driver.free_memory(o) for o in ordinals]
+    def free(name):
+        meet = ipc.kv_client().wait_at_barrier if jax.process_count() > 1 else None
+        if meet:
+            meet(f"test_faults/{name}/read", 60_000)
+        readings = [driver.free_memory(o) for o in ordinals]
+        if meet:
+            meet(f"test_faults/{name}/done", 60_000)
+        return readings
 
     def make_and_close():
         buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T_MAX,
@@ -264,10 +272,10 @@ def test_hundred_buffers_return_device_memory():
         buf.close()
 
     make_and_close()  # first-time allocations of the runtime itself
-    before = free()
+    before = free("before")
     for _ in range(100):
         make_and_close()
-    after = free()
+    after = free("after")
     for b, a in zip(before, after, strict=True):
         # A leak shows as less free memory. XLA no longer preallocates in the test suite
         # (conftest), so its own pool may also give memory back meanwhile: more free is fine.
