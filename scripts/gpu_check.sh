@@ -10,7 +10,9 @@
 #                matmul_peak                           the MoE expert matmuls
 #
 # Correctness
-#   suite      the README's GPU command: pytest -m gpu (SUITE_ARGS: more pytest arguments)
+#   suite      the README's GPU command, the fast tier: pytest -m gpu (SUITE_ARGS: more pytest
+#              arguments)
+#   stress     the stress tier: pytest -m "gpu and stress" (one H200: ~12 min; SUITE_ARGS)
 #   tests      the GPU tests of $TESTS, one pytest process per file (a kernel that traps takes its
 #              process down, not the run)
 #   multiproc  tests/test_gpu_multiprocess.py, then the GPU suite under `jax_ep.launch -n 2`
@@ -67,7 +69,7 @@ SECTIONS=" ${SECTIONS//one_gpu/suite pair step ptx} "
 SECTIONS="${SECTIONS//multi_gpu/tests multiproc nvshmem memcheck bench moe first}"
 SECTIONS="${SECTIONS//matmuls/matmul_env matmul_tests matmul_profile matmul_bench matmul_products matmul_ragged matmul_peak}"
 TESTS="${TESTS:-tests/test_normal.py tests/test_low_latency.py tests/test_low_latency_split.py tests/test_gradients.py tests/test_gpu.py tests/test_aot.py}"
-PYTEST=(pytest -m gpu -q -p no:cacheprovider -rs)
+PYTEST=(pytest -m "gpu or stress" -q -p no:cacheprovider -rs)  # both tiers (pyproject.toml)
 LL_OPS=layout,dispatch,combine,low_latency_dispatch,low_latency_combine
 has() { [[ "$SECTIONS" == *" $1 "* ]]; }
 limit() { local v="${1^^}_S"; echo "${!v:-$2}"; }  # limit NAME DEFAULT: $<NAME>_S or DEFAULT
@@ -96,7 +98,10 @@ if ls .whl/*.whl > /dev/null 2>&1 && has matmul_env; then
 fi
 
 # Correctness.
-has suite && step suite "$(limit suite 330)" "${PYTEST[@]}" --durations=15 ${SUITE_ARGS:-}
+has suite && step suite "$(limit suite 330)" pytest -m gpu -q -p no:cacheprovider -rs \
+  --durations=15 ${SUITE_ARGS:-}
+has stress && step stress "$(limit stress 900)" pytest -m "gpu and stress" -q -p no:cacheprovider \
+  -rs --durations=30 ${SUITE_ARGS:-}
 if has tests; then
   for f in $TESTS; do step "$(basename "$f" .py)" 200 "${PYTEST[@]}" ${PYTEST_ARGS:-} "$f"; done
 fi
@@ -128,7 +133,7 @@ has transport && step transport "$(limit transport 200)" "${PYTEST[@]}" --durati
   tests/test_transport_gpu.py
 has devtransport && step devtransport "$(limit devtransport 500)" "${PYTEST[@]}" --durations=10 \
   tests/test_device_transport.py
-has mutants && step mutants "$(limit mutants 330)" pytest -m gpu -v -p no:cacheprovider -rs \
+has mutants && step mutants "$(limit mutants 330)" pytest -m "gpu or stress" -v -p no:cacheprovider -rs \
   --durations=0 tests/test_device_transport.py -k normal_protocol_mutant
 has seeds20 && step seeds20 "$(limit seeds20 540)" env JAX_EP_TRANSPORT_SEEDS=20 "${PYTEST[@]}" \
   -s --durations=0 tests/test_device_transport.py -k normal_ops_across_fake_hosts

@@ -51,7 +51,7 @@ summary="$LOGS/summary.txt"  # appended to: several runs may each run some of th
 selections=("-k|$SAN_K|$SAN_TESTS")
 if [[ ${SAN_EACH:-0} == 1 ]]; then
   # shellcheck disable=SC2086
-  mapfile -t ids < <(pytest -m gpu -q --collect-only -p no:cacheprovider -k "$SAN_K" $SAN_TESTS \
+  mapfile -t ids < <(pytest -m "gpu or stress" -q --collect-only -p no:cacheprovider -k "$SAN_K" $SAN_TESTS \
     2>/dev/null | grep '::')
   selections=(); for id in "${ids[@]}"; do selections+=("id|$id|"); done
 fi
@@ -73,9 +73,9 @@ for mode in $MODES; do
         select_args=(-k "$value" $files); tag="${SAN_TAG:-}"
       fi
       if [[ $mode == ep1 ]]; then
-        cmd=("${san[@]}" pytest -m gpu -v -p no:cacheprovider "${select_args[@]}")
+        cmd=("${san[@]}" pytest -m "gpu or stress" -v -p no:cacheprovider "${select_args[@]}")
       else
-        pytest_cmd=(pytest -m gpu -v -p no:cacheprovider "${SHARED_DESELECT[@]}" "${select_args[@]}")
+        pytest_cmd=(pytest -m "gpu or stress" -v -p no:cacheprovider "${SHARED_DESELECT[@]}" "${select_args[@]}")
         launch=(python3 -m jax_ep.launch -n 2 --processes-per-gpu 2 --timeout "$((${SAN_S:-240} - 10))" --)
         if [[ $mode == shared ]]; then
           cmd=("${launch[@]}" "${san[@]}" "${pytest_cmd[@]}")

@@ -41,6 +41,17 @@ def pytest_configure(config):
         _use_compilation_cache(config)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`-m gpu` is the fast GPU tier: tests marked stress run only where the -m expression
+    names them (`-m "gpu and stress"`: the stress tier; `-m "gpu or stress"`: both tiers)."""
+    if "stress" in config.option.markexpr:
+        return
+    stress = [item for item in items if item.get_closest_marker("stress")]
+    if stress:
+        config.hook.pytest_deselected(items=stress)
+        items[:] = [item for item in items if not item.get_closest_marker("stress")]
+
+
 def _use_compilation_cache(config):
     """A persistent compilation cache of this process alone, new and removed at the end.
 

@@ -11,6 +11,8 @@ from jax_ep import launch
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_PARENT = Path(launch.__file__).resolve().parents[1]  # children import this jax_ep
 DIGEST_SCRIPT = ROOT / "tests" / "multiprocess_digest.py"
+# The -m expression of a child that runs a file's GPU tests, both tiers (tests/conftest.py).
+EVERY_GPU_TEST = "gpu or stress"
 
 
 def child_env(platform, extra_env=None):

@@ -149,8 +149,8 @@ def _run_suite_over(transport, *pytest_args, suite=SUITE, seed=7, **extra_env):
     env = dict(os.environ, **launching.device_transport_env(transport, seed, **extra_env))
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: jax_ep must be the installed
         proc = subprocess.run(
-            [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p",
-             "no:cacheprovider", "-m", "gpu", *(str(TESTS / f) for f in suite), *pytest_args],
+            [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "-m", launching.EVERY_GPU_TEST, *(str(TESTS / f) for f in suite), *pytest_args],
             cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stdout[-4000:] + proc.stderr[-4000:]
 

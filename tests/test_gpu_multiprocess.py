@@ -96,8 +96,8 @@ def test_the_op_suite_passes_in_both_processes_of_a_pair_on_one_gpu(hosts):
     with tempfile.TemporaryDirectory() as cwd:  # children import the installed jax_ep
         proc, _ = launching.run_launcher(
             *flags, "--timeout", "500", "--", sys.executable, "-X", "faulthandler", "-m",
-            "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k", selection, *tests,
-            platform="gpu", extra_env=env, cwd=cwd, timeout=560)
+            "pytest", "-q", "-p", "no:cacheprovider", "-m", launching.EVERY_GPU_TEST, "-k",
+            selection, *tests, platform="gpu", extra_env=env, cwd=cwd, timeout=560)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     for rank in (0, 1):
         summary = [line for line in lines_of(proc.stdout, rank) if " passed" in line]

@@ -1,10 +1,10 @@
 """The suite's own rules: every test runs in one place, and a missing jax_ep._C fails where the
 build would have made it.
 
-- The GPU suite's two tiers (pyproject.toml): ``pytest -m "gpu and not stress"`` and
-  ``pytest -m "gpu and stress"``. Together they are what ``pytest -m gpu`` runs, neither holds a
-  test of the other, and no test is left out of every selection: the default (CPU) run, the
-  tiers and ``-m multihost`` cover the whole suite.
+- The GPU suite's two tiers (pyproject.toml): ``pytest -m gpu`` (stress tests left out unless
+  -m names them) and ``pytest -m "gpu and stress"``. Together they are what ``-m "gpu or
+  stress"`` runs, neither holds a test of the other, and no test is left out of every
+  selection: the default (CPU) run, the tiers and ``-m multihost`` cover the whole suite.
 - conftest.require_extension: with nvcc found or a GPU seen, a missing _C fails; with neither,
   it skips.
 """
@@ -21,8 +21,9 @@ import pytest
 import jax_ep
 
 ROOT = Path(__file__).resolve().parents[1]
-TIERS = {"fast": "gpu and not stress", "stress": "gpu and stress"}
-SELECTIONS = {"default": None, "all": "", "gpu": "gpu", "multihost": "multihost", **TIERS}
+TIERS = {"fast": "gpu", "stress": "gpu and stress"}
+SELECTIONS = {"default": None, "all": "stress or not stress", "every_gpu": "gpu or stress",
+              "gpu_not_stress": "gpu and not stress", "multihost": "multihost", **TIERS}
 
 # One child collects the suite once per selection (modules are imported once): pytest's own
 # -m, addopts and ini file, from outside the source tree (the installed jax_ep, as CI's pytest).
@@ -41,9 +42,7 @@ COLLECT = textwrap.dedent("""
         collect = Collect()
         args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--rootdir", root, "-c",
                 root + "/pyproject.toml", root + "/tests"]
-        if expr == "":
-            args += ["-o", "addopts="]  # no -m at all: every test
-        elif expr is not None:
+        if expr is not None:
             args += ["-m", expr]  # replaces addopts' -m
         code = pytest.main(args, plugins=[collect])
         assert code in (0, 5), (name, code)  # 5: nothing selected
@@ -66,17 +65,18 @@ def selections(tmp_path_factory):
 
 
 def test_every_gpu_test_is_in_exactly_one_tier(selections):
-    fast, stress, gpu = selections["fast"], selections["stress"], selections["gpu"]
+    fast, stress, gpu = selections["fast"], selections["stress"], selections["every_gpu"]
     assert len(gpu) > 100 and fast and stress, {k: len(v) for k, v in selections.items()}
     assert fast & stress == set()
     assert fast | stress == gpu, sorted(gpu ^ (fast | stress))
+    assert selections["gpu_not_stress"] == fast  # `-m gpu` leaves out the stress tier
 
 
 def test_no_test_is_left_out_of_every_selection(selections):
     """The default run holds no GPU test, and default + tiers + multihost are the suite: a test
     marked stress but not gpu would run nowhere."""
     everything, default = selections["all"], selections["default"]
-    assert default and not default & selections["gpu"]
+    assert default and not default & selections["every_gpu"]
     covered = default | selections["fast"] | selections["stress"] | selections["multihost"]
     assert covered == everything, sorted(everything - covered)
 
