@@ -2,7 +2,8 @@
 overlap, and the GPU timeline.
 
     python benchmarks/bench_overlap.py [--cases train:bench,decode:deepseek]
-        [--num-sms 24] [--gemm-sms 0] [--steps 10] [--repeats 3] [--out DIR] [--quick] [--sm-curve]
+        [--num-sms 24] [--gemm-sms 0] [--unpinned] [--steps 10] [--repeats 3] [--out DIR] [--quick]
+        [--sm-curve]
 
 The segment, per micro-batch (half of each rank's tokens): attention stand-in + router ->
 dispatch -> experts (SwiGLU, ``--matmul``) -> combine -> attention stand-in, as the stages of
@@ -22,6 +23,10 @@ per step, the median of ``--repeats``:
 
 ``--gemm-sms N`` (bench-only, jax's Mosaic GPU grouped GEMMs): their persistent grid of one
 CTA per SM is cut to N CTAs during the trace, leaving the other SMs to our kernels; 0 keeps it.
+``--unpinned``: one more program, ``unpinned``, on the first budget's overlap Buffer with each op
+waited right after its start (no two-micro-batch overlap): what the async calls and the side
+stream cost apart from the pinned schedule. Each program's row also names its largest kernels
+(``largest_us``, summed per step).
 The peers (``all_to_all``, ``ragged_all_to_all``, XLA's scheduler overlapping them by itself)
 get rows of their own where they move rows (EP >= 2); at EP=1 they move nothing and their rows
 say so. ``--sm-curve``: each op's kernel time against its SM budget (``num_sms``), from a
@@ -67,6 +72,8 @@ def parse_args(argv):
     p.add_argument("--gemm-sms", type=int, default=0,
                    help="CTAs of jax's Mosaic GPU grouped GEMMs in the overlapped step (0: "
                         "their default, one per SM)")
+    p.add_argument("--unpinned", action="store_true",
+                   help="also run the overlap Buffer with each op waited right after its start")
     p.add_argument("--matmul", default="auto", help="expert matmul (jax_ep.moe.MATMULS)")
     p.add_argument("--steps", type=int, default=10, help="steps per timed loop and per trace")
     p.add_argument("--repeats", type=int, default=3, help="timed loops per program (median)")
@@ -229,10 +236,27 @@ def mosaic_grid(num_ctas):
         plgpu.kernel = original
 
 
-def build_program(mesh, stages, inputs, mode, gemm_sms):
+@contextlib.contextmanager
+def unpinned(on):
+    """While traced, an overlap Buffer's ops wait right after their starts: no op is left to
+    ``deferred.overlap``'s collector, so the stages run in order without its barriers."""
+    if not on:
+        yield
+        return
+    from jax_ep.backends import deferred
+
+    original = deferred.collector
+    deferred.collector = lambda: None
+    try:
+        yield
+    finally:
+        deferred.collector = original
+
+
+def build_program(mesh, stages, inputs, mode, gemm_sms, pinned=True):
     """A jitted step over the global ``inputs = (params, x [R*T, H], topk_idx, topk_weights)``
     (the routing only for the communication-alone program): two_batch of the stages (train: the
-    grad of a loss w.r.t. the parameters and x)."""
+    grad of a loss w.r.t. the parameters and x); ``pinned=False``: see ``unpinned``."""
     from jax_ep import moe
 
     def segment(params, x, idx, w):
@@ -251,7 +275,7 @@ def build_program(mesh, stages, inputs, mode, gemm_sms):
         body = segment
     specs = (jax.tree.map(lambda _: P("ep"), inputs[0]), P("ep"), P("ep"), P("ep"))
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("ep")))
-    with mosaic_grid(gemm_sms):
+    with mosaic_grid(gemm_sms), unpinned(not pinned):
         return fn.lower(*inputs).compile()
 
 
@@ -279,7 +303,9 @@ def measure(compiled, args, args_ns):
     return {"wall_us": wall, "busy_us": timeline.busy_us(events) / args_ns.steps,
             "ours_us": hidden["ours_us"] / args_ns.steps,
             "hidden_us": hidden["hidden_us"] / args_ns.steps,
-            "hidden_fraction": hidden["hidden_fraction"], "streams": hidden["streams"]}
+            "hidden_fraction": hidden["hidden_fraction"], "streams": hidden["streams"],
+            "largest_us": {name: us / args_ns.steps
+                           for name, us in timeline.largest_us(events).items()}}
 
 
 def routing_for(mesh, params, x, topk):
@@ -314,15 +340,19 @@ def run_case(mesh, shape_name, mode, a):
         buffers[f"overlapped_sms{budget}"] = jax_ep.Buffer(
             mesh, "ep", overlap=True, num_sms=(budget or None) if on_gpu else None, **common)
     stages_of = decode_stages if low_latency else make_stages
-    programs = [("serial", "serial", "ep", 0)]
-    programs += [(f"overlapped_sms{b}", f"overlapped_sms{b}", "ep", a.gemm_sms) for b in budgets]
-    programs += [("compute", "serial", "none", 0), ("comm", "serial", "comm", 0)]
+    # (row, buffer, stages' kind, GEMM CTAs, pinned schedule)
+    programs = [("serial", "serial", "ep", 0, True)]
+    programs += [(f"overlapped_sms{b}", f"overlapped_sms{b}", "ep", a.gemm_sms, True)
+                 for b in budgets]
+    if a.unpinned:
+        programs.append(("unpinned", f"overlapped_sms{budgets[0]}", "ep", 0, False))
+    programs += [("compute", "serial", "none", 0, True), ("comm", "serial", "comm", 0, True)]
     rows = {}
-    for name, buf_name, kind, gemm in programs:
+    for name, buf_name, kind, gemm, pinned in programs:
         t = time.time()
         try:
             stages = stages_of(kind, buffers[buf_name], shape, a.matmul, num_ranks)
-            compiled = build_program(mesh, stages, inputs, mode, gemm if on_gpu else 0)
+            compiled = build_program(mesh, stages, inputs, mode, gemm if on_gpu else 0, pinned)
             rows[name] = measure(compiled, inputs, a)
             del compiled
         except Exception as e:  # noqa: BLE001 - one program's failure leaves the others' rows

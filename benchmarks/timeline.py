@@ -99,6 +99,14 @@ def hidden_fraction(events: list[Kernel], is_ours: Callable[[str], bool]) -> dic
             "streams": sorted({k.stream for k in ours})}
 
 
+def largest_us(events: list[Kernel], top: int = 8) -> dict[str, float]:
+    """The ``top`` kernel names by summed duration, in us, largest first (where time went)."""
+    totals: dict[str, int] = {}
+    for k in events:
+        totals[k.name] = totals.get(k.name, 0) + k.duration_ns
+    return {name: ns / 1e3 for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def busy_us(events: list[Kernel]) -> float:
     """Time during which some kernel ran (any stream), in us: the device span minus its idle."""
     return sum(e - s for s, e in _merged((k.start, k.end) for k in events)) / 1e3

@@ -15,7 +15,7 @@ def test_quick_run_writes_the_overlap_records(tmp_path):
     run = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_overlap.py"), "--quick",
          "--cases", "train:bench,decode:bench", "--steps", "1", "--repeats", "1",
-         "--out", str(tmp_path), "--note", "test"],
+         "--unpinned", "--out", str(tmp_path), "--note", "test"],
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     for mode in ("train", "decode"):
@@ -28,4 +28,6 @@ def test_quick_run_writes_the_overlap_records(tmp_path):
         assert record["ranks"] == 2 and record["note"] == "test"
         assert all(record[k] > 0 for k in ("serial_us", "overlapped_us", "compute_us",
                                            "comm_us"))
+        unpinned = record["programs"]["unpinned"]
+        assert unpinned["wall_us"] > 0 and "largest_us" in unpinned, unpinned
     assert "saved/comm" in run.stdout
