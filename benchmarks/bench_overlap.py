@@ -25,12 +25,18 @@ per step, the median of ``--repeats``:
 CTA per SM is cut to N CTAs during the trace, leaving the other SMs to our kernels; 0 keeps it.
 ``--unpinned``: one more program, ``unpinned``, on the first budget's overlap Buffer with each op
 waited right after its start (no two-micro-batch overlap): what the async calls and the side
-stream cost apart from the pinned schedule. Each program's row also names its largest kernels
-(``largest_us``, summed per step).
-The peers (``all_to_all``, ``ragged_all_to_all``, XLA's scheduler overlapping them by itself)
-get rows of their own where they move rows (EP >= 2); at EP=1 they move nothing and their rows
-say so. ``--sm-curve``: each op's kernel time against its SM budget (``num_sms``), from a
-profiler trace. Records ``overlap-<mode>-<shape>.json`` and ``sm-curve.json`` under ``--out``.
+stream cost apart from the pinned schedule.
+Each program's row (under ``programs``) also has ``comm_kernels_us``, the communication
+kernels' GPU time per step, and ``largest_us``, its largest kernels summed per step.
+
+The peers (``peers``: ``all_to_all``, ``ragged_all_to_all``; ``bench_common``'s): the same
+segment, each micro-batch's layer written as its own dataflow, so that XLA's scheduler may
+overlap one's collectives with the other's compute by itself. Their rows have the same fields,
+of their collective kernels (NCCL's). At EP=1 they move nothing and their rows say so; XLA:CPU
+has no ``ragged_all_to_all``, so that row is an error there.
+
+``--sm-curve``: each op's kernel time against its SM budget (``num_sms``), from a profiler
+trace. Records ``overlap-<mode>-<shape>.json`` and ``sm-curve.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -253,10 +259,8 @@ def unpinned(on):
         deferred.collector = original
 
 
-def build_program(mesh, stages, inputs, mode, gemm_sms, pinned=True):
-    """A jitted step over the global ``inputs = (params, x [R*T, H], topk_idx, topk_weights)``
-    (the routing only for the communication-alone program): two_batch of the stages (train: the
-    grad of a loss w.r.t. the parameters and x); ``pinned=False``: see ``unpinned``."""
+def two_batch_segment(stages):
+    """``segment(params, x, idx, w) -> [T, H]``: ``two_batch`` of the stages over the halves."""
     from jax_ep import moe
 
     def segment(params, x, idx, w):
@@ -265,7 +269,42 @@ def build_program(mesh, stages, inputs, mode, gemm_sms, pinned=True):
             stages, params, ((x[:half], idx[:half], w[:half]), None),
             ((x[half:], idx[half:], w[half:]), None))
         return jnp.concatenate([a, b])
+    return segment
 
+
+def peer_segment(impl, shape, matmul, num_ranks):
+    """The same segment over a peer all-to-all (``bench_common.PEER_CLASSES``), each half's
+    layer written as its own dataflow: XLA's scheduler may run one half's collectives beside the
+    other's compute (its own overlap). The routing is computed in the segment, as the stages do."""
+    import bench_moe_layer
+
+    from jax_ep import moe
+
+    peer = bc.PEER_CLASSES[impl](num_ranks, shape["experts"], shape["topk"])
+
+    def layer(params, x):
+        h = attention_standin(params["w1"], params["w2"], x)
+        logits = jnp.dot(h, params["router"], preferred_element_type=jnp.float32)
+        idx, w, _ = moe.router(logits, shape["topk"])
+        # The weights travel as data, not in the peer's bit-packed metadata: the router's
+        # gradient flows back through them, as through jax_ep's dispatch.
+        recv_x, recv_w, recv_idx, _ = peer.dispatch([h, w], idx)
+        recv_w = jnp.where(recv_idx >= 0, recv_w, 0.0)
+        w_gate_up, _, w_down = params["experts"]
+        y = bench_moe_layer.expert_block(recv_x, recv_idx, recv_w, (w_gate_up, w_down), matmul)
+        return attention_standin(params["w1"], params["w2"], h + peer.combine(y, peer.plan(idx)))
+
+    def segment(params, x, idx, w):
+        half = x.shape[0] // 2
+        return jnp.concatenate([layer(params, x[:half]), layer(params, x[half:])])
+    return segment
+
+
+def build_program(mesh, segment, inputs, mode, gemm_sms=0, pinned=True, check_vma=True):
+    """A jitted step of ``segment`` over the global ``inputs = (params, x [R*T, H], topk_idx,
+    topk_weights)`` (train: the grad of a loss w.r.t. the parameters and x); ``pinned=False``:
+    see ``unpinned``; ``check_vma=False`` for the peers, as ``bench_common.shard_mapped`` (jax
+    types ``ragged_all_to_all``'s result as varying over no axis)."""
     if mode == "train":
         def body(params, x, idx, w):
             def loss(params, x):
@@ -274,7 +313,8 @@ def build_program(mesh, stages, inputs, mode, gemm_sms, pinned=True):
     else:
         body = segment
     specs = (jax.tree.map(lambda _: P("ep"), inputs[0]), P("ep"), P("ep"), P("ep"))
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("ep")))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("ep"),
+                               check_vma=check_vma))
     with mosaic_grid(gemm_sms), unpinned(not pinned):
         return fn.lower(*inputs).compile()
 
@@ -296,16 +336,44 @@ def is_ours(name):
     return "jax_ep" in name
 
 
-def measure(compiled, args, args_ns):
+def is_collective(name):
+    """XLA's collective kernels (NCCL's, or its own all-to-all kernels)."""
+    name = name.lower()
+    return any(key in name for key in ("nccl", "all_to_all", "alltoall", "all-to-all"))
+
+
+def measure(compiled, args, args_ns, is_comm=is_ours):
+    """Wall per step, then from a trace: busy GPU time, the communication kernels' time
+    (``is_comm``: jax_ep's, or a peer's collectives) and the share of it hidden, per step."""
     wall = loop_us(compiled, args, args_ns.steps, args_ns.repeats)
     events = timeline.kernels(compiled, *args, calls=args_ns.steps)
-    hidden = timeline.hidden_fraction(events, is_ours)
+    hidden = timeline.hidden_fraction(events, is_comm)
     return {"wall_us": wall, "busy_us": timeline.busy_us(events) / args_ns.steps,
-            "ours_us": hidden["ours_us"] / args_ns.steps,
+            "comm_kernels_us": hidden["kernels_us"] / args_ns.steps,
             "hidden_us": hidden["hidden_us"] / args_ns.steps,
             "hidden_fraction": hidden["hidden_fraction"], "streams": hidden["streams"],
             "largest_us": {name: us / args_ns.steps
                            for name, us in timeline.largest_us(events).items()}}
+
+
+def failed_row(label, error):
+    log(f"  {label}: ERROR {type(error).__name__}: {str(error)[:200]}")
+    return {"error": f"{type(error).__name__}: {error}"[:600], "wall_us": None,
+            "hidden_fraction": None, "comm_kernels_us": None}
+
+
+def run_program(label, build, inputs, args_ns, is_comm=is_ours):
+    """``measure`` of the program ``build()`` compiles, or the row of its error (one program's
+    failure leaves the others' rows), with the seconds both took."""
+    start = time.time()
+    try:
+        row = measure(build(), inputs, args_ns, is_comm)
+        log(f"  {label}: {row['wall_us']} us/step, communication kernels "
+            f"{row['comm_kernels_us']} us, hidden {row['hidden_fraction']}")
+    except Exception as e:  # noqa: BLE001
+        row = failed_row(label, e)
+    row["compile_and_run_s"] = round(time.time() - start, 1)
+    return row
 
 
 def routing_for(mesh, params, x, topk):
@@ -349,24 +417,24 @@ def run_case(mesh, shape_name, mode, a):
     programs += [("compute", "serial", "none", 0, True), ("comm", "serial", "comm", 0, True)]
     rows = {}
     for name, buf_name, kind, gemm, pinned in programs:
-        t = time.time()
-        try:
+        def build(buf_name=buf_name, kind=kind, gemm=gemm, pinned=pinned):
             stages = stages_of(kind, buffers[buf_name], shape, a.matmul, num_ranks)
-            compiled = build_program(mesh, stages, inputs, mode, gemm if on_gpu else 0, pinned)
-            rows[name] = measure(compiled, inputs, a)
-            del compiled
-        except Exception as e:  # noqa: BLE001 - one program's failure leaves the others' rows
-            rows[name] = {"error": f"{type(e).__name__}: {e}"[:600], "wall_us": None,
-                          "hidden_fraction": None, "ours_us": None}
-        rows[name]["compile_and_run_s"] = round(time.time() - t, 1)
-        log(f"  {mode} {shape_name} {name}: {rows[name]['wall_us']} us/step, "
-            f"ours {rows[name]['ours_us']} us, hidden {rows[name]['hidden_fraction']}"
-            + (f" ERROR {rows[name]['error'][:200]}" if "error" in rows[name] else ""))
+            return build_program(mesh, two_batch_segment(stages), inputs, mode,
+                                 gemm if on_gpu else 0, pinned)
+        rows[name] = run_program(f"{mode} {shape_name} {name}", build, inputs, a)
     for buf in buffers.values():
         buf.close()
-    peers = {impl: ("not run: at EP=1 it moves nothing (XLA turns it into a local copy)"
-                    if num_ranks == 1 else "not run: the peers' two-micro-batch step is not "
-                    "written yet") for impl in ("all_to_all", "ragged_all_to_all")}
+    peers = {}
+    for impl in bc.PEER_CLASSES:
+        if num_ranks == 1:
+            peers[impl] = "not run: at EP=1 it moves nothing (XLA turns it into a local copy)"
+            continue
+        segment = peer_segment(impl, shape, a.matmul, num_ranks)
+        peers[impl] = run_program(
+            f"{mode} {shape_name} {impl}",
+            lambda segment=segment: build_program(mesh, segment, inputs, mode, check_vma=False),
+            inputs, a,
+            is_comm=is_collective)
     first = rows[f"overlapped_sms{budgets[0]}"]
 
     def saved(row):
@@ -487,6 +555,11 @@ def main(argv=None):
                 f"{cell(row['overlapped_us']):>14} {cell(r['compute_us']):>11} "
                 f"{cell(r['comm_us']):>8} {cell(row['hidden_fraction'], 3):>7} "
                 f"{cell(ratio, 2):>10}  num_sms={budget or 'all'}")
+        for impl, row in r["peers"].items():  # XLA's own overlap of the peer's collectives
+            text = row if isinstance(row, str) else row.get("error") or (
+                f"{cell(row['wall_us']):>9} us/step, collectives "
+                f"{cell(row['comm_kernels_us'])} us, hidden {cell(row['hidden_fraction'], 3)}")
+            log(f"{r['mode']:7s} {r['shape']:9s} {impl}: {text[:160]}")
 
 
 if __name__ == "__main__":

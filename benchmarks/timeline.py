@@ -1,7 +1,7 @@
 """The GPU timeline of a program from a profiler trace: kernels per stream, and overlap.
 
     events = timeline.kernels(fn, *args, calls=5)       # [Kernel(name, stream, start, end)]
-    timeline.hidden_fraction(events, is_ours)          # share of our kernel time under compute
+    timeline.hidden_fraction(events, selected)         # share of their time under other kernels
 
 A trace through ``jax.profiler`` (CUPTI) records every kernel the GPU ran with its stream (the
 device plane's "Stream #N" lines). The hidden fraction of a set of kernels ("ours") is the part
@@ -79,24 +79,24 @@ def _covered_ns(start: int, end: int, merged: list[tuple[int, int]]) -> int:
     return sum(max(0, min(end, e) - max(start, s)) for s, e in merged)
 
 
-def hidden_fraction(events: list[Kernel], is_ours: Callable[[str], bool]) -> dict:
-    """How much of the kernels ``is_ours`` selects ran while another kernel ran on another
-    stream of the same device.
+def hidden_fraction(events: list[Kernel], selected: Callable[[str], bool]) -> dict:
+    """How much of the kernels ``selected`` picks (by name) ran while another kernel ran on
+    another stream of the same device.
 
-    Returns ``{"ours_us", "hidden_us", "hidden_fraction", "streams"}``: summed durations of our
-    kernels and of the parts of them covered by other kernels, their ratio (None without our
-    kernels), and the streams our kernels ran on.
+    Returns ``{"kernels_us", "hidden_us", "hidden_fraction", "streams"}``: summed durations of
+    the selected kernels and of the parts of them covered by other kernels, their ratio (None
+    without selected kernels), and the streams the selected kernels ran on.
     """
-    ours = [k for k in events if is_ours(k.name)]
+    picked = [k for k in events if selected(k.name)]
     total = hidden = 0
-    for kernel in ours:
-        others = _merged((k.start, k.end) for k in events if not is_ours(k.name)
+    for kernel in picked:
+        others = _merged((k.start, k.end) for k in events if not selected(k.name)
                          and k.device == kernel.device and k.stream != kernel.stream)
         total += kernel.duration_ns
         hidden += _covered_ns(kernel.start, kernel.end, others)
-    return {"ours_us": total / 1e3, "hidden_us": hidden / 1e3,
+    return {"kernels_us": total / 1e3, "hidden_us": hidden / 1e3,
             "hidden_fraction": hidden / total if total else None,
-            "streams": sorted({k.stream for k in ours})}
+            "streams": sorted({k.stream for k in picked})}
 
 
 def largest_us(events: list[Kernel], top: int = 8) -> dict[str, float]:

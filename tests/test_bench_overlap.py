@@ -1,12 +1,22 @@
 """benchmarks/bench_overlap.py runs on CPU (--quick) and writes records with the fields the
-overlap figures need."""
+overlap figures need; its peers' segment computes what jax_ep's does."""
 
 import json
 import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_ep
+from jax_ep import testing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_common as bc  # noqa: E402
+import bench_overlap  # noqa: E402
 
 
 def test_quick_run_writes_the_overlap_records(tmp_path):
@@ -31,3 +41,34 @@ def test_quick_run_writes_the_overlap_records(tmp_path):
         unpinned = record["programs"]["unpinned"]
         assert unpinned["wall_us"] > 0 and "largest_us" in unpinned, unpinned
     assert "saved/comm" in run.stdout
+
+
+def test_the_peers_segment_computes_the_jax_ep_segment():
+    """The all_to_all peer's two micro-batches (XLA's own overlap) and jax_ep's two_batch stages
+    compute one segment: the same forward bits and, for training, gradients within bfloat16
+    roundings (the router's too: the weights travel as data)."""
+    mesh = bc.make_mesh(2)
+    shape, ranks = bench_overlap.QUICK, 2
+    params = jax.device_put(bench_overlap.make_params(shape, ranks, jax.random.key(0)),
+                            bc.sharded(mesh))
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (ranks * shape["train"],
+                                                            shape["hidden"])).astype(jnp.bfloat16),
+                       bc.sharded(mesh))
+    inputs = (params, x, *bench_overlap.routing_for(mesh, params, x, shape["topk"]))
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=shape["experts"], hidden=shape["hidden"],
+                        max_tokens_per_rank=shape["train"] // 2, num_topk=shape["topk"])
+    ours = bench_overlap.two_batch_segment(
+        bench_overlap.make_stages("ep", buf, shape, "auto", ranks))
+    peer = bench_overlap.peer_segment("all_to_all", shape, "auto", ranks)
+
+    def run(segment, mode, **kw):
+        return bench_overlap.build_program(mesh, segment, inputs, mode, **kw)(*inputs)
+    np.testing.assert_array_equal(np.asarray(run(peer, "decode", check_vma=False)),
+                                  np.asarray(run(ours, "decode")))
+    want = jax.tree.leaves(run(ours, "train"))
+    got = jax.tree.leaves(run(peer, "train", check_vma=False))
+    assert len(got) == len(want) == 6
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        testing.assert_layer_close(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   dtype=jnp.bfloat16, num_terms=shape["hidden"],
+                                   what=f"gradient {n}")
