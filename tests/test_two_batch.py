@@ -3,7 +3,8 @@
 CPU (reference backend): the two-micro-batch layer computes what one batch per half computes,
 forward and backward, normal and low-latency; the schedule's data dependences, read from the
 program lowered for the CUDA backend (no GPU needed), put every compute op of an overlapped
-pair between its communication's start and its wait; mutants of the dependences are caught.
+pair between its communication's start and its wait, also through jax.export; mutants of the
+dependences are caught.
 GPU: the same layer on a Buffer(overlap=True) is bit for bit the layer on a serial Buffer, and
 a wait left out (the mutant) gives wrong rows.
 """
@@ -151,9 +152,9 @@ def test_bad_arguments_are_named(rng):
 
 
 # --------------------------------------------------- the schedule's dependences (lowered)
-def _lowered_overlap(monkeypatch=None):
-    """StableHLO of one overlapped pair over a CUDA Buffer(overlap=True): B's dispatch beside
-    a matmul (lowered for platform cuda on any machine)."""
+def _overlap_pair():
+    """One overlapped pair over a CUDA Buffer(overlap=True) that only lowers: B's dispatch
+    beside a matmul. Returns the jitted step and its argument shapes."""
     require_extension()  # the suite's rule for a missing _C
     mesh = ep_mesh("xla", 1)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
@@ -166,8 +167,19 @@ def _lowered_overlap(monkeypatch=None):
         return flow[0], product
     args = (jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, K), jnp.int32),
             jax.ShapeDtypeStruct((T, K), jnp.float32), jax.ShapeDtypeStruct((T, T), jnp.float32))
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))), args
+
+
+def _lowered_overlap():
+    """StableHLO of the overlapped pair, lowered for platform cuda on any machine."""
+    f, args = _overlap_pair()
     return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _exported_overlap():
+    """The pair through jax.export, serialised and read back (as another process gets it)."""
+    f, args = _overlap_pair()
+    return jax.export.deserialize(jax_ep.export_step(f, *args).serialize()).mlir_module()
 
 
 def _dependence_problems(text):
@@ -255,6 +267,33 @@ def test_a_missing_dependence_is_caught(monkeypatch, mutant):
         monkeypatch.setattr(cuda.CudaBackend, "wait",
                             lambda self, raw, operands, after=(), unaliased=(): raw)
     assert _dependence_problems(_lowered_overlap()) != []
+    assert _dependence_problems(_exported_overlap()) != []
+
+
+def test_an_exported_overlap_step_keeps_its_dependences():
+    """jax.export (serialised and read back, as another process gets it) keeps the pair's
+    order; a two-micro-batch training layer exports with every start waited for."""
+    assert _dependence_problems(_exported_overlap()) == []
+
+    mesh = ep_mesh("xla", 1)
+    buf = _buffer(mesh, "cuda", lowering_only=True, overlap=True)
+    layer = _layer(buf, mesh, 2)
+
+    def train_step(x, idx, w, *weights):
+        def loss(x, w, *weights):
+            return jnp.sum(layer(x, idx, w, *weights).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, w, *weights)
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
+        ((T, H), jnp.bfloat16), ((T, K), jnp.int32), ((T, K), jnp.float32),
+        ((E, H, F), jnp.bfloat16), ((E, H, F), jnp.bfloat16), ((E, F, H), jnp.bfloat16))]
+    text = jax.export.deserialize(
+        jax_ep.export_step(jax.jit(train_step), *shapes).serialize()).mlir_module()
+    starts = re.findall(r"custom_call @jax_ep_(\w+)_async_", text)
+    waits = re.findall(r"custom_call @jax_ep_wait_", text)
+    # Forward: two dispatches and two combines; backward: a combine for each dispatch and a
+    # cached dispatch for each combine.
+    assert sorted(starts) == ["cached_dispatch"] * 2 + ["combine"] * 4 + ["dispatch"] * 2, starts
+    assert len(waits) == len(starts)
 
 
 # ---------------------------------------------------------------------------------- GPU
