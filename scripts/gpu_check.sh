@@ -42,6 +42,9 @@
 #   step       profile_ops (kernel times) and bench_step (what a program pays per step: with the
 #              stand-in expert, and --bare: the op pairs alone; STEP_BARE_ONLY=1, STEP_ARGS)
 #   launchfloor  benchmarks/launch_floor.py: a custom call's cost by how its kernel launches
+#   overlap    bench_overlap.py (train and decode at the bench shape, --num-sms 24 --unpinned),
+#              with jax's Mosaic GPU GEMMs, then with the non-persistent tiled ones; records
+#              under $OUT/overlap-<matmul> (OVERLAP_ARGS appended)
 #   timeline   a diagnostic build with JAX_EP_PHASE_TIMELINE, benchmarks/phase_timeline.py at
 #              T=128 (fused and split) and T=1, then the release build again
 #   variants   scripts/kernel_variants.sh with $VARIANTS and $MEASURE (replaces the build)
@@ -165,6 +168,14 @@ if has step; then
     --bare --ops decode_step,normal_step --tag bare ${STEP_ARGS:-}
 fi
 has launchfloor && step launch_floor 120 python3 "$R/benchmarks/launch_floor.py" --out "$OUT"
+if has overlap; then
+  for matmul in auto tiled; do
+    mkdir -p "$OUT/overlap-$matmul"
+    step "overlap_$matmul" 280 python3 "$R/benchmarks/bench_overlap.py" \
+      --out "$OUT/overlap-$matmul" --cases train:bench,decode:bench --num-sms 24 --unpinned --steps 5 --repeats 3 \
+      --matmul "$matmul" --note "gpu_check.sh overlap section, matmul $matmul" ${OVERLAP_ARGS:-}
+  done
+fi
 cd "$R"
 
 # The MoE expert matmuls.
