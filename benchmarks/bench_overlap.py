@@ -17,7 +17,8 @@ per step, the median of ``--repeats``:
 - ``overlapped_us``: on ``Buffer(overlap=True, num_sms=--num-sms)``;
 - ``compute_us``: the same compute with the communication stages replaced by nothing (each
   rank's own rows, routed locally: at EP=1 exactly the serial step's compute);
-- ``comm_us``: dispatch and combine alone (serial Buffer), the same routing;
+- ``comm_us``: dispatch and combine alone (serial Buffer), the same routing (train: their
+  backward too, the gradient w.r.t. x);
 - ``hidden_fraction``: of jax_ep's kernel time in the overlapped step's timeline (a profiler
   trace of ``--steps`` steps), the share during which a compute kernel ran on another stream.
 
@@ -300,15 +301,20 @@ def peer_segment(impl, shape, matmul, num_ranks):
     return segment
 
 
-def build_program(mesh, segment, inputs, mode, gemm_sms=0, pinned=True, check_vma=True):
+def build_program(mesh, segment, inputs, mode, gemm_sms=0, pinned=True, check_vma=True,
+                  reads_params=True):
     """A jitted step of ``segment`` over the global ``inputs = (params, x [R*T, H], topk_idx,
-    topk_weights)`` (train: the grad of a loss w.r.t. the parameters and x); ``pinned=False``:
-    see ``unpinned``; ``check_vma=False`` for the peers, as ``bench_common.shard_mapped`` (jax
-    types ``ragged_all_to_all``'s result as varying over no axis)."""
+    topk_weights)`` (train: the grad of a loss w.r.t. the parameters it ``reads_params`` and x;
+    the gradient of parameters it does not read would be zeros the step writes out);
+    ``pinned=False``: see ``unpinned``; ``check_vma=False`` for the peers, as
+    ``bench_common.shard_mapped`` (jax types ``ragged_all_to_all``'s result as varying over no
+    axis)."""
     if mode == "train":
         def body(params, x, idx, w):
             def loss(params, x):
                 return jnp.sum(jnp.square(segment(params, x, idx, w).astype(jnp.float32)))
+            if not reads_params:
+                return jax.grad(loss, argnums=1)(params, x)
             return jax.grad(loss, argnums=(0, 1))(params, x)
     else:
         body = segment
@@ -420,7 +426,7 @@ def run_case(mesh, shape_name, mode, a):
         def build(buf_name=buf_name, kind=kind, gemm=gemm, pinned=pinned):
             stages = stages_of(kind, buffers[buf_name], shape, a.matmul, num_ranks)
             return build_program(mesh, two_batch_segment(stages), inputs, mode,
-                                 gemm if on_gpu else 0, pinned)
+                                 gemm if on_gpu else 0, pinned, reads_params=kind != "comm")
         rows[name] = run_program(f"{mode} {shape_name} {name}", build, inputs, a)
     for buf in buffers.values():
         buf.close()
