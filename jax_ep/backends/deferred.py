@@ -62,11 +62,15 @@ def collector():
     return stack[-1]
 
 
-def overlap(comm: Callable, compute: Callable, *compute_args):
+def overlap(comm: Callable, compute: Callable, *compute_args, pinned: Callable = lambda out: out):
     """``(comm(), compute(*compute_args))``, the ops of ``comm`` running beside ``compute``.
 
-    Returns both results; ``comm``'s are the waited ones. Not differentiable by itself (the
-    two-micro-batch schedule of ``jax_ep.moe`` has its own backward, which overlaps too).
+    Returns both results; ``comm``'s are the waited ones. ``pinned(compute_out)``: the part of
+    the compute's results the waits take, so XLA computes it before them (default: all); the
+    rest XLA may compute after the waits, and need not store: a wait's operand is a buffer XLA
+    must write out whole, where an unpinned result may fuse into its consumers. Not
+    differentiable by itself (the two-micro-batch schedule of ``jax_ep.moe`` has its own
+    backward, which overlaps too).
     """
     with collect() as started:
         comm_out = comm()
@@ -80,7 +84,7 @@ def overlap(comm: Callable, compute: Callable, *compute_args):
     tie = min(range(len(first)), key=lambda i: first[i].size * first[i].dtype.itemsize)
     compute_args, token = jax.lax.optimization_barrier((compute_args, first[tie]))
     compute_out = compute(*compute_args)
-    after = [leaf for leaf in jax.tree.leaves(compute_out) if isinstance(leaf, jax.Array)]
+    after = [leaf for leaf in jax.tree.leaves(pinned(compute_out)) if isinstance(leaf, jax.Array)]
     waited = {}
     for n, (backend, raw, operands) in enumerate(started.ops):
         results = jax.lax.optimization_barrier(backend.wait(

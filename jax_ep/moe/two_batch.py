@@ -33,9 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Var
 
-from jax_ep._vma import make_varying, varying_axes
 from jax_ep.backends import deferred
 
 __all__ = ["Comm", "Compute", "two_batch"]
@@ -71,7 +69,12 @@ def _check_stages(stages):
 
 def _schedule(is_comm, run, first, second):
     """Runs stage k of ``first`` beside stage k-1 of ``second`` for k = 0..n; ``run(m, k, s)``
-    returns (state, extra). Returns the final states and the extras [m][k]."""
+    returns (state, extra). Returns the final states and the extras [m][k].
+
+    In an overlapped pair the waits take the compute's state, not its extra (a stage's
+    residuals, or its parameters' gradient): those XLA may finish after the wait, and need not
+    write out whole (a weight gradient would be stored in bfloat16 and read back, where XLA
+    otherwise fuses its conversion into the micro-batches' sum)."""
     n = len(is_comm)
     states, extras = [first, second], [[None] * n, [None] * n]
     for k in range(n + 1):
@@ -82,46 +85,12 @@ def _schedule(is_comm, run, first, second):
             (cm, cs), (pm, ps) = comm[0], compute[0]
             (states[cm], extras[cm][cs]), (states[pm], extras[pm][ps]) = deferred.overlap(
                 lambda cm=cm, cs=cs: run(cm, cs, states[cm]),
-                lambda state, pm=pm, ps=ps: run(pm, ps, state), states[pm])
+                lambda state, pm=pm, ps=ps: run(pm, ps, state), states[pm],
+                pinned=lambda out: out[0])
         else:
             for m, s in jobs:
                 states[m], extras[m][s] = run(m, s, states[m])
     return states, extras
-
-
-def _read_leaves(fn, leaves, treedef, state):
-    """Which of the parameters' leaves ``fn(params, state)`` reads (its jaxpr's inputs that
-    some equation or output takes), as a tuple of bools."""
-    jaxpr = jax.make_jaxpr(lambda leaves, state: fn(jax.tree.unflatten(treedef, leaves), state))(
-        leaves, state).jaxpr
-    taken = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
-    taken.update(v for v in jaxpr.outvars if isinstance(v, Var))
-    return tuple(v in taken for v in jaxpr.invars[:len(leaves)])
-
-
-def _expand(read, vjp_fn, ct):
-    """``vjp_fn``'s cotangents of the leaves read, as one entry per leaf (None where unread)."""
-    ct_read, ct_state = vjp_fn(ct)
-    ct_read = iter(ct_read)
-    return [next(ct_read) if r else None for r in read], ct_state
-
-
-def _stage_vjp(fn, params, state):
-    """``jax.vjp`` of a compute stage w.r.t. the parameters it reads and its state. Its backward
-    gives None, not a zero array, for a leaf the stage does not read: zeros made inside an
-    overlapped pair reach the wait as operands, where XLA can no longer see that they are
-    zeros, so it would fill and add whole weight-sized buffers of them."""
-    leaves, treedef = jax.tree.flatten(params)
-    read = _read_leaves(fn, leaves, treedef, state)
-
-    def of_read(read_leaves, state):
-        it = iter(read_leaves)
-        return fn(jax.tree.unflatten(treedef, [next(it) if r else leaf
-                                               for leaf, r in zip(leaves, read, strict=True)]),
-                  state)
-    out, vjp_fn = jax.vjp(of_read, [leaf for leaf, r in zip(leaves, read, strict=True) if r],
-                          state)
-    return out, jax.tree_util.Partial(functools.partial(_expand, read), vjp_fn)
 
 
 def _forward(stages, params, state_a, state_b, record):
@@ -132,17 +101,16 @@ def _forward(stages, params, state_a, state_b, record):
         if isinstance(stage, Comm):
             return stage.forward(state)
         if record:
-            return _stage_vjp(stage.fn, params, state)
+            return jax.vjp(stage.fn, params, state)
         return stage.fn(params, state), None
 
     return _schedule(is_comm, run, state_a, state_b)
 
 
 def _zero_cotangent(x):
-    """The zero cotangent of one leaf (typed as varying over its manual axes, as custom_vjp
-    requires): float0 for integer and boolean arrays."""
+    """The zero cotangent of one leaf: float0 for integer and boolean arrays."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
-        return make_varying(jnp.zeros(x.shape, x.dtype), varying_axes(x))
+        return jnp.zeros(x.shape, x.dtype)
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
@@ -164,6 +132,7 @@ def _two_batch_bwd(stages, residuals, cotangents):
     params, extras = residuals
     n = len(stages)
     is_comm = [isinstance(s, Comm) for s in reversed(stages)]
+    ct_params = [None, None]
     # B finished last: it leads the backward (micro-batch 0 of the schedule is B).
     order = (1, 0)
 
@@ -175,21 +144,15 @@ def _two_batch_bwd(stages, residuals, cotangents):
         return ct_state, ct_p
 
     (ct_b, ct_a), ct_extra = _schedule(is_comm, run, cotangents[1], cotangents[0])
-    leaves, treedef = jax.tree.flatten(params)
-    # Per leaf: each micro-batch's stages summed in stage order, then the two micro-batches
-    # (B's first); zeros only for a leaf no stage reads, made here outside every pair.
-    per_batch = [[None] * len(leaves), [None] * len(leaves)]
     for m in (0, 1):
         for ct_p in ct_extra[m]:
-            for i, ct in enumerate(ct_p or ()):
-                if ct is not None:
-                    per_batch[m][i] = ct if per_batch[m][i] is None else per_batch[m][i] + ct
-    total = []
-    for leaf, ct_0, ct_1 in zip(leaves, *per_batch, strict=True):
-        cts = [ct for ct in (ct_0, ct_1) if ct is not None]
-        total.append(_zero_cotangent(leaf) if not cts else cts[0] if len(cts) == 1
-                     else cts[0] + cts[1])
-    return jax.tree.unflatten(treedef, total), ct_a, ct_b
+            if ct_p is not None:
+                ct_params[m] = ct_p if ct_params[m] is None else jax.tree.map(
+                    jnp.add, ct_params[m], ct_p)
+    total = ct_params[0] if ct_params[1] is None else jax.tree.map(jnp.add, *ct_params)
+    if total is None:
+        total = jax.tree.map(_zero_cotangent, params)
+    return total, ct_a, ct_b
 
 
 _two_batch.defvjp(_two_batch_fwd, _two_batch_bwd)
