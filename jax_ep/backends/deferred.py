@@ -10,8 +10,8 @@ Called plainly, an op's wait follows its start. ``overlap(comm, compute, *args)`
 schedule by data dependences, which XLA keeps: the compute's arguments pass an optimization
 barrier with a result of the first start (so every compute op comes after the starts), and
 each wait takes the compute's results (``pinned`` of them) as operands it never reads (so it
-comes after all of them); the waits also take the starts' operands, which XLA then keeps alive until the kernels
-have read them.
+comes after all of them); the waits also take the starts' operands, which XLA then keeps alive
+until the kernels have read them.
 
 ``comm`` may only call jax_ep ops (of overlap Buffers, chained or not) and return their results
 rearranged: anything else it computes from an op's result would read it before the wait. The
