@@ -313,9 +313,7 @@ def build_program(mesh, segment, inputs, mode, gemm_sms=0, pinned=True, check_vm
         def body(params, x, idx, w):
             def loss(params, x):
                 return jnp.sum(jnp.square(segment(params, x, idx, w).astype(jnp.float32)))
-            if not reads_params:
-                return jax.grad(loss, argnums=1)(params, x)
-            return jax.grad(loss, argnums=(0, 1))(params, x)
+            return jax.grad(loss, argnums=(0, 1) if reads_params else 1)(params, x)
     else:
         body = segment
     specs = (jax.tree.map(lambda _: P("ep"), inputs[0]), P("ep"), P("ep"), P("ep"))

@@ -317,9 +317,9 @@ def _attention_train_step(buf, mesh, micro_batches):
                 state = (x, idx, w)
                 for stage in stages:
                     if isinstance(stage, moe.Compute):
-                        state, carry = stage.fn(params, (state, None))
+                        state, _ = stage.fn(params, (state, None))
                     else:
-                        (state, carry), _ = stage.forward((state, None))
+                        (state, _), _ = stage.forward((state, None))
                 return jnp.sum(state[0].astype(jnp.float32) ** 2)
             half = x.shape[0] // 2
             ((a,), _), ((b,), _) = moe.two_batch(
@@ -361,8 +361,8 @@ def test_the_waits_take_no_parameter_sized_operand():
     """In an overlapped pair the waits take the compute's state, not its gradients of the
     parameters: a wait's operand is a buffer XLA writes out whole, so a weight gradient there
     (or the zeros of one for a stage that does not read that weight) is stored and read back
-    where XLA would otherwise fuse it into the micro-batches' sum (in the training step at
-    bench_overlap's shape, about 0.6 ms of the step on one H200)."""
+    where XLA would otherwise fuse it into the micro-batches' sum (docs/overlap.md, "Where the
+    training step lost")."""
     require_extension()  # the suite's rule for a missing _C
     mesh = ep_mesh("xla", 1)
     buf = _buffer(mesh, "cuda", lowering_only=True, overlap=True)

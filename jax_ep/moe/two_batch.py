@@ -71,10 +71,8 @@ def _schedule(is_comm, run, first, second):
     """Runs stage k of ``first`` beside stage k-1 of ``second`` for k = 0..n; ``run(m, k, s)``
     returns (state, extra). Returns the final states and the extras [m][k].
 
-    In an overlapped pair the waits take the compute's state, not its extra (a stage's
-    residuals, or its parameters' gradient): those XLA may finish after the wait, and need not
-    write out whole (a weight gradient would be stored in bfloat16 and read back, where XLA
-    otherwise fuses its conversion into the micro-batches' sum)."""
+    In an overlapped pair the waits take (``pinned``) the compute's state only, not its extra (a
+    stage's residuals, or its parameters' gradient), so XLA need not write those out whole."""
     n = len(is_comm)
     states, extras = [first, second], [[None] * n, [None] * n]
     for k in range(n + 1):
