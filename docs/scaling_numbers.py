@@ -1,10 +1,9 @@
 """Prints the tables of docs/scaling.md: memory and traffic of jax_ep at 2..256 ranks.
 
 Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
-csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh
-transcribed to Python, with the compile-time rank limit kMaxRanks (8 in csrc/kernels/context.h)
-replaced by R for R > 8 (a hypothetical build with kMaxRanks = R). Where `jax_ep._C` imports,
-the transcription is checked against `jax_ep._C.workspace_bytes` for R <= 8 (exact equality).
+csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh transcribed to Python.
+Where `jax_ep._C` imports, the transcription is checked against `jax_ep._C.workspace_bytes` for
+every R of the tables (exact equality).
 DeepEP's sizes are its V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended
 configs.
 
@@ -30,7 +29,6 @@ NVLINK_BPS = 283e9       # measured: H200 NV18 peer copy, each way, both directi
 RDMA_BPS = 50e9          # assumed: one 400 Gb/s NIC per GPU, line rate, each way
 
 # ------------------------------------------------------------------ our constants (C++ headers)
-K_MAX_RANKS_BUILT = 8    # csrc/kernels/context.h kMaxRanks
 CHANNELS_PER_SCALE = 128
 VEC = 16                 # kBytesPerVector
 NORMAL_FIELD_ALIGN = 256
@@ -58,9 +56,9 @@ def combine_row_bytes(num_w=0):
     return region_row_bytes(2 * H, num_w)
 
 
-def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2, r_max=None):
+def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2):
     """normal_layout() of normal/workspace.h; returns (signal bytes, data bytes, total)."""
-    r_max = r_max or max(num_ranks, K_MAX_RANKS_BUILT)
+    r_max = num_ranks
     offset = 0
 
     def take(nbytes):
@@ -69,7 +67,7 @@ def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2, r_max=None):
 
     take(8)                               # seq
     take(8)                               # counters
-    take(4 * (4 * r_max + 4))             # NormalPlan
+    take(4 * (1 + 4 * r_max))             # NormalPlan words
     take(8 * 2 * r_max * r_max)           # count_matrix
     take(8 * r_max)                       # barrier
     take(8 * r_max * t_max)               # row_flags
@@ -122,7 +120,7 @@ def check_against_extension():
     except ImportError:
         return "jax_ep._C not importable: formulas transcribed from the C++ headers, unchecked"
     checked = 0
-    for r in (1, 2, 4, 8):
+    for r in sorted({1, 2, 4, 8, *RANKS}):
         for t_max, ll in ((T_NORMAL, False), (T_LL, True), (1000, True)):
             for dtype_bytes in (2, 4):
                 for cap in (r * t_max, max(1, r * t_max // 3)):
@@ -132,7 +130,8 @@ def check_against_extension():
                         num_topk=K, capacity=cap, dtype_bytes=dtype_bytes, low_latency=ll))
                     assert ours == theirs, (r, t_max, ll, dtype_bytes, cap, ours, theirs)
                     checked += 1
-    return f"transcription == jax_ep._C.workspace_bytes for {checked} configurations with R <= 8"
+    return (f"transcription == jax_ep._C.workspace_bytes for {checked} configurations, R up to "
+            f"{max(RANKS)}")
 
 
 # ------------------------------------------------------------------ routing expectations

@@ -14,7 +14,10 @@ that). ``JAX_EP_TRANSPORT_MUTANT=<mutant>`` makes the put-protocol kernels of ev
 break one rule (set through the test module jax_ep._C_testing), so that a test shows the
 emulated transport catches it; a process that fails then prints, before it leaves, one
 ``CAUGHT`` line per timed-out wait (rank, peer, phase) and per fault the emulated transport's
-proxies found, from its own ranks.
+proxies found, from its own ranks. ``DIGEST_SAVE_DIR=<folder>`` makes process 0 also save the
+sums (combine, low-latency combine, the gradient) as ``<name>.npy``, with ``<name>.magnitude.npy``
+(the same sum of the terms' absolute values, by the NumPy oracle), so that a test compares them
+per element (``jax_ep.testing.assert_sums_close``) with another layout's.
 """
 
 import dataclasses
@@ -65,6 +68,15 @@ def digest(name, tree):
         sha.update(leaf.tobytes())
     if jax.process_index() == 0:
         print(f"DIGEST {name} {sha.hexdigest()}", flush=True)
+
+
+def save_sum(name, value, magnitude):
+    """Process 0 saves a sum and its magnitude under DIGEST_SAVE_DIR, when that is set."""
+    folder = os.environ.get("DIGEST_SAVE_DIR")
+    if folder and jax.process_index() == 0:
+        np.save(os.path.join(folder, f"{name}.npy"), np.asarray(value).astype(np.float32))
+        np.save(os.path.join(folder, f"{name}.magnitude.npy"),
+                np.asarray(magnitude).astype(np.float32))
 
 
 BUFFERS = []  # every Buffer made, for print_evidence
@@ -137,6 +149,10 @@ def normal_mode(mesh, backend, x, x8, s8, idx, w):
     d, y, y_w, again, layout = run_sharded(mesh, normal, x, idx, w)
     digest("dispatch_bf16", d)
     digest("combine", (y, y_w))
+    recv_src = np.asarray(d.handle.recv_src)
+    save_sum("combine", y, oracle.combine(np.abs(np.asarray(d.recv_x, np.float64)), recv_src, T))
+    save_sum("combine_weights", y_w, oracle.combine(
+        np.abs(np.asarray(d.recv_topk_weights, np.float64)), recv_src, T))
     digest("cached_dispatch", again)
     digest("layout", layout)
     digest("dispatch_fp8", run_sharded(
@@ -149,7 +165,12 @@ def normal_mode(mesh, backend, x, x8, s8, idx, w):
             return jnp.sum(y.astype(jnp.float32) ** 2)
         return jax.grad(loss)(x)
 
-    digest("gradient", run_sharded(mesh, loss_grad, x, idx, w))
+    grad = run_sharded(mesh, loss_grad, x, idx, w)
+    digest("gradient", grad)
+    # The loss's combined rows are 2 * y, so d loss / d x[t] sums, over the ranks that received
+    # t, the term 2 * 2 * (2 * y[t]): the terms' absolute sum is 8 * |y[t]| * (those ranks).
+    ranks_of_token = np.asarray(layout.is_token_in_rank).sum(axis=-1, keepdims=True)
+    save_sum("gradient", grad, 8 * np.abs(np.asarray(y, np.float64)) * ranks_of_token)
     buf.check()  # over the emulated transport: what its proxies found, if anything
     buf.close()
 
@@ -169,6 +190,9 @@ def low_latency_mode(mesh, backend, x, idx, w):
     digest("low_latency_dispatch_fp8", d8)
     digest("low_latency_dispatch_bf16", d16)
     digest("low_latency_combine", out)
+    rows = np.abs(np.asarray(d16.recv_x, np.float64))
+    save_sum("low_latency_combine", out, oracle.low_latency_combine(
+        rows, idx, np.abs(w), oracle.low_latency_dispatch(x, idx, E, T)))
     ll.check()  # over the emulated transport: what its proxies found, if anything
     ll.close()
 

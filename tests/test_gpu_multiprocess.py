@@ -12,11 +12,14 @@ import tempfile
 import textwrap
 
 import launching
+import ml_dtypes
+import numpy as np
 import pytest
 from conftest import require_gpus
 from launching import digest_lines, lines_of
 
 from jax_ep import launch
+from jax_ep import testing as oracle
 
 pytestmark = [
     pytest.mark.gpu,
@@ -154,6 +157,73 @@ def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
         *shared, "--share-gpus", "--", sys.executable, str(launching.DIGEST_SCRIPT), "cuda",
         platform="gpu", extra_env={_nvshmem.ENV_MAPPING: "nvshmem"})[0])
     assert nvshmem == ipc
+
+
+# The sums of the digest script (DIGEST_SAVE_DIR), with the dtype each was rounded to.
+SUM_DTYPES = {"combine": ml_dtypes.bfloat16, "combine_weights": np.float32,
+              "gradient": ml_dtypes.bfloat16, "low_latency_combine": ml_dtypes.bfloat16}
+
+
+def assert_saved_sums_close(got_dir, want_dir, num_terms):
+    """Each saved sum of one layout against another's, per element: both are float32 sums of
+    the same terms in orders of their own, each rounded once, so they may differ by two
+    roundings and two accumulations (``num_terms`` terms at most)."""
+    for name, dtype in SUM_DTYPES.items():
+        got, want = (np.load(folder / f"{name}.npy") for folder in (got_dir, want_dir))
+        magnitude = np.load(want_dir / f"{name}.magnitude.npy")
+        oracle.assert_sums_close(got, want, magnitude, term_rtol=2 * oracle.sum_rtol(num_terms),
+                                 out_rtol=2 * oracle.rounding_rtol(dtype), what=name)
+
+
+# EP groups past one host's 8 GPUs as processes sharing one GPU (launcher --processes-per-gpu):
+# the fast tier runs 4 ranks, the stress tier 16 and 32 (the wide kernels: more than 8 ranks).
+@pytest.mark.parametrize("num_ranks", [4, pytest.param(16, marks=pytest.mark.stress),
+                                       pytest.param(32, marks=pytest.mark.stress)])
+def test_an_ep_group_of_processes_on_one_gpu_matches_the_reference(num_ranks, tmp_path):
+    """``num_ranks`` processes on one GPU, one rank each (CUDA IPC peers): every op's
+    data-movement bits equal the reference backend's on as many CPU host devices, and its sums
+    (combine, low-latency combine, a gradient) match per element."""
+    require_gpus(1)
+    want_dir, got_dir = tmp_path / "xla", tmp_path / "cuda"
+    want_dir.mkdir()
+    got_dir.mkdir()
+    reference = subprocess.run(
+        [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True,
+        errors="replace", timeout=300, env=launching.child_env("cpu", {
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_ranks}",
+            "DIGEST_SAVE_DIR": str(want_dir)}))
+    want = _by_name(digest_lines(reference.stdout, rank=None))
+    assert reference.returncode == 0 and len(want) == 9, reference.stderr[-4000:]
+    n = str(num_ranks)
+    proc, _ = launching.run_launcher(
+        "-n", n, "--processes-per-gpu", n, "--timeout", "500", "--", sys.executable,
+        str(launching.DIGEST_SCRIPT), "cuda", platform="gpu", timeout=560,
+        extra_env={"DIGEST_SAVE_DIR": str(got_dir)})
+    got = _digests(proc)
+    assert {k: got[k] for k in DATA_MOVEMENT_DIGESTS} == {k: want[k] for k in
+                                                         DATA_MOVEMENT_DIGESTS}
+    assert_saved_sums_close(got_dir, want_dir, num_terms=num_ranks)
+
+
+@pytest.mark.stress  # 16 processes on one GPU
+def test_adversarial_routings_and_split_halves_at_ep16():
+    """16 ranks as processes sharing one GPU, each running the op tests against the NumPy
+    oracle: both modes under every routing of the suite (one hot expert, empty ranks, all -1,
+    skewed, ...) and the split low-latency halves, through the wide kernels."""
+    require_gpus(1)
+    tests = [str(launching.ROOT / "tests" / name)
+             for name in ("test_normal.py", "test_low_latency_split.py")]
+    selection = "cuda and (test_dispatch_combine_match_oracle or test_split_equals_fused)"
+    with tempfile.TemporaryDirectory() as cwd:  # children import the installed jax_ep
+        proc, _ = launching.run_launcher(
+            "-n", "16", "--processes-per-gpu", "16", "--timeout", "500", "--", sys.executable,
+            "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+            launching.EVERY_GPU_TEST, "-k", selection, *tests, platform="gpu", cwd=cwd,
+            timeout=560)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    for rank in range(16):
+        summary = [line for line in lines_of(proc.stdout, rank) if " passed" in line]
+        assert summary and "failed" not in summary[-1], (rank, proc.stdout[-6000:])
 
 
 def test_cuda_buffer_names_a_process_that_never_joins(tmp_path):

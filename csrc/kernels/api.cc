@@ -54,16 +54,17 @@ size_t workspace_bytes(const BufferConfig& config) {
   return send_region > 0 ? normal_send_region_offset(config) + send_region : areas_bytes(config);
 }
 
-void transport_region_table(const RankContext& ctx, char* table[kTransportRegions * kMaxRanks]) {
-  low_latency_transport_region_table(ctx, table);
+std::vector<char*> transport_region_table(const RankContext& ctx) {
+  std::vector<char*> table = low_latency_transport_region_table(ctx);
   const bool normal = normal_over_transport(ctx.config);
   const size_t send_region = normal_send_region_offset(ctx.config);
-  for (int r = 0; r < kMaxRanks; ++r) {
-    char* workspace = r < ctx.config.num_ranks ? ctx.peer_workspaces[r] : nullptr;
+  for (int r = 0; r < ctx.config.num_ranks; ++r) {
+    char* workspace = ctx.peer_workspaces[r];
     const bool mapped = normal && workspace != nullptr;
     table[kTransportRegions * r + kNormalAreaRegion] = mapped ? workspace : nullptr;
     table[kTransportRegions * r + kNormalSendRegion] = mapped ? workspace + send_region : nullptr;
   }
+  return table;
 }
 
 void transport_region_bytes(const BufferConfig& config, uint64_t bytes[kTransportRegions]) {

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels/common/limits.h"
 #include "kernels/common/wait_phase.h"
@@ -172,7 +173,7 @@ size_t normal_sequence_offset(const BufferConfig& config);
 // workspace's start) and its send region (the workspace's end); null for ranks not mapped yet.
 // Over kNvshmem only this rank's row is read: its addresses are symmetric (the workspace is one
 // allocation on the symmetric heap, so a region's offset in it names the same bytes at every PE).
-void transport_region_table(const RankContext& ctx, char* table[kTransportRegions * kMaxRanks]);
+std::vector<char*> transport_region_table(const RankContext& ctx);
 // Bytes of each of those regions (the same for every rank); an area the Buffer lacks has 0, so
 // that a command into it is reported.
 void transport_region_bytes(const BufferConfig& config, uint64_t bytes[kTransportRegions]);

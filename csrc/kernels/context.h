@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/common/wait_phase.h"
 #include "transport/command_ring.h"
@@ -17,8 +18,13 @@
 
 namespace jax_ep {
 
-// Ranks reachable over NVLink in one EP group (one host).
-constexpr int kMaxRanks = 8;
+// Most ranks in one EP group. Every per-peer table and loop is sized by the group's R at run
+// time; this bound only keeps the wide dispatch plan's shared memory (about 48 B per rank,
+// normal/dispatch_plan.cuh) inside the 48 KiB every GPU gives a block without opting in.
+constexpr int kMaxRanks = 1024;
+// Groups of at most this many ranks take the kernels' narrow paths: a token's destinations fit
+// one byte, per-rank counters live in registers (normal/dispatch_plan.cuh, combine_transfer.cuh).
+constexpr int kNarrowRanks = 8;
 
 // Regions per rank in the ops' table of a device transport (RankContext::transport_region_bases):
 // the low-latency kernels' two (kernels/low_latency/transport.h), then the normal
@@ -92,7 +98,7 @@ struct RankContext {
   char* workspace = nullptr;  // this rank's workspace (device memory)
   size_t workspace_bytes = 0;
   bool symmetric_workspace = false;         // on NVSHMEM's symmetric heap (runtime/nvshmem_host.h)
-  char* peer_workspaces[kMaxRanks] = {};    // every rank's workspace, as seen from this device
+  std::vector<char*> peer_workspaces;       // [R] every rank's workspace, as seen from this device
   char** peer_workspaces_device = nullptr;  // the same table in device memory
   ErrorCounters* error_counters = nullptr;  // device memory
   TimeoutRecord* timeout_record = nullptr;  // host-mapped; device pointer of the mapping
@@ -103,7 +109,7 @@ struct RankContext {
   int low_latency_blocks = 0;  // grid of the low-latency kernels (0: the default, see
                                // low_latency_grid_size)
   int normal_push_blocks = 0;  // of which the first ones send (push roles)
-  // DeviceTransport other than kStores: the device table [kMaxRanks][kTransportRegions] of every
+  // DeviceTransport other than kStores: the device table [R][kTransportRegions] of every
   // rank's transport regions (each inside that rank's workspace), and with kEmulated this rank's
   // command ring (pinned host memory; its proxy is the registry's).
   char** transport_region_bases = nullptr;
@@ -111,7 +117,8 @@ struct RankContext {
   // kEmulated: the ring's warp index of the normal-mode kernels' first warp (the low-latency
   // kernels' warps come first; every warp has its own acknowledgement word).
   uint32_t normal_first_warp = 0;
-  int pes[kMaxRanks] = {};  // symmetric_workspace: every rank's NVSHMEM PE
+  std::vector<int> pes;       // [R] symmetric_workspace: every rank's NVSHMEM PE
+  int* pes_device = nullptr;  // the same table in device memory (kNvshmem kernels read it)
   // Set by tests only (the test module jax_ep._C_testing, after creation): the ops'
   // put-protocol kernels break one rule (transport/mutant.h), so that a test with one process
   // per rank shows the emulated transport catches it. The normal kernels over a transport

@@ -20,11 +20,12 @@ struct Plugin {
                  cudaStream_t) = nullptr;
   int (*library_of_kernels)(void**, char*, size_t) = nullptr;
   // The normal mode's kernels (kernels/normal/nvshmem.h).
-  int (*dispatch_plan)(int, int, const normal_dispatch::DispatchPlanArgs*, cudaStream_t) = nullptr;
+  int (*dispatch_plan)(int, int, size_t, const normal_dispatch::DispatchPlanArgs*,
+                       cudaStream_t) = nullptr;
   int (*dispatch_transfer)(int, size_t, const normal_dispatch::DispatchTransferArgs*,
                            cudaStream_t) = nullptr;
-  int (*combine_plan)(const normal_combine::CombinePlanArgs*, cudaStream_t) = nullptr;
-  int (*combine_transfer)(int, int, const normal_combine::CombineTransferArgs*,
+  int (*combine_plan)(size_t, const normal_combine::CombinePlanArgs*, cudaStream_t) = nullptr;
+  int (*combine_transfer)(int, int, size_t, const normal_combine::CombineTransferArgs*,
                           cudaStream_t) = nullptr;
 };
 
@@ -88,10 +89,10 @@ cudaError_t launch_low_latency_transport_combine_nvshmem(const LowLatencyTranspo
   return call(plugin.combine, &launch, &op, stream);
 }
 
-cudaError_t launch_dispatch_plan_nvshmem(int rank_slots, int num_blocks,
+cudaError_t launch_dispatch_plan_nvshmem(int rank_slots, int num_blocks, size_t shared_bytes,
                                          const normal_dispatch::DispatchPlanArgs& args,
                                          cudaStream_t stream) {
-  return call(plugin.dispatch_plan, rank_slots, num_blocks, &args, stream);
+  return call(plugin.dispatch_plan, rank_slots, num_blocks, shared_bytes, &args, stream);
 }
 
 cudaError_t launch_dispatch_transfer_nvshmem(int num_blocks, size_t shared_bytes,
@@ -100,15 +101,16 @@ cudaError_t launch_dispatch_transfer_nvshmem(int num_blocks, size_t shared_bytes
   return call(plugin.dispatch_transfer, num_blocks, shared_bytes, &args, stream);
 }
 
-cudaError_t launch_combine_plan_nvshmem(const normal_combine::CombinePlanArgs& args,
+cudaError_t launch_combine_plan_nvshmem(size_t shared_bytes,
+                                        const normal_combine::CombinePlanArgs& args,
                                         cudaStream_t stream) {
-  return call(plugin.combine_plan, &args, stream);
+  return call(plugin.combine_plan, shared_bytes, &args, stream);
 }
 
-cudaError_t launch_combine_transfer_nvshmem(int element_bytes, int num_blocks,
+cudaError_t launch_combine_transfer_nvshmem(int element_bytes, int num_blocks, size_t shared_bytes,
                                             const normal_combine::CombineTransferArgs& args,
                                             cudaStream_t stream) {
-  return call(plugin.combine_transfer, element_bytes, num_blocks, &args, stream);
+  return call(plugin.combine_transfer, element_bytes, num_blocks, shared_bytes, &args, stream);
 }
 
 std::string nvshmem_transport_library(void** library) {

@@ -66,6 +66,7 @@ using jax_ep::normal_combine::CombinePlanArgs;
 using jax_ep::normal_combine::CombineTransferArgs;
 using jax_ep::normal_combine::kCombinePlanThreads;
 using jax_ep::normal_dispatch::dispatch_plan_kernel;
+using jax_ep::normal_dispatch::dispatch_plan_wide_kernel;
 using jax_ep::normal_dispatch::dispatch_transfer_kernel;
 using jax_ep::normal_dispatch::DispatchPlanArgs;
 using jax_ep::normal_dispatch::DispatchTransferArgs;
@@ -99,9 +100,14 @@ __attribute__((visibility("default"))) int jax_ep_nvshmem_combine(
 // The normal mode's kernels (kernels/normal/nvshmem.h: _C fills the arguments and the grid
 // as for its own paths). A cudaError_t.
 __attribute__((visibility("default"))) int jax_ep_nvshmem_normal_dispatch_plan(
-    int rank_slots, int num_blocks, const DispatchPlanArgs* args, cudaStream_t stream) {
+    int rank_slots, int num_blocks, size_t shared_bytes, const DispatchPlanArgs* args,
+    cudaStream_t stream) {
   cudaError_t status = cudaErrorInvalidValue;
   switch (rank_slots) {
+    case 0:
+      status = jax_ep::launch_cooperative(dispatch_plan_wide_kernel<NvshmemPath>, num_blocks,
+                                          kPlanThreads, shared_bytes, stream, *args);
+      break;
     case 1:
       status = jax_ep::launch_cooperative(dispatch_plan_kernel<1, NvshmemPath>, num_blocks,
                                           kPlanThreads, 0, stream, *args);
@@ -132,20 +138,28 @@ __attribute__((visibility("default"))) int jax_ep_nvshmem_normal_dispatch_transf
 }
 
 __attribute__((visibility("default"))) int jax_ep_nvshmem_normal_combine_plan(
-    const CombinePlanArgs* args, cudaStream_t stream) {
-  combine_plan_kernel<NvshmemPath><<<1, kCombinePlanThreads, 0, stream>>>(*args);
+    size_t shared_bytes, const CombinePlanArgs* args, cudaStream_t stream) {
+  combine_plan_kernel<NvshmemPath><<<1, kCombinePlanThreads, shared_bytes, stream>>>(*args);
   return static_cast<int>(cudaGetLastError());
 }
 
 // element_bytes: 2 (bfloat16) or 4 (float32).
 __attribute__((visibility("default"))) int jax_ep_nvshmem_normal_combine_transfer(
-    int element_bytes, int num_blocks, const CombineTransferArgs* args, cudaStream_t stream) {
-  if (element_bytes == 4) {
-    combine_transfer_kernel<float, NvshmemPath>
-        <<<num_blocks, kNormalTransferThreads, 0, stream>>>(*args);
+    int element_bytes, int num_blocks, size_t shared_bytes, const CombineTransferArgs* args,
+    cudaStream_t stream) {
+  const bool wide = args->num_ranks > jax_ep::kNarrowRanks;
+  if (element_bytes == 4 && wide) {
+    combine_transfer_kernel<float, NvshmemPath, true>
+        <<<num_blocks, kNormalTransferThreads, shared_bytes, stream>>>(*args);
+  } else if (element_bytes == 4) {
+    combine_transfer_kernel<float, NvshmemPath, false>
+        <<<num_blocks, kNormalTransferThreads, shared_bytes, stream>>>(*args);
+  } else if (element_bytes == 2 && wide) {
+    combine_transfer_kernel<__nv_bfloat16, NvshmemPath, true>
+        <<<num_blocks, kNormalTransferThreads, shared_bytes, stream>>>(*args);
   } else if (element_bytes == 2) {
-    combine_transfer_kernel<__nv_bfloat16, NvshmemPath>
-        <<<num_blocks, kNormalTransferThreads, 0, stream>>>(*args);
+    combine_transfer_kernel<__nv_bfloat16, NvshmemPath, false>
+        <<<num_blocks, kNormalTransferThreads, shared_bytes, stream>>>(*args);
   } else {
     return static_cast<int>(cudaErrorInvalidValue);
   }

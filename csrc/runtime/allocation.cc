@@ -54,8 +54,11 @@ std::string allocate_rank(RankContext& ctx) {
   *ctx.timeout_record_host = TimeoutRecord{};
   RETURN_MESSAGE_IF_CUDA_ERROR(
       device, cudaHostGetDevicePointer(&ctx.timeout_record, ctx.timeout_record_host, 0));
+  const size_t num_ranks = static_cast<size_t>(ctx.config.num_ranks);
   RETURN_MESSAGE_IF_CUDA_ERROR(device,
-                               cudaMalloc(&ctx.peer_workspaces_device, sizeof(char*) * kMaxRanks));
+                               cudaMalloc(&ctx.peer_workspaces_device, sizeof(char*) * num_ranks));
+  RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaMalloc(&ctx.pes_device, sizeof(int) * num_ranks));
+  RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaMemset(ctx.pes_device, 0, sizeof(int) * num_ranks));
   RETURN_MESSAGE_IF_CUDA_ERROR(
       device, cudaDeviceGetAttribute(&ctx.num_sms, cudaDevAttrMultiProcessorCount, device));
   const BufferConfig& config = ctx.config;
@@ -68,8 +71,9 @@ std::string allocate_rank(RankContext& ctx) {
 
   RETURN_MESSAGE_IF_CUDA_ERROR(device, preload_kernels(config));
   if (config.device_transport != DeviceTransport::kStores) {
-    RETURN_MESSAGE_IF_CUDA_ERROR(device, cudaMalloc(&ctx.transport_region_bases,
-                                                    sizeof(char*) * kTransportRegions * kMaxRanks));
+    RETURN_MESSAGE_IF_CUDA_ERROR(
+        device, cudaMalloc(&ctx.transport_region_bases,
+                           sizeof(char*) * kTransportRegions * static_cast<size_t>(num_ranks)));
   }
   return "";
 }
@@ -132,6 +136,8 @@ void free_rank_context(RankContext& ctx) {
     }
   }
   if (ctx.peer_workspaces_device != nullptr) cudaFree(ctx.peer_workspaces_device);
+  if (ctx.pes_device != nullptr) cudaFree(ctx.pes_device);
+  ctx.pes_device = nullptr;
   if (ctx.transport_region_bases != nullptr) cudaFree(ctx.transport_region_bases);
   ctx.transport_region_bases = nullptr;
   if (ctx.error_counters != nullptr) cudaFree(ctx.error_counters);
@@ -144,12 +150,15 @@ void free_rank_context(RankContext& ctx) {
   cudaGetLastError();  // do not leave a failure of the cleanup behind for the next caller
 }
 
-// Copies `ctx.peer_workspaces` to its device-memory twin.
+// Copies `ctx.peer_workspaces` and `ctx.pes` to their device-memory twins.
 std::string upload_peer_table(RankContext& ctx) {
   RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaSetDevice(ctx.device));
-  RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device,
-                               cudaMemcpy(ctx.peer_workspaces_device, ctx.peer_workspaces,
-                                          sizeof(char*) * kMaxRanks, cudaMemcpyHostToDevice));
+  RETURN_MESSAGE_IF_CUDA_ERROR(
+      ctx.device, cudaMemcpy(ctx.peer_workspaces_device, ctx.peer_workspaces.data(),
+                             sizeof(char*) * ctx.peer_workspaces.size(), cudaMemcpyHostToDevice));
+  RETURN_MESSAGE_IF_CUDA_ERROR(
+      ctx.device, cudaMemcpy(ctx.pes_device, ctx.pes.data(), sizeof(int) * ctx.pes.size(),
+                             cudaMemcpyHostToDevice));
   RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaDeviceSynchronize());
   return "";
 }
@@ -169,6 +178,8 @@ std::string create_group(const BufferConfig& config, int group_index, const std:
     ctx->rank = rank;
     ctx->device = group[rank];
     ctx->workspace_bytes = workspace_bytes(config);
+    ctx->peer_workspaces.assign(config.num_ranks, nullptr);
+    ctx->pes.assign(config.num_ranks, 0);
     ctx->symmetric_workspace = pes != nullptr;
     ctx->timeout_ns = static_cast<uint64_t>(config.timeout_s * 1e9);
     by_rank[rank] = ctx.get();

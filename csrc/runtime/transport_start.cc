@@ -28,11 +28,11 @@ constexpr uint64_t kEmulatorRingCapacity = 4096;
 std::string start_transport(BufferState& state, RankContext& ctx) {
   const BufferConfig& config = ctx.config;
   if (config.device_transport == DeviceTransport::kStores) return "";
-  char* table[kTransportRegions * kMaxRanks];
-  transport_region_table(ctx, table);
+  const std::vector<char*> table = transport_region_table(ctx);
   RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaSetDevice(ctx.device));
-  RETURN_MESSAGE_IF_CUDA_ERROR(ctx.device, cudaMemcpy(ctx.transport_region_bases, table,
-                                                      sizeof(table), cudaMemcpyHostToDevice));
+  RETURN_MESSAGE_IF_CUDA_ERROR(
+      ctx.device, cudaMemcpy(ctx.transport_region_bases, table.data(), sizeof(char*) * table.size(),
+                             cudaMemcpyHostToDevice));
   if (config.device_transport == DeviceTransport::kNvshmem) {
     void* library = nullptr;
     std::string error = nvshmem_transport_library(&library);

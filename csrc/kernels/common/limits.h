@@ -5,6 +5,13 @@
 #include <cstddef>
 #include <cstdint>
 
+// A function of host and device code (plain inline where only a host compiler sees it).
+#if defined(__CUDACC__)
+#define JAX_EP_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define JAX_EP_HOST_DEVICE inline
+#endif
+
 namespace jax_ep {
 
 // Top-k slots per token: the row movers give one lane of a warp to each slot.

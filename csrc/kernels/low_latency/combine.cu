@@ -387,11 +387,12 @@ __device__ __forceinline__ void release_flags_if_last(const CombineArgs& args,
 __device__ __forceinline__ void wait_peer_flags(const CombineArgs& args, uint64_t tag, int parity,
                                                 int num_ranks, int me) {
   const LowLatencyRank& rk = args.rank;
-  const int tid = static_cast<int>(threadIdx.x);
-  if (tid < num_ranks && tid != me) {
+  for (int peer = static_cast<int>(threadIdx.x); peer < num_ranks;
+       peer += static_cast<int>(blockDim.x)) {
+    if (peer == me) continue;
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(rk.local + rk.layout.combine_flags) +
-                           rk.layout.flag_index(parity, tid);
-    wait_flag_at_least(flag, tag, rk.timeout_ns, rk.timeout_record, me, tid,
+                           rk.layout.flag_index(parity, peer);
+    wait_flag_at_least(flag, tag, rk.timeout_ns, rk.timeout_record, me, peer,
                        WaitPhase::kLowLatencyCombineRecv);
   }
   __syncthreads();

@@ -22,6 +22,7 @@
 #include "kernels/api.h"
 #include "kernels/common/launch.h"
 #include "kernels/common/limits.h"
+#include "kernels/common/peer_field.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/context.h"
 #include "kernels/low_latency/layout.cuh"
@@ -75,8 +76,8 @@ cudaError_t preload_every_halves(AttributesOf attributes_of) {
 // What a low-latency kernel knows about its rank. Plain data inside the kernel arguments.
 struct LowLatencyRank {
   LowLatencyLayout layout;
-  char* local = nullptr;        // this rank's low-latency region
-  char* peers[kMaxRanks] = {};  // every rank's low-latency region (peers[rank] == local)
+  char* local = nullptr;  // this rank's low-latency region
+  PeerField<char> peers;  // every rank's low-latency region (peers[rank] == local)
   ErrorCounters* errors = nullptr;
   TimeoutRecord* timeout_record = nullptr;
   uint64_t timeout_ns = 0;
@@ -91,9 +92,7 @@ inline LowLatencyRank make_low_latency_rank(const RankContext& ctx, LowLatencyHa
   const size_t offset =
       low_latency_workspace_offset(ctx.config) + channel * view.layout.total_bytes;
   view.local = ctx.workspace + offset;
-  for (int r = 0; r < ctx.config.num_ranks && r < kMaxRanks; ++r) {
-    view.peers[r] = ctx.peer_workspaces[r] + offset;
-  }
+  view.peers = {ctx.peer_workspaces_device, offset};
   view.errors = ctx.error_counters;
   view.timeout_record = ctx.timeout_record;
   view.timeout_ns = ctx.timeout_ns;

@@ -514,7 +514,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
                               args.num_experts, args.stage_tokens, args.rank.layout.hidden, kUseFp8)
                   .bytes
             : 0;
-    if (args.num_tokens * args.rank.layout.num_topk <= static_cast<int>(gridDim.x)) {
+    // receive_expert gives each source a lane: groups of at most kWarpSize ranks.
+    if (args.num_tokens * args.rank.layout.num_topk <= static_cast<int>(gridDim.x) &&
+        args.rank.layout.num_ranks <= kWarpSize) {
       receive_by_expert<kUseFp8, runs_send_half(kHalves)>(args, tag, parity);
     } else {
       const ReceivePlan plan = receive_plan_at(smem + plan_offset, args.num_experts);

@@ -35,12 +35,6 @@
 #include "kernels/common/limits.h"
 #include "kernels/context.h"
 
-#if defined(__CUDACC__)
-#define JAX_EP_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define JAX_EP_HOST_DEVICE inline
-#endif
-
 namespace jax_ep {
 
 // Alignment of every region (>= 16 for vector access; 256 keeps rows on DRAM-friendly starts).

@@ -68,7 +68,7 @@ LowLatencyTransportLaunch rank_launch(const RankContext& ctx, TransportOp op,
   l.timeout_record = ctx.timeout_record;
   l.num_tokens = num_tokens;
   l.topk_idx[0] = topk_idx;
-  for (int peer = 0; peer < ctx.config.num_ranks; ++peer) l.pe_of_rank[peer] = ctx.pes[peer];
+  l.pe_of_rank = ctx.pes_device;
   l.mutant = ctx.transport_mutant;
   return l;
 }
@@ -109,18 +109,18 @@ size_t low_latency_transport_bytes(const BufferConfig& config) {
   return low_latency_transport_area(config).bytes;
 }
 
-void low_latency_transport_region_table(const RankContext& ctx,
-                                        char* table[kTransportRegions * kMaxRanks]) {
+std::vector<char*> low_latency_transport_region_table(const RankContext& ctx) {
   const LowLatencyTransportArea area = low_latency_transport_area(ctx.config);
   const size_t offset = low_latency_transport_offset(ctx.config);
-  for (int r = 0; r < kMaxRanks; ++r) {
-    char* workspace =
-        r < ctx.config.num_ranks && ctx.config.low_latency ? ctx.peer_workspaces[r] : nullptr;
+  std::vector<char*> table(static_cast<size_t>(kTransportRegions) * ctx.config.num_ranks, nullptr);
+  for (int r = 0; r < ctx.config.num_ranks; ++r) {
+    char* workspace = ctx.config.low_latency ? ctx.peer_workspaces[r] : nullptr;
     table[kTransportRegions * r + kTransportWorkspace] =
         workspace != nullptr ? workspace + offset + area.workspace_region : nullptr;
     table[kTransportRegions * r + kTransportStaging] =
         workspace != nullptr ? workspace + offset + area.staging_region : nullptr;
   }
+  return table;
 }
 
 cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,

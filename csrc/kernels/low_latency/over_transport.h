@@ -52,8 +52,7 @@ size_t low_latency_transport_bytes(const BufferConfig& config);
 // columns per rank): table[kTransportRegions * r + region], region 0 the workspace region, 1 the
 // staging region; null for ranks whose workspace is not mapped yet, and in a Buffer without the
 // low-latency regions.
-void low_latency_transport_region_table(const RankContext& ctx,
-                                        char* table[kTransportRegions * kMaxRanks]);
+std::vector<char*> low_latency_transport_region_table(const RankContext& ctx);
 
 cudaError_t launch_low_latency_dispatch_over_transport(const RankContext& ctx,
                                                        const LowLatencyDispatchParams& params,

@@ -157,9 +157,9 @@ struct LowLatencyTransportLaunch {
   // (device memory, as the mapped kernels count them), or nullptr: not counted.
   ErrorCounters* error_counters[kTransportMaxRanksPerLaunch] = {};
   uint32_t halves = kTransportBothHalves;
-  int pe_of_rank[kTransportMaxRanksPerLaunch] = {};  // kNvshmem: every rank's NVSHMEM PE
-  int32_t* ticket = nullptr;  // [1] a send half alone stores its call's tag there (XLA orders
-                              // the receive after it through this result)
+  const int* pe_of_rank = nullptr;  // kNvshmem: [R] every rank's NVSHMEM PE (device memory)
+  int32_t* ticket = nullptr;        // [1] a send half alone stores its call's tag there (XLA orders
+                                    // the receive after it through this result)
   // Tests only: one protocol rule broken. Dispatch: no_fence, unregistered_source,
   // no_final_quiet; combine: no_fence, signal_before_data, reuse_before_quiet, no_final_quiet.
   transport::Mutant mutant = transport::Mutant::kNone;

@@ -26,7 +26,9 @@ namespace jax_ep {
 namespace {
 
 using normal_combine::combine_plan_kernel;
+using normal_combine::combine_plan_shared_bytes;
 using normal_combine::combine_transfer_kernel;
+using normal_combine::combine_transfer_shared_bytes;
 using normal_combine::CombinePlanArgs;
 using normal_combine::CombineTransferArgs;
 using normal_combine::kCombinePlanThreads;
@@ -36,31 +38,39 @@ using transport::MappedTransport;
 
 // The plan kernel on the rank's path: stores, or a device transport.
 cudaError_t launch_plan(const RankContext& ctx, const CombinePlanArgs& plan, cudaStream_t stream) {
+  const size_t shared_bytes = combine_plan_shared_bytes(plan.num_ranks);
   return launch_on_path(
       ctx,
       [&](auto path) {
         using Path = typename decltype(path)::type;
-        combine_plan_kernel<Path><<<1, kCombinePlanThreads, 0, stream>>>(plan);
+        combine_plan_kernel<Path><<<1, kCombinePlanThreads, shared_bytes, stream>>>(plan);
         return cudaGetLastError();
       },
-      [&] { return launch_combine_plan_nvshmem(plan, stream); });
+      [&] { return launch_combine_plan_nvshmem(shared_bytes, plan, stream); });
 }
 
-// The transfer kernel of Element on the rank's path.
+// The transfer kernel of Element on the rank's path (the wide reduction above kNarrowRanks).
 template <typename Element>
 cudaError_t launch_transfer(const RankContext& ctx, const CombineTransferArgs& args,
                             cudaStream_t stream) {
+  const size_t shared_bytes = combine_transfer_shared_bytes(args.num_ranks);
+  const bool wide = args.num_ranks > kNarrowRanks;
   return launch_on_path(
       ctx,
       [&](auto path) {
         using Path = typename decltype(path)::type;
-        combine_transfer_kernel<Element, Path>
-            <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
+        if (wide) {
+          combine_transfer_kernel<Element, Path, true>
+              <<<ctx.normal_blocks, kTransferThreads, shared_bytes, stream>>>(args);
+        } else {
+          combine_transfer_kernel<Element, Path, false>
+              <<<ctx.normal_blocks, kTransferThreads, shared_bytes, stream>>>(args);
+        }
         return cudaGetLastError();
       },
       [&] {
         return launch_combine_transfer_nvshmem(static_cast<int>(sizeof(Element)), ctx.normal_blocks,
-                                               args, stream);
+                                               shared_bytes, args, stream);
       });
 }
 
@@ -68,8 +78,13 @@ template <typename Path>
 cudaError_t preload_combine_kernels_on() {
   cudaFuncAttributes attributes;
   CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<Path>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, Path>));
-  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, Path>);
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, Path, false>));
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, Path, true>));
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, Path, false>));
+  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, Path, true>);
 }
 
 }  // namespace
@@ -86,9 +101,7 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
   plan.num_tokens = params.num_tokens;
   plan.capacity = params.capacity;
   plan.barrier = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.barrier);
-  for (int r = 0; r < config.num_ranks; ++r) {
-    plan.peer_barrier[r] = reinterpret_cast<uint64_t*>(ctx.peer_workspaces[r] + layout.barrier);
-  }
+  plan.peer_barrier = {ctx.peer_workspaces_device, layout.barrier};
   CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
 
   CombineTransferArgs args = {};

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels/common/limits.h"
+#include "kernels/common/peer_field.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/normal/transport.cuh"
 #include "kernels/normal/workspace.h"
@@ -16,8 +17,13 @@
 namespace jax_ep {
 namespace normal_combine {
 
-// One warp per owner segment bound (R + 1 of them), plus threads for the barrier.
-constexpr int kCombinePlanThreads = (kMaxRanks + 1) * kWarpSize;
+// One block; its warps take the owner segment bounds (R + 1 of them) in turn.
+constexpr int kCombinePlanThreads = 512;
+constexpr int kCombinePlanWarps = kCombinePlanThreads / kWarpSize;
+// Dynamic shared memory: the R + 1 segment bounds.
+inline size_t combine_plan_shared_bytes(int num_ranks) {
+  return sizeof(int) * (static_cast<size_t>(num_ranks) + 1);
+}
 
 struct CombinePlanArgs {
   const int32_t* recv_src;         // [C]
@@ -27,9 +33,9 @@ struct CombinePlanArgs {
   int num_ranks;
   int rank;
   const uint64_t* seq;
-  NormalPlan* plan;
-  const uint64_t* barrier;            // this rank's barrier words [src]
-  uint64_t* peer_barrier[kMaxRanks];  // every rank's barrier words
+  int32_t* plan_words;               // NormalPlan::at(plan_words, R)
+  const uint64_t* barrier;           // this rank's barrier words [src]
+  PeerField<uint64_t> peer_barrier;  // every rank's barrier words
   WaitContext wait;
   NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
 };
@@ -59,9 +65,10 @@ __device__ __forceinline__ int warp_lower_bound(const int32_t* values, int n, in
 }
 
 // Role: entry barrier of a combine and the owner segments of y. One block of
-// kCombinePlanThreads: threads r < R release-store the tag into rank r's barrier word [rank];
-// warp s <= R finds the first row whose recv_src >= s * T (rows of owner s are
-// [bound[s], bound[s+1])); then threads r < R wait for rank r's barrier word (>= tag).
+// kCombinePlanThreads: thread r (and r + threads, ...) release-stores the tag into rank r's
+// barrier word [rank]; warp s (and s + warps, ...) finds the first row whose recv_src >= s * T
+// (rows of owner s are [bound[s], bound[s+1]), s <= R); then thread r waits for rank r's barrier
+// word (>= tag).
 // Synchronisation: as the dispatch count exchange, a rank enters only after its previous call
 // finished, so after the barrier every peer is done with its data region and row flags.
 // Over a transport (Path a TransportPath), warp 0 signals the words instead (kSet, the tag),
@@ -70,15 +77,18 @@ template <typename Path>
 __global__ void __launch_bounds__(kCombinePlanThreads, 1)
     combine_plan_kernel(const CombinePlanArgs args) {
   const Path path = PathOf<Path>::of(args.transport);
-  __shared__ int bounds[kMaxRanks + 1];
+  extern __shared__ int bounds[];  // [R + 1]
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
   const int warp = tid / kWarpSize;
   const int num_ranks = args.num_ranks;
   const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
+  const NormalPlan plan = NormalPlan::at(args.plan_words, num_ranks);
 
   if constexpr (is_stores_path<Path>) {
-    if (tid < num_ranks) st_release_sys(args.peer_barrier[tid] + args.rank, tag);
+    for (int r = tid; r < num_ranks; r += kCombinePlanThreads) {
+      st_release_sys(args.peer_barrier[r] + args.rank, tag);
+    }
   } else if (warp == 0) {
     auto t = make_normal_transport(path, args.rank, 0, args.wait);
     const size_t word = path.args.layout.barrier + sizeof(uint64_t) * args.rank;
@@ -88,18 +98,20 @@ __global__ void __launch_bounds__(kCombinePlanThreads, 1)
   }
 
   const int num_valid = max(0, min(__ldg(args.num_recv_tokens), args.capacity));
-  if (warp <= num_ranks) {
-    const int bound = warp_lower_bound(args.recv_src, num_valid, warp * args.num_tokens, lane);
-    if (lane == 0) bounds[warp] = bound;
+  for (int s = warp; s <= num_ranks; s += kCombinePlanWarps) {
+    const int bound = warp_lower_bound(args.recv_src, num_valid, s * args.num_tokens, lane);
+    if (lane == 0) bounds[s] = bound;
   }
   __syncthreads();
-  if (tid < num_ranks) {
-    args.plan->recv_prefix[tid] = bounds[tid];
-    args.plan->recv_count[tid] = max(0, bounds[tid + 1] - bounds[tid]);
+  for (int r = tid; r < num_ranks; r += kCombinePlanThreads) {
+    plan.recv_prefix[r] = bounds[r];
+    plan.recv_count[r] = max(0, bounds[r + 1] - bounds[r]);
   }
-  if (tid == 0) args.plan->num_recv = num_valid;
+  if (tid == 0) *plan.num_recv = num_valid;
 
-  if (tid < num_ranks) wait_flag(args.wait, args.barrier + tid, tag, tid);
+  for (int r = tid; r < num_ranks; r += kCombinePlanThreads) {
+    wait_flag(args.wait, args.barrier + r, tag, r);
+  }
 }
 
 }  // namespace normal_combine

@@ -11,6 +11,7 @@
 
 #include "kernels/common/copy.cuh"
 #include "kernels/common/limits.h"
+#include "kernels/common/peer_field.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/normal/transport.cuh"
 #include "kernels/normal/workspace.h"
@@ -24,6 +25,10 @@ constexpr int kTransferWarps = kTransferThreads / kWarpSize;
 constexpr int kTokensPerItem = 2 * kTransferWarps;
 // 16-byte vectors each lane of a reducing warp loads per source before it adds.
 constexpr int kReduceUnroll = 2;
+// Dynamic shared memory of a block: the plan's words.
+inline size_t combine_transfer_shared_bytes(int num_ranks) {
+  return sizeof(int) * static_cast<size_t>(normal_plan_words(num_ranks));
+}
 
 struct CombineTransferArgs {
   const char* y;  // [C, y_bytes_per_row]
@@ -40,14 +45,14 @@ struct CombineTransferArgs {
   char* combined;     // [T, y_bytes_per_row]
   float* combined_w;  // [T, num_w]
   // Workspace of this rank.
-  const NormalPlan* plan;
+  const int32_t* plan_words;  // NormalPlan::at(plan_words, R)
   uint64_t* seq;
   uint32_t* work_counter;
   uint32_t* done_counter;
   const char* rows;  // data region: rows [src][token]
   const uint64_t* row_flags;
-  char* peer_rows[kMaxRanks];
-  uint64_t* peer_row_flags[kMaxRanks];
+  PeerField<char> peer_rows;
+  PeerField<uint64_t> peer_row_flags;
   int64_t region_bytes_per_row;
   int num_push_blocks;
   WaitContext wait;
@@ -98,7 +103,8 @@ struct VectorMath<float> {
 
 // combined[token] = sum over ranks r (ascending) with 0 <= send_pos[token, r] < C of that
 // rank's row: y itself for this rank, the data region row [r][token] for the others (lane r
-// first acquires its row flag). One warp, float32, rounded once.
+// first acquires its row flag). One warp, float32, rounded once. Groups of at most kNarrowRanks
+// ranks (one lane and one register row per rank).
 template <typename Element>
 __device__ __forceinline__ void reduce_token(const CombineTransferArgs& args, int token,
                                              uint64_t tag, int lane) {
@@ -126,9 +132,9 @@ __device__ __forceinline__ void reduce_token(const CombineTransferArgs& args, in
   const int64_t num_vectors = args.y_bytes_per_row / kBytesPerVector;
   int4* out = reinterpret_cast<int4*>(args.combined + token * args.y_bytes_per_row);
   for (int64_t base = lane; base < num_vectors; base += kWarpSize * kReduceUnroll) {
-    int4 loaded[kReduceUnroll][kMaxRanks];
+    int4 loaded[kReduceUnroll][kNarrowRanks];
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kNarrowRanks; ++r) {
       if ((sources >> r) & 1u) {
         const int4* row = reinterpret_cast<const int4*>(source_row(r));
 #pragma unroll
@@ -147,7 +153,7 @@ __device__ __forceinline__ void reduce_token(const CombineTransferArgs& args, in
 #pragma unroll
       for (int i = 0; i < Math::kPerVector; ++i) acc[i] = 0.0f;
 #pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) {
+      for (int r = 0; r < kNarrowRanks; ++r) {
         if ((sources >> r) & 1u) Math::add(acc, loaded[u][r]);
       }
       st_v4(out + idx, Math::pack(acc));
@@ -168,23 +174,90 @@ __device__ __forceinline__ void reduce_token(const CombineTransferArgs& args, in
   }
 }
 
+// reduce_token for groups of more than kNarrowRanks ranks: the same sum in the same order. The
+// warp gathers the token's sources in ascending order into `sources` (shared memory of its own;
+// a handle sends a token to at most K <= kWarpSize ranks, more are not summed), lane i acquires
+// the flag of source i, then each lane sums its vectors source by source.
+template <typename Element>
+__device__ __forceinline__ void reduce_token_wide(const CombineTransferArgs& args, int token,
+                                                  uint64_t tag, int* sources, int lane) {
+  using Math = VectorMath<Element>;
+  const int num_ranks = args.num_ranks;
+  const int rank = args.rank;
+  const int32_t* send_pos = args.send_pos + static_cast<int64_t>(token) * num_ranks;
+  const uint32_t lanes_below = (1u << lane) - 1;
+  int num_sources = 0;
+  for (int first = 0; first < num_ranks; first += kWarpSize) {
+    const int r = first + lane;
+    const int pos = r < num_ranks ? __ldg(send_pos + r) : -1;
+    const bool valid = r < num_ranks && pos >= 0 && pos < args.capacity;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, valid);
+    const int index = num_sources + __popc(ballot & lanes_below);
+    if (valid && index < kWarpSize) sources[index] = r;
+    num_sources += __popc(ballot);
+  }
+  num_sources = min(num_sources, kWarpSize);
+  __syncwarp();
+  if (lane < num_sources && sources[lane] != rank) {
+    wait_flag(args.wait,
+              args.row_flags + static_cast<int64_t>(sources[lane]) * args.max_tokens + token, tag,
+              sources[lane]);
+  }
+  __syncwarp();  // orders each lane's acquire before every lane's loads of that source's row
+
+  const int own_pos = max(__ldg(send_pos + rank), 0);
+  const char* own_row = args.y + static_cast<int64_t>(own_pos) * args.y_bytes_per_row;
+  auto source_row = [&](int r) -> const char* {
+    return r == rank ? own_row
+                     : args.rows + (static_cast<int64_t>(r) * args.num_tokens + token) *
+                                       args.region_bytes_per_row;
+  };
+  const int64_t num_vectors = args.y_bytes_per_row / kBytesPerVector;
+  int4* out = reinterpret_cast<int4*>(args.combined + token * args.y_bytes_per_row);
+  for (int64_t idx = lane; idx < num_vectors; idx += kWarpSize) {
+    float acc[Math::kPerVector];
+#pragma unroll
+    for (int i = 0; i < Math::kPerVector; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < num_sources; ++i) {
+      const int r = sources[i];
+      const int4* row = reinterpret_cast<const int4*>(source_row(r));
+      Math::add(acc, r == rank ? ld_nc_v4(row + idx) : ld_cg_v4(row + idx));
+    }
+    st_v4(out + idx, Math::pack(acc));
+  }
+  for (int c = lane; c < args.num_w; c += kWarpSize) {
+    float sum = 0.0f;
+    for (int i = 0; i < num_sources; ++i) {
+      const int r = sources[i];
+      if (r == rank) {
+        sum += __ldg(args.y_w + static_cast<int64_t>(own_pos) * args.num_w + c);
+      } else {
+        sum += ld_cg_f32(reinterpret_cast<const float*>(source_row(r) + args.y_bytes_per_row) + c);
+      }
+    }
+    args.combined_w[static_cast<int64_t>(token) * args.num_w + c] = sum;
+  }
+  __syncwarp();  // `sources` is rewritten for the warp's next token
+}
+
 // Role: the data movement of one combine, as work items claimed in this order:
 //   [push roles] [reduce items of kTokensPerItem tokens]
 // - push role p: warp g = p*W + w handles entries q = g, g+P*W, ... of (k, owner) in k-major
 //   order over the other ranks: row recv_prefix[owner] + k of y (token = recv_src - owner*T)
 //   goes to the owner's data region row [rank][token] (y bytes, then y_w), then __syncwarp +
 //   release-store of tag into the owner's row flag [rank][token].
-// - reduce item: one warp per token (reduce_token), waiting per source row.
+// - reduce item: one warp per token (reduce_token, or reduce_token_wide when kWide: more than
+//   kNarrowRanks ranks), waiting per source row.
 // Grid: ctx.normal_blocks blocks of kTransferThreads; deadlock-free without co-residency for the
 // same reason as the dispatch transfer (all push roles are claimed before any reduce item). The
 // last block to finish stores the call's sequence number.
 // Over a transport (Path a TransportPath) a push warp stages each row in its send slots and
 // puts it with its flag (RowSender), and quiets before it leaves its role, as in the dispatch.
-template <typename Element, typename Path>
+template <typename Element, typename Path, bool kWide>
 __global__ void __launch_bounds__(kTransferThreads, 1)
     combine_transfer_kernel(const CombineTransferArgs args) {
   const Path path = PathOf<Path>::of(args.transport);
-  __shared__ NormalPlan plan;
+  extern __shared__ int plan_words[];  // NormalPlan::at(plan_words, R)
   __shared__ int claimed_item;
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
@@ -193,9 +266,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   const int rank = args.rank;
   const int num_tokens = args.num_tokens;
   const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
+  const NormalPlan plan = NormalPlan::at(plan_words, num_ranks);
 
-  if (tid < static_cast<int>(sizeof(NormalPlan) / sizeof(int))) {
-    reinterpret_cast<int*>(&plan)[tid] = __ldg(reinterpret_cast<const int*>(args.plan) + tid);
+  for (int i = tid; i < normal_plan_words(num_ranks); i += kTransferThreads) {
+    plan_words[i] = __ldg(args.plan_words + i);
   }
   __syncthreads();
 
@@ -223,7 +297,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         const int owner = (rank + 1 + static_cast<int>(q % num_peers)) % num_ranks;
         if (k >= plan.recv_count[owner]) continue;
         const int row = plan.recv_prefix[owner] + k;
-        if (row >= plan.num_recv) continue;
+        if (row >= *plan.num_recv) continue;
         const int token = __ldg(args.recv_src + row) - owner * num_tokens;
         if (token < 0 || token >= num_tokens) continue;  // inconsistent handle: drop the row
         char* const rows = sender.rows(args.peer_rows, owner);
@@ -250,7 +324,12 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
 
     const int end = min(num_tokens, (item + 1) * kTokensPerItem);
     for (int token = item * kTokensPerItem + warp; token < end; token += kTransferWarps) {
-      reduce_token<Element>(args, token, tag, lane);
+      if constexpr (kWide) {
+        __shared__ int sources[kTransferWarps][kWarpSize];
+        reduce_token_wide<Element>(args, token, tag, sources[warp], lane);
+      } else {
+        reduce_token<Element>(args, token, tag, lane);
+      }
     }
   }
 

@@ -33,12 +33,15 @@ namespace jax_ep {
 namespace {
 
 using normal_dispatch::dispatch_plan_kernel;
+using normal_dispatch::dispatch_plan_wide_kernel;
 using normal_dispatch::dispatch_transfer_kernel;
 using normal_dispatch::DispatchPlanArgs;
 using normal_dispatch::DispatchTransferArgs;
 using normal_dispatch::kPlanThreads;
-using normal_dispatch::kTransferSharedExperts;
 using normal_dispatch::kTransferThreads;
+using normal_dispatch::transfer_shared_bytes;
+using normal_dispatch::transfer_shared_experts;
+using normal_dispatch::wide_plan_shared_bytes;
 using transport::EmulatedTransport;
 using transport::MappedTransport;
 
@@ -59,26 +62,32 @@ DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layo
   args.token_masks = reinterpret_cast<uint8_t*>(ctx.workspace + layout.token_masks);
   args.plan_counts = reinterpret_cast<uint64_t*>(ctx.workspace + layout.plan_counts);
   args.count_matrix = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.count_matrix);
-  for (int r = 0; r < config.num_ranks; ++r) {
-    args.peer_count_matrix[r] =
-        reinterpret_cast<uint64_t*>(ctx.peer_workspaces[r] + layout.count_matrix);
-  }
+  args.peer_count_matrix = {ctx.peer_workspaces_device, layout.count_matrix};
   args.errors = ctx.error_counters;
   return args;
 }
 
-// The plan kernel of kRankSlots on the rank's path: stores, or a device transport.
+// The narrow plan kernel of kRankSlots (1, 2, 4 or 8), or with kRankSlots = 0 the wide one, on
+// the rank's path: stores, or a device transport.
 template <int kRankSlots>
 cudaError_t launch_plan_on_path(const RankContext& ctx, int num_blocks, cudaStream_t stream,
                                 const DispatchPlanArgs& args) {
+  const size_t shared_bytes = kRankSlots == 0 ? wide_plan_shared_bytes(args.num_ranks) : 0;
   return launch_on_path(
       ctx,
       [&](auto path) {
         using Path = typename decltype(path)::type;
-        return launch_cooperative(dispatch_plan_kernel<kRankSlots, Path>, num_blocks, kPlanThreads,
-                                  0, stream, args);
+        if constexpr (kRankSlots == 0) {
+          return launch_cooperative(dispatch_plan_wide_kernel<Path>, num_blocks, kPlanThreads,
+                                    shared_bytes, stream, args);
+        } else {
+          return launch_cooperative(dispatch_plan_kernel<kRankSlots, Path>, num_blocks,
+                                    kPlanThreads, 0, stream, args);
+        }
       },
-      [&] { return launch_dispatch_plan_nvshmem(kRankSlots, num_blocks, args, stream); });
+      [&] {
+        return launch_dispatch_plan_nvshmem(kRankSlots, num_blocks, shared_bytes, args, stream);
+      });
 }
 
 // Grid of the plan: one block per kPlanTokensPerBlock tokens (so at most plan_block_slots()),
@@ -93,8 +102,9 @@ cudaError_t launch_plan(const RankContext& ctx, DispatchPlanArgs args, cudaStrea
   if (args.num_ranks <= 1) return launch_plan_on_path<1>(ctx, num_blocks, stream, args);
   if (args.num_ranks <= 2) return launch_plan_on_path<2>(ctx, num_blocks, stream, args);
   if (args.num_ranks <= 4) return launch_plan_on_path<4>(ctx, num_blocks, stream, args);
-  static_assert(kMaxRanks == 8, "one instance per power of two up to kMaxRanks");
-  return launch_plan_on_path<8>(ctx, num_blocks, stream, args);
+  static_assert(kNarrowRanks == 8, "one narrow instance per power of two up to kNarrowRanks");
+  if (args.num_ranks <= 8) return launch_plan_on_path<8>(ctx, num_blocks, stream, args);
+  return launch_plan_on_path<0>(ctx, num_blocks, stream, args);
 }
 
 // Fields shared by the transfer arguments of dispatch and cached dispatch (Params: either's), the
@@ -120,7 +130,7 @@ DispatchTransferArgs make_transfer_args(const RankContext& ctx, const NormalLayo
 
 cudaError_t launch_transfer(const RankContext& ctx, const DispatchTransferArgs& args,
                             cudaStream_t stream) {
-  const size_t shared_bytes = sizeof(int) * args.num_shared_experts;
+  const size_t shared_bytes = transfer_shared_bytes(args.num_shared_experts, args.num_ranks);
   const int grid = ctx.normal_blocks;
   return launch_on_path(
       ctx,
@@ -139,6 +149,7 @@ cudaError_t preload_dispatch_kernels_on() {
   CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<2, Path>));
   CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<4, Path>));
   CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<8, Path>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_wide_kernel<Path>));
   return cudaFuncGetAttributes(&attributes, dispatch_transfer_kernel<Path>);
 }
 
@@ -179,9 +190,8 @@ cudaError_t launch_dispatch(const RankContext& ctx, const DispatchParams& params
         transfer.recv_topk_weights = params.recv_topk_weights;
         transfer.recv_src = params.recv_src;
         transfer.num_recv_tokens_per_expert = params.num_recv_tokens_per_expert;
-        transfer.num_shared_experts = ctx.config.num_local_experts() < kTransferSharedExperts
-                                          ? ctx.config.num_local_experts()
-                                          : kTransferSharedExperts;
+        transfer.num_shared_experts =
+            transfer_shared_experts(ctx.config.num_local_experts(), ctx.config.num_ranks);
         transfer.region_bytes_per_row = dispatch_region_row_bytes(
             params.x_bytes_per_row, params.num_scales, ctx.config.num_topk);
       });

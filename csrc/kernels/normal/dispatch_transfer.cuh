@@ -12,6 +12,7 @@
 #include "kernels/common/copy.cuh"
 #include "kernels/common/fast_divisor.h"
 #include "kernels/common/limits.h"
+#include "kernels/common/peer_field.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/normal/transport.cuh"
 #include "kernels/normal/workspace.h"
@@ -27,6 +28,25 @@ static_assert(kRowsPerItem % kTransferWarps == 0 && kRowsPerItem / kTransferWarp
               "a warp acquires the flags of its rows of an item with one lane per row");
 // Local experts counted in a shared-memory histogram per block; more go to global atomics.
 constexpr int kTransferSharedExperts = 8192;
+// Dynamic shared memory of a block: the histogram, then the plan's words and each rank's rows
+// that fit the capacity (sent there, received from there).
+constexpr size_t kTransferSharedBytes = 48 * 1024;  // what a block gets without opting in
+inline size_t transfer_plan_shared_bytes(int num_ranks) {
+  return sizeof(int) * (normal_plan_words(num_ranks) + 2 * static_cast<size_t>(num_ranks));
+}
+// Local experts of the shared histogram: all of them up to kTransferSharedExperts, as many as fit
+// beside the plan.
+inline int transfer_shared_experts(int num_local_experts, int num_ranks) {
+  const int fit = static_cast<int>((kTransferSharedBytes - transfer_plan_shared_bytes(num_ranks)) /
+                                   sizeof(int));
+  const int limit = fit < kTransferSharedExperts ? fit : kTransferSharedExperts;
+  return num_local_experts < limit ? num_local_experts : limit;
+}
+inline size_t transfer_shared_bytes(int num_shared_experts, int num_ranks) {
+  return sizeof(int) * static_cast<size_t>(num_shared_experts) +
+         transfer_plan_shared_bytes(num_ranks);
+}
+static_assert(4 * (1 + 6 * kMaxRanks) < kTransferSharedBytes, "the plan fits beside no histogram");
 
 struct DispatchTransferArgs {
   // This rank's rows (XLA operands).
@@ -56,7 +76,7 @@ struct DispatchTransferArgs {
   int32_t* num_recv_tokens_per_expert;  // zeroed by the plan kernel
   int num_shared_experts;               // local experts counted in shared memory
   // Workspace of this rank.
-  const NormalPlan* plan;
+  const int32_t* plan_words;  // NormalPlan::at(plan_words, R)
   const int32_t* send_tokens;
   uint64_t* seq;
   uint32_t* work_counter;
@@ -64,8 +84,8 @@ struct DispatchTransferArgs {
   const char* rows;  // data region
   const uint64_t* row_flags;
   // Every rank's data region and row flags (this one's included).
-  char* peer_rows[kMaxRanks];
-  uint64_t* peer_row_flags[kMaxRanks];
+  PeerField<char> peer_rows;
+  PeerField<uint64_t> peer_row_flags;
   int64_t region_bytes_per_row;
   int num_push_blocks;
   WaitContext wait;
@@ -183,10 +203,7 @@ template <typename Path>
 __global__ void __launch_bounds__(kTransferThreads, 1)
     dispatch_transfer_kernel(const DispatchTransferArgs args) {
   const Path path = PathOf<Path>::of(args.transport);
-  extern __shared__ int histogram[];
-  __shared__ NormalPlan plan;
-  __shared__ int send_valid[kMaxRanks];  // rows sent to each rank that fit its capacity
-  __shared__ int recv_valid[kMaxRanks];  // rows received from each rank that fit the capacity
+  extern __shared__ int histogram[];  // [num_shared_experts], then the plan's words, then:
   __shared__ int claimed_item;
 
   const int tid = threadIdx.x;
@@ -196,16 +213,20 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   const int rank = args.rank;
   const int capacity = args.capacity;
   const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
+  int* const plan_words = histogram + args.num_shared_experts;
+  const NormalPlan plan = NormalPlan::at(plan_words, num_ranks);
+  int* const send_valid = plan_words + normal_plan_words(num_ranks);  // [R] rows sent to each
+                                                                      // rank that fit its capacity
+  int* const recv_valid = send_valid + num_ranks;  // [R] rows received from each rank that fit
 
-  static_assert(sizeof(NormalPlan) % sizeof(int) == 0, "plan is copied word by word");
-  if (tid < static_cast<int>(sizeof(NormalPlan) / sizeof(int))) {
-    reinterpret_cast<int*>(&plan)[tid] = __ldg(reinterpret_cast<const int*>(args.plan) + tid);
+  for (int i = tid; i < normal_plan_words(num_ranks); i += kTransferThreads) {
+    plan_words[i] = __ldg(args.plan_words + i);
   }
   for (int e = tid; e < args.num_shared_experts; e += kTransferThreads) histogram[e] = 0;
   __syncthreads();
-  if (tid < num_ranks) {
-    send_valid[tid] = max(0, min(capacity - plan.dest_base[tid], plan.send_count[tid]));
-    recv_valid[tid] = max(0, min(capacity - plan.recv_prefix[tid], plan.recv_count[tid]));
+  for (int r = tid; r < num_ranks; r += kTransferThreads) {
+    send_valid[r] = max(0, min(capacity - plan.dest_base[r], plan.send_count[r]));
+    recv_valid[r] = max(0, min(capacity - plan.recv_prefix[r], plan.recv_count[r]));
   }
   __syncthreads();
 
@@ -217,7 +238,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     max_send = max(max_send, send_valid[r]);
     max_recv = max(max_recv, recv_valid[r]);
   }
-  const int num_valid = min(plan.num_recv, capacity);
+  const int num_valid = min(*plan.num_recv, capacity);
   const int num_own = recv_valid[rank];
   const int num_push_items = num_peers > 0 ? args.num_push_blocks : 0;
   const int num_own_items = (num_own + kRowsPerItem - 1) / kRowsPerItem;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/peer_field.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/context.h"
 #include "kernels/normal/transport.cuh"
@@ -50,7 +51,7 @@ void fill_plan_args(const RankContext& ctx, const NormalLayout& layout, WaitPhas
   args.num_ranks = ctx.config.num_ranks;
   args.rank = ctx.rank;
   args.seq = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.seq);
-  args.plan = reinterpret_cast<NormalPlan*>(ctx.workspace + layout.plan);
+  args.plan_words = reinterpret_cast<int32_t*>(ctx.workspace + layout.plan);
   args.wait = wait_context(ctx, phase);
   if (normal_over_transport(ctx.config)) args.transport = normal_transport_args(ctx);
 }
@@ -65,16 +66,14 @@ void fill_transfer_args(const RankContext& ctx, const NormalLayout& layout, Wait
   args.num_ranks = config.num_ranks;
   args.rank = ctx.rank;
   args.max_tokens = config.max_tokens_per_rank;
-  args.plan = reinterpret_cast<const NormalPlan*>(ctx.workspace + layout.plan);
+  args.plan_words = reinterpret_cast<const int32_t*>(ctx.workspace + layout.plan);
   args.seq = reinterpret_cast<uint64_t*>(ctx.workspace + layout.seq);
   args.work_counter = reinterpret_cast<uint32_t*>(ctx.workspace + layout.counters);
   args.done_counter = args.work_counter + 1;
   args.rows = ctx.workspace + layout.data;
   args.row_flags = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.row_flags);
-  for (int r = 0; r < config.num_ranks; ++r) {
-    args.peer_rows[r] = ctx.peer_workspaces[r] + layout.data;
-    args.peer_row_flags[r] = reinterpret_cast<uint64_t*>(ctx.peer_workspaces[r] + layout.row_flags);
-  }
+  args.peer_rows = {ctx.peer_workspaces_device, layout.data};
+  args.peer_row_flags = {ctx.peer_workspaces_device, layout.row_flags};
   args.num_push_blocks = ctx.normal_push_blocks;
   args.wait = wait_context(ctx, phase);
   if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);

@@ -29,22 +29,24 @@ struct LayoutArgs {
   ErrorCounters* errors;
 };
 
-// Role: one thread per token computes its rank mask (ids outside [-1, E) count as -1 and are
+// Role: one thread per token finds its distinct ranks (ids outside [-1, E) count as -1 and are
 // counted as invalid) and adds its (token, expert) pairs and ranks to per-block histograms.
 // Grid: ceil(T / kLayoutThreads) blocks. Synchronisation: block-local shared histograms flushed
-// with global atomics into outputs the launcher zeroed on the same stream.
+// with global atomics into outputs the launcher zeroed on the same stream. Dynamic shared memory:
+// num_shared_experts, then R ints.
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const LayoutArgs args) {
   extern __shared__ int expert_histogram[];
-  __shared__ int rank_histogram[kMaxRanks];
+  int* const rank_histogram = expert_histogram + args.num_shared_experts;  // [R]
   __shared__ int invalid_ids;
   for (int e = threadIdx.x; e < args.num_shared_experts; e += blockDim.x) expert_histogram[e] = 0;
-  if (threadIdx.x < kMaxRanks) rank_histogram[threadIdx.x] = 0;
+  for (int r = threadIdx.x; r < args.num_ranks; r += blockDim.x) rank_histogram[r] = 0;
   if (threadIdx.x == 0) invalid_ids = 0;
   __syncthreads();
 
   const int token = blockIdx.x * blockDim.x + threadIdx.x;
   if (token < args.num_tokens) {
-    uint32_t rank_mask = 0;
+    int ranks[kMaxTopk];  // distinct ranks of the token
+    int num_ranks = 0;
     int num_invalid = 0;
     const int32_t* ids = args.topk_idx + static_cast<int64_t>(token) * args.num_topk;
     for (int k = 0; k < args.num_topk; ++k) {
@@ -54,7 +56,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const LayoutArgs
         ++num_invalid;
         continue;
       }
-      rank_mask |= 1u << args.experts_per_rank.divide(static_cast<uint32_t>(expert));
+      const int r = static_cast<int>(args.experts_per_rank.divide(static_cast<uint32_t>(expert)));
+      bool seen = false;
+      for (int i = 0; i < num_ranks; ++i) seen |= ranks[i] == r;
+      if (!seen) ranks[num_ranks++] = r;
       if (expert < args.num_shared_experts) {
         atomicAdd(&expert_histogram[expert], 1);
       } else {
@@ -62,10 +67,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const LayoutArgs
       }
     }
     bool* in_rank = args.is_token_in_rank + static_cast<int64_t>(token) * args.num_ranks;
-    for (int r = 0; r < args.num_ranks; ++r) {
-      const bool sent = (rank_mask >> r) & 1u;
-      in_rank[r] = sent;
-      if (sent) atomicAdd(&rank_histogram[r], 1);
+    for (int r = 0; r < args.num_ranks; ++r) in_rank[r] = false;
+    for (int i = 0; i < num_ranks; ++i) {
+      in_rank[ranks[i]] = true;
+      atomicAdd(&rank_histogram[ranks[i]], 1);
     }
     if (num_invalid > 0) atomicAdd(&invalid_ids, num_invalid);
   }
@@ -74,8 +79,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const LayoutArgs
   for (int e = threadIdx.x; e < args.num_shared_experts; e += blockDim.x) {
     if (expert_histogram[e] != 0) atomicAdd(&args.num_tokens_per_expert[e], expert_histogram[e]);
   }
-  if (threadIdx.x < args.num_ranks && rank_histogram[threadIdx.x] != 0) {
-    atomicAdd(&args.num_tokens_per_rank[threadIdx.x], rank_histogram[threadIdx.x]);
+  for (int r = threadIdx.x; r < args.num_ranks; r += blockDim.x) {
+    if (rank_histogram[r] != 0) atomicAdd(&args.num_tokens_per_rank[r], rank_histogram[r]);
   }
   if (threadIdx.x == 0 && invalid_ids != 0) {
     atomicAdd(&args.errors->invalid_expert_ids, static_cast<unsigned long long>(invalid_ids));
@@ -107,7 +112,7 @@ cudaError_t launch_layout(const RankContext& ctx, const LayoutParams& params, cu
   args.errors = ctx.error_counters;
 
   const int num_blocks = ceil_div(params.num_tokens, kLayoutThreads);
-  const size_t shared_bytes = sizeof(int) * args.num_shared_experts;
+  const size_t shared_bytes = sizeof(int) * (args.num_shared_experts + config.num_ranks);
   layout_kernel<<<num_blocks, kLayoutThreads, shared_bytes, stream>>>(args);
   return cudaGetLastError();
 }

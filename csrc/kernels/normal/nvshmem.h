@@ -20,17 +20,19 @@ struct CombinePlanArgs;
 struct CombineTransferArgs;
 }  // namespace normal_combine
 
-// Cooperative, as launch_plan's; rank_slots: the plan kernel's kRankSlots (1, 2, 4 or 8).
-cudaError_t launch_dispatch_plan_nvshmem(int rank_slots, int num_blocks,
+// Cooperative, as launch_plan's; rank_slots: the narrow plan kernel's kRankSlots (1, 2, 4 or 8),
+// or 0 for the wide one (with shared_bytes of dynamic shared memory).
+cudaError_t launch_dispatch_plan_nvshmem(int rank_slots, int num_blocks, size_t shared_bytes,
                                          const normal_dispatch::DispatchPlanArgs& args,
                                          cudaStream_t stream);
 cudaError_t launch_dispatch_transfer_nvshmem(int num_blocks, size_t shared_bytes,
                                              const normal_dispatch::DispatchTransferArgs& args,
                                              cudaStream_t stream);
-cudaError_t launch_combine_plan_nvshmem(const normal_combine::CombinePlanArgs& args,
+cudaError_t launch_combine_plan_nvshmem(size_t shared_bytes,
+                                        const normal_combine::CombinePlanArgs& args,
                                         cudaStream_t stream);
 // element_bytes: y's element, 2 (bfloat16) or 4 (float32).
-cudaError_t launch_combine_transfer_nvshmem(int element_bytes, int num_blocks,
+cudaError_t launch_combine_transfer_nvshmem(int element_bytes, int num_blocks, size_t shared_bytes,
                                             const normal_combine::CombineTransferArgs& args,
                                             cudaStream_t stream);
 

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "kernels/api.h"
+#include "kernels/common/peer_field.cuh"
 #include "kernels/common/sync.cuh"
 #include "kernels/normal/workspace.h"
 #include "transport/command_ring.h"
@@ -39,8 +40,7 @@ struct NormalTransportArgs {
   // Tests only: the push warps break one rule (signal_before_data, reuse_before_quiet,
   // unregistered_source, no_final_quiet; the normal kernels have no fence to drop).
   transport::Mutant mutant = transport::Mutant::kNone;
-  // kNvshmem: every rank's NVSHMEM PE (last, so the other fields keep their offsets).
-  int pe_of_rank[kMaxRanks] = {};
+  const int* pe_of_rank = nullptr;  // kNvshmem: [R] every rank's NVSHMEM PE (device memory)
 };
 
 inline NormalTransportArgs normal_transport_args(const RankContext& ctx) {
@@ -52,7 +52,7 @@ inline NormalTransportArgs normal_transport_args(const RankContext& ctx) {
   args.max_slots_per_warp = ctx.config.normal_send_slots;
   args.layout = normal_layout(ctx.config);
   args.mutant = ctx.transport_mutant;
-  for (int r = 0; r < ctx.config.num_ranks; ++r) args.pe_of_rank[r] = ctx.pes[r];
+  args.pe_of_rank = ctx.pes_device;
   return args;
 }
 
@@ -185,14 +185,14 @@ struct RowSender<StoresPath> {
 
   __device__ __forceinline__ int64_t end(int64_t num_entries) const { return num_entries; }
   __device__ __forceinline__ int64_t stride(int64_t num_push_warps) const { return num_push_warps; }
-  __device__ __forceinline__ char* rows(char* const* peer_rows, int peer) const {
+  __device__ __forceinline__ char* rows(const PeerField<char>& peer_rows, int peer) const {
     return peer_rows[peer];
   }
   __device__ __forceinline__ int64_t next_row(int64_t row, int /*lane*/) { return row; }
   template <typename FlagIndex>
-  __device__ __forceinline__ void send(uint64_t* const* peer_row_flags, int peer, int64_t /*row*/,
-                                       int64_t /*at*/, FlagIndex flag_index, uint64_t tag,
-                                       int lane) {
+  __device__ __forceinline__ void send(const PeerField<uint64_t>& peer_row_flags, int peer,
+                                       int64_t /*row*/, int64_t /*at*/, FlagIndex flag_index,
+                                       uint64_t tag, int lane) {
     __syncwarp();
     if (lane == 0) st_release_sys(peer_row_flags[peer] + flag_index(), tag);
   }
@@ -227,15 +227,16 @@ struct RowSender<TransportPath<Transport>> {
     return active ? num_entries : 0;
   }
   __device__ __forceinline__ int64_t stride(int64_t /*num_push_warps*/) const { return num_active; }
-  __device__ __forceinline__ char* rows(char* const* /*peer_rows*/, int /*peer*/) {
+  __device__ __forceinline__ char* rows(const PeerField<char>& /*peer_rows*/, int /*peer*/) {
     return t.local(in_send_region(0));
   }
   __device__ __forceinline__ int64_t next_row(int64_t /*row*/, int lane) {
     return slots.next(t, a.mutant, lane);
   }
   template <typename FlagIndex>
-  __device__ __forceinline__ void send(uint64_t* const* /*peer_row_flags*/, int peer, int64_t row,
-                                       int64_t at, FlagIndex flag_index, uint64_t tag, int lane) {
+  __device__ __forceinline__ void send(const PeerField<uint64_t>& /*peer_row_flags*/, int peer,
+                                       int64_t row, int64_t at, FlagIndex flag_index, uint64_t tag,
+                                       int lane) {
     __syncwarp();  // every lane's staged bytes, before the put reads them
     const transport::SymmetricAddress dst = in_normal_area(a.layout.data + row * row_bytes);
     const uint64_t staged = static_cast<uint64_t>(at * row_bytes);

@@ -3,21 +3,22 @@
 //
 //   seq            uint64               sequence number of the last finished normal-mode call
 //   counters       uint32[2]            transfer kernels: next work item, finished blocks
-//   plan           NormalPlan           per-call routing summary (written by the plan kernels)
-//   count_matrix   uint64[2][R_max][R_max]  [tag & 1][src][dst] = (tag << 32 | rows src sends
+//   plan           int32[1 + 4R]        per-call routing summary (NormalPlan; written by the plan
+//                                       kernels)
+//   count_matrix   uint64[2][R][R]      [tag & 1][src][dst] = (tag << 32 | rows src sends
 //                                       dst); every rank writes its row into every peer's
 //                                       matrix. Two by parity: a peer that received nothing
 //                                       from this rank may finish call e and publish its row of
 //                                       call e+1 before this rank has read the one of call e
 //                                       (never two calls ahead: e+2 needs this rank's e+1 row).
-//   barrier        uint64[R_max]        [src] = tag of src's latest combine barrier
-//   row_flags      uint64[R_max][T_max] [src][i] = tag once src wrote its i-th row here
+//   barrier        uint64[R]            [src] = tag of src's latest combine barrier
+//   row_flags      uint64[R][T_max]     [src][i] = tag once src wrote its i-th row here
 //                                       (dispatch: i = position in src's stream to this rank;
 //                                       combine: i = token index of this rank)
-//   send_tokens    int32[R_max][T_max]  [dst][p] = this rank's token at position p of its
+//   send_tokens    int32[R][T_max]      [dst][p] = this rank's token at position p of its
 //                                       stream to dst (inverse of send_pos)
-//   token_masks    uint8[T_max]         bit r: token goes to rank r (plan kernel scratch)
-//   plan_counts    uint64[B_max][R_max] [b][dst] = (tag << 32 | tokens of block b of the
+//   token_masks    uint8[T_max]         bit r: token goes to rank r (the narrow plan's scratch)
+//   plan_counts    uint64[B_max][R]     [b][dst] = (tag << 32 | tokens of block b of the
 //                                       dispatch plan that go to dst); B_max =
 //                                       plan_block_slots(config)
 //   data           rows                 dispatch: receive rows at their final output row;
@@ -58,15 +59,24 @@ size_t normal_send_region_bytes(const BufferConfig& config);
 // acknowledgement word in an emulated ring): the push warps of a transfer kernel.
 uint32_t normal_transport_warps(const RankContext& ctx);
 
-// Per-call routing summary of one rank, derived from the exchanged count matrix.
-struct NormalPlan {
-  int32_t send_count[kMaxRanks];   // rows this rank sends to each rank (overflowed included)
-  int32_t dest_base[kMaxRanks];    // its first row at each rank
-  int32_t recv_count[kMaxRanks];   // rows each rank sends here (combine: rows held per owner)
-  int32_t recv_prefix[kMaxRanks];  // first row of each source in this rank's outputs
-  int32_t num_recv;                // sum of recv_count (may exceed the capacity)
-  int32_t padding[3];
+// Per-call routing summary of one rank, derived from the exchanged count matrix: a view of
+// normal_plan_words(R) int32 words (in the workspace, or a kernel's shared-memory copy).
+constexpr int normal_plan_words(int num_ranks) { return 1 + 4 * num_ranks; }
+
+template <typename Int>
+struct NormalPlanOf {
+  Int* num_recv;     // sum of recv_count (may exceed the capacity)
+  Int* send_count;   // [R] rows this rank sends to each rank (overflowed included)
+  Int* dest_base;    // [R] its first row at each rank
+  Int* recv_count;   // [R] rows each rank sends here (combine: rows held per owner)
+  Int* recv_prefix;  // [R] first row of each source in this rank's outputs
+
+  static JAX_EP_HOST_DEVICE NormalPlanOf at(Int* words, int num_ranks) {
+    return {words, words + 1, words + 1 + num_ranks, words + 1 + 2 * num_ranks,
+            words + 1 + 3 * num_ranks};
+  }
 };
+using NormalPlan = NormalPlanOf<int32_t>;
 
 struct NormalLayout {
   size_t seq = 0;
@@ -96,9 +106,10 @@ inline int plan_block_slots(const BufferConfig& config) {
 // Threads of a block of the transfer kernels (dispatch and combine).
 constexpr int kNormalTransferThreads = 512;
 
-// One count matrix per tag parity.
-constexpr int kCountMatrixStride = kMaxRanks * kMaxRanks;
-constexpr int kCountMatrixWords = 2 * kCountMatrixStride;
+// One count matrix [src][dst] per tag parity.
+constexpr int64_t count_matrix_stride(int num_ranks) {
+  return static_cast<int64_t>(num_ranks) * num_ranks;
+}
 
 constexpr size_t kNormalFieldAlignment = 256;
 // The data region starts on its own page so that rows never share a line with signal words.
@@ -126,13 +137,14 @@ inline NormalLayout normal_layout(const BufferConfig& config) {
   };
   layout.seq = take(sizeof(uint64_t));
   layout.counters = take(2 * sizeof(uint32_t));
-  layout.plan = take(sizeof(NormalPlan));
-  layout.count_matrix = take(sizeof(uint64_t) * kCountMatrixWords);
-  layout.barrier = take(sizeof(uint64_t) * kMaxRanks);
-  layout.row_flags = take(sizeof(uint64_t) * kMaxRanks * max_tokens);
-  layout.send_tokens = take(sizeof(int32_t) * kMaxRanks * max_tokens);
+  const size_t num_ranks = static_cast<size_t>(config.num_ranks);
+  layout.plan = take(sizeof(int32_t) * normal_plan_words(config.num_ranks));
+  layout.count_matrix = take(sizeof(uint64_t) * 2 * count_matrix_stride(config.num_ranks));
+  layout.barrier = take(sizeof(uint64_t) * num_ranks);
+  layout.row_flags = take(sizeof(uint64_t) * num_ranks * max_tokens);
+  layout.send_tokens = take(sizeof(int32_t) * num_ranks * max_tokens);
   layout.token_masks = take(sizeof(uint8_t) * max_tokens);
-  layout.plan_counts = take(sizeof(uint64_t) * kMaxRanks * plan_block_slots(config));
+  layout.plan_counts = take(sizeof(uint64_t) * num_ranks * plan_block_slots(config));
   offset = align_up(offset, kNormalDataAlignment);
   layout.data = offset;
 
