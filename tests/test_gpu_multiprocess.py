@@ -175,15 +175,11 @@ def assert_saved_sums_close(got_dir, want_dir, num_terms):
                                  out_rtol=2 * oracle.rounding_rtol(dtype), what=name)
 
 
-# EP groups past one host's 8 GPUs as processes sharing one GPU (launcher --processes-per-gpu):
-# the fast tier runs 4 ranks, the stress tier 16 and 32 (the wide kernels: more than 8 ranks).
-@pytest.mark.parametrize("num_ranks", [4, pytest.param(16, marks=pytest.mark.stress),
-                                       pytest.param(32, marks=pytest.mark.stress)])
-def test_an_ep_group_of_processes_on_one_gpu_matches_the_reference(num_ranks, tmp_path):
-    """``num_ranks`` processes on one GPU, one rank each (CUDA IPC peers): every op's
-    data-movement bits equal the reference backend's on as many CPU host devices, and its sums
-    (combine, low-latency combine, a gradient) match per element."""
-    require_gpus(1)
+def assert_launched_digests_match_the_reference(tmp_path, num_ranks, *launcher_flags,
+                                                 extra_env=None):
+    """The digest script on the CUDA kernels as ``num_ranks`` processes sharing one GPU
+    (``launcher_flags`` added) moves the bits of the reference backend over ``num_ranks`` CPU
+    host devices, and its sums match per element."""
     want_dir, got_dir = tmp_path / "xla", tmp_path / "cuda"
     want_dir.mkdir()
     got_dir.mkdir()
@@ -196,13 +192,41 @@ def test_an_ep_group_of_processes_on_one_gpu_matches_the_reference(num_ranks, tm
     assert reference.returncode == 0 and len(want) == 9, reference.stderr[-4000:]
     n = str(num_ranks)
     proc, _ = launching.run_launcher(
-        "-n", n, "--processes-per-gpu", n, "--timeout", "500", "--", sys.executable,
-        str(launching.DIGEST_SCRIPT), "cuda", platform="gpu", timeout=560,
-        extra_env={"DIGEST_SAVE_DIR": str(got_dir)})
+        "-n", n, "--processes-per-gpu", n, *launcher_flags, "--timeout", "500", "--",
+        sys.executable, str(launching.DIGEST_SCRIPT), "cuda", platform="gpu", timeout=560,
+        extra_env={"DIGEST_SAVE_DIR": str(got_dir), **(extra_env or {})})
     got = _digests(proc)
     assert {k: got[k] for k in DATA_MOVEMENT_DIGESTS} == {k: want[k] for k in
                                                          DATA_MOVEMENT_DIGESTS}
     assert_saved_sums_close(got_dir, want_dir, num_terms=num_ranks)
+
+
+# EP groups past one host's 8 GPUs as processes sharing one GPU (launcher --processes-per-gpu):
+# the fast tier runs 4 ranks, the stress tier 16 and 32 (the wide kernels: more than 8 ranks).
+@pytest.mark.parametrize("num_ranks", [4, pytest.param(16, marks=pytest.mark.stress),
+                                       pytest.param(32, marks=pytest.mark.stress)])
+def test_an_ep_group_of_processes_on_one_gpu_matches_the_reference(num_ranks, tmp_path):
+    """``num_ranks`` processes on one GPU, one rank each (CUDA IPC peers): every op's
+    data-movement bits equal the reference backend's on as many CPU host devices, and its sums
+    (combine, low-latency combine, a gradient) match per element."""
+    require_gpus(1)
+    assert_launched_digests_match_the_reference(tmp_path, num_ranks)
+
+
+# Hosts x ranks per host, faked on one GPU (launcher --fake-hosts): the fast tier runs 2 x 2,
+# the stress tier 2 x 8 and 4 x 8.
+@pytest.mark.parametrize(("hosts", "ranks_per_host"), [
+    (2, 2), pytest.param(2, 8, marks=pytest.mark.stress),
+    pytest.param(4, 8, marks=pytest.mark.stress)])
+def test_fake_hosts_over_the_emulated_network_match_the_reference(hosts, ranks_per_host,
+                                                                  tmp_path):
+    """An EP group across ``hosts`` fake hosts, every row and signal carried by the emulated
+    transport's adversarial host proxies (flat puts to every rank): the reference backend's
+    data-movement bits, and its sums per element."""
+    require_gpus(1)
+    assert_launched_digests_match_the_reference(
+        tmp_path, hosts * ranks_per_host, "--fake-hosts", str(hosts),
+        extra_env=launching.device_transport_env("emulated"))
 
 
 @pytest.mark.stress  # 16 processes on one GPU
