@@ -20,7 +20,9 @@ from jax_ep import backends, fp8, settings
 from jax_ep.backends import cuda, gate
 from jax_ep.peers import ipc, nvshmem
 
-BACKENDS = ("auto", "cuda", "xla")
+BACKENDS = ("auto", "cuda", "reference")
+# The reference backend's earlier name, still accepted: Buffer(backend="xla") is "reference".
+BACKEND_ALIASES = {"xla": "reference"}
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 # Both backends need these, so they live here; tests/test_facts.py checks them against the
 # kernels' (_C.max_topk(), _C.max_low_latency_hidden(), _C.error_counter_names()).
@@ -61,8 +63,9 @@ class Buffer:
       num_topk: experts per token ``K`` (at most 32).
       dtype: data dtype of ``x``/``y`` (bfloat16 or float32); fp8 inputs come as a pair.
       low_latency: also set up the low-latency (decode) mode.
-      backend: ``"cuda"`` (our kernels), ``"xla"`` (pure-JAX reference, any platform) or
-        ``"auto"`` (cuda when every device is a CUDA GPU and the extension is built).
+      backend: ``"cuda"`` (our kernels), ``"reference"`` (the pure-JAX reference backend, any
+        platform; ``"xla"``, its earlier name, is accepted too) or ``"auto"`` (cuda when every
+        device is a CUDA GPU and the extension is built).
       capacity: static receive rows ``C`` of the normal mode (default ``R * T`` per call).
         Tokens past it are dropped and reported by ``check()``.
       timeout_s: bound on every wait for a peer (default ``$JAX_EP_TIMEOUT_S`` or 10 s).
@@ -131,6 +134,8 @@ class Buffer:
                           if timeout_s is None else float(timeout_s))
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if isinstance(backend, str):
+            backend = BACKEND_ALIASES.get(backend, backend)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         # How the ops reach peers (CUDA backend; the others ignore the setting): "stores"
@@ -191,17 +196,17 @@ class Buffer:
     # ------------------------------------------------------------------------------ set-up
     def _resolve_backend(self, backend, lowering_only):
         devices = list(self.mesh.devices.flat)
-        if backend == "xla":
-            return "xla"
+        if backend == "reference":
+            return "reference"
         module, reason = cuda.load_extension()
         if backend == "cuda" and lowering_only:
             if module is None:  # the target names and limits come from it
-                raise ValueError(f"backend='cuda': {reason}; use backend='xla'")
+                raise ValueError(f"backend='cuda': {reason}; use backend='reference'")
             return "cuda"
         all_gpus = all(d.platform == "gpu" for d in devices)
         if backend == "auto":
             if not all_gpus or module is None:
-                choice, self.backend_reasons = "xla", []
+                choice, self.backend_reasons = "reference", []
             else:
                 choice, self.backend_reasons = gate.auto_backend(
                     devices, ep_groups=self._ep_group_devices())
@@ -210,9 +215,9 @@ class Buffer:
             return choice
         if not all_gpus:
             raise ValueError(f"backend='cuda' needs every mesh device to be a CUDA GPU, got "
-                             f"{sorted({d.platform for d in devices})}; use backend='xla'")
+                             f"{sorted({d.platform for d in devices})}; use backend='reference'")
         if module is None:
-            raise ValueError(f"backend='cuda': {reason}; use backend='xla'")
+            raise ValueError(f"backend='cuda': {reason}; use backend='reference'")
         if self.num_ranks > cuda.max_ranks():
             raise ValueError(f"backend='cuda' supports at most {cuda.max_ranks()} ranks along "
                              f"{self.axis_name!r}, got {self.num_ranks}")
@@ -224,7 +229,7 @@ class Buffer:
             # machine (jax_ep.launch --fake-hosts): its proxies still map peers by CUDA IPC,
             # which fails, naming the cause, if the hosts are real.
             if problem and self.device_transport != "emulated":
-                raise ValueError(f"backend='cuda': {problem}; use backend='xla'")
+                raise ValueError(f"backend='cuda': {problem}; use backend='reference'")
         return "cuda"
 
     def _resolve_peer_mapping(self, lowering_only):
@@ -252,13 +257,13 @@ class Buffer:
         chose it (all processes must run the same programs)."""
         problem = self._other_hosts()  # collective: every process gathers, whatever its choice
         if choice == "cuda" and problem:
-            choice, self.backend_reasons = "xla", [problem]
+            choice, self.backend_reasons = "reference", [problem]
         choices = ipc.all_gather(self, "backend", choice)
         others = sorted(p for p, c in choices.items() if c != "cuda")
         if choice == "cuda" and others:
             self.backend_reasons = [f"processes {others} cannot use the cuda backend (their "
                                     f"Buffer.backend_reasons say why)"]
-            return "xla"
+            return "reference"
         return choice
 
     def _ep_group_devices(self):

@@ -132,8 +132,8 @@ def report():
 
 
 def test_report_on_cpu_machine_says_no_gpu_and_xla(report):
-    assert report.backend.backend == "xla"
-    assert report.backend.reasons, "backend xla must come with a reason"
+    assert report.backend.backend == "reference"
+    assert report.backend.reasons, "backend reference must come with a reason"
     assert any(r.startswith("no GPU") for r in report.backend.reasons), report.backend.reasons
     assert report.jax.default_backend == "cpu"
     assert report.gpus == () and report.peers == ()
@@ -141,7 +141,7 @@ def test_report_on_cpu_machine_says_no_gpu_and_xla(report):
     assert report.workspace.bytes > 0
     text = env.format_report(report)
     assert "no GPU" in text
-    assert 'Buffer(backend="auto") -> xla' in text
+    assert 'Buffer(backend="auto") -> reference' in text
 
 
 def test_driver_absent_degrades_gracefully():
@@ -172,7 +172,7 @@ def check_json_report(data):
     for i, gpu in enumerate(data["gpus"]):
         check_keys(gpu, GPU_KEYS, f"gpus[{i}]")
     check_keys(data["workspace"]["spec"], SPEC_KEYS, "workspace.spec")
-    assert data["backend"]["backend"] in ("cuda", "xla")
+    assert data["backend"]["backend"] in ("cuda", "reference")
     for link in data["peers"]:
         assert link["link"] in ("nvlink", "pcie", "none", "unknown")
 
@@ -199,7 +199,7 @@ def test_python_dash_m_runs():
                          capture_output=True, text=True, env=environ, cwd=REPO_ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["backend"]["backend"] == "xla"
+    assert data["backend"]["backend"] == "reference"
     assert data["workspace"]["spec"]["low_latency"] is True
 
 
@@ -289,14 +289,14 @@ def test_format_report_marks_pcie_missing_and_inferred_links():
 def test_auto_backend_no_gpu():
     backend, reasons = env.auto_backend([fake_cpu(i) for i in range(4)], default_backend="cpu",
                                         extension=EXT_MISSING, gpus=(), peers=())
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons[0].startswith("no GPU: jax's default backend is cpu")
     assert any("jax_ep._C does not import" in r for r in reasons)
 
 
 def test_auto_backend_real_cpu_devices():
     backend, reasons = env.auto_backend(jax.devices("cpu"))
-    assert backend == "xla" and reasons[0].startswith("no GPU")
+    assert backend == "reference" and reasons[0].startswith("no GPU")
 
 
 def test_auto_backend_all_good_is_cuda():
@@ -321,7 +321,7 @@ def test_auto_backend_accepts_a100_with_the_default_build():
 
 def test_auto_backend_refuses_a100_without_code_for_it():
     backend, reasons = decide(a100s())  # EXT_90: CMake's "90", SASS sm_90 + PTX compute_90
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == [
         "GPUs 0, 1 (NVIDIA A100-SXM4-80GB): compute capability 8.0, but jax_ep._C carries no "
         "code that runs on it (built for sm_90 + PTX compute_90; SASS sm_N runs on compute "
@@ -330,7 +330,7 @@ def test_auto_backend_refuses_a100_without_code_for_it():
     ]
     ptx_90 = env.ExtensionInfo(True, "compute_90", "/fake/_C.so", None, False, 13000)
     backend, reasons = decide(a100s(), extension=ptx_90)
-    assert backend == "xla" and "(built for PTX compute_90;" in reasons[0]
+    assert backend == "reference" and "(built for PTX compute_90;" in reasons[0]
     assert reasons[0].endswith('rebuild with JAX_EP_CUDA_ARCHS="90-virtual;80"')
 
 
@@ -340,11 +340,11 @@ def test_auto_backend_minimum_compute_capability():
     assert decide(volta, extension=ext_70, driver_cuda_version=12040) == ("cuda", [])
     pascal = [fake_gpu(i, cc="6.0", kind="Tesla P100-SXM2-16GB") for i in range(2)]
     backend, reasons = decide(pascal, extension=ext_70, driver_cuda_version=12040)
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == [
         "GPUs 0, 1 (Tesla P100-SXM2-16GB): compute capability 6.0, but the cuda kernels need "
         "compute capability 7.0 or newer (loads and stores with acquire/release semantics at "
-        "system scope): use the reference backend (xla) on these GPUs"
+        "system scope): use the reference backend (backend='reference') on these GPUs"
     ]
 
 
@@ -353,11 +353,11 @@ def test_auto_backend_needs_cooperative_launch():
     gpus = fake_gpu_infos(2)
     gpus = (gpus[0], env.GpuInfo(**{**vars(gpus[1]), "cooperative_launch": False}))
     backend, reasons = decide(devices, extension=EXT_DEFAULT, gpus=gpus)
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == [
         "GPU 1 (NVIDIA H200): no cooperative launch (cudaDevAttrCooperativeLaunch is 0), which "
         "the low-latency kernels need (all blocks of a launch resident at once): use the "
-        "reference backend (xla)"
+        "reference backend (backend='reference')"
     ]
     unknown = tuple(env.GpuInfo(**{**vars(g), "cooperative_launch": None}) for g in gpus)
     assert decide(devices, extension=EXT_DEFAULT, gpus=unknown) == ("cuda", [])
@@ -367,7 +367,7 @@ def test_auto_backend_driver_older_than_the_build():
     devices = [fake_gpu(0), fake_gpu(1)]
     # Another major version: nothing of the module runs.
     backend, reasons = decide(devices, extension=EXT_DEFAULT, driver_cuda_version=12080)
-    assert backend == "xla" and len(reasons) == 1
+    assert backend == "reference" and len(reasons) == 1
     assert reasons[0].startswith(
         "the CUDA driver supports CUDA 12.8, but jax_ep._C was built with CUDA 13.0 (its CUDA "
         "runtime is linked in), which needs a driver of CUDA 13.0 or newer (r580+): update the "
@@ -377,7 +377,7 @@ def test_auto_backend_driver_older_than_the_build():
     assert decide(devices, extension=ext_132, driver_cuda_version=13000) == ("cuda", [])
     ptx_80 = env.ExtensionInfo(True, "compute_80", "/fake/_C.so", None, False, 13020)
     backend, reasons = decide(devices, extension=ptx_80, driver_cuda_version=13000)
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == [
         "GPUs 0, 1 (NVIDIA H200): compute capability 9.0 runs jax_ep._C through its PTX "
         "compute_80, which the driver JIT-compiles, but the driver (CUDA 13.0) is older than "
@@ -394,7 +394,7 @@ def test_auto_backend_newer_gpu_vs_arch_specific_build():
     ext = env.ExtensionInfo(True, "90a", "/fake/_C.so", None)
     backend, reasons = decide([fake_gpu(0, cc="10.0", kind="NVIDIA B200"), fake_gpu(1, cc="10.0",
                                kind="NVIDIA B200")], extension=ext)
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == ["GPUs 0, 1 (NVIDIA B200): compute capability 10.0, but jax_ep._C carries "
                        "no code that runs on it (built for sm_90a + PTX compute_90a; SASS sm_N "
                        "runs on compute capability N/10.x, PTX compute_N on N/10 and newer): "
@@ -406,7 +406,7 @@ def test_auto_backend_newer_gpu_vs_arch_specific_build():
 def test_auto_backend_missing_peer_access():
     devices = [fake_gpu(i) for i in range(4)]
     backend, reasons = decide(devices, peers=full_peers(4, missing={(1, 0), (1, 3)}))
-    assert backend == "xla" and len(reasons) == 1
+    assert backend == "reference" and len(reasons) == 1
     assert reasons[0].startswith("GPU 1 has no peer access to GPUs 0, 3:")
     # Peer access is needed within an EP group only.
     groups = [[devices[0], devices[2]], [devices[1], devices[3]]]
@@ -416,7 +416,7 @@ def test_auto_backend_missing_peer_access():
 
 def test_auto_backend_extension_missing():
     backend, reasons = decide([fake_gpu(0), fake_gpu(1)], extension=EXT_MISSING)
-    assert backend == "xla" and len(reasons) == 1
+    assert backend == "reference" and len(reasons) == 1
     assert "the CUDA extension jax_ep._C does not import (ModuleNotFoundError" in reasons[0]
     assert "JAX_EP_ENABLE_CUDA=ON pip install ." in reasons[0]
 
@@ -452,7 +452,7 @@ def test_extension_hidden_by_the_source_tree_says_so(tmp_path, monkeypatch):
     assert not ext.importable and ext.error.startswith("ModuleNotFoundError")
     assert ext.source_tree == str(checkout) and ext.shadowed_build == str(built)
     backend, reasons = decide([fake_gpu(0), fake_gpu(1)], extension=ext)
-    assert backend == "xla" and len(reasons) == 1, reasons
+    assert backend == "reference" and len(reasons) == 1, reasons
     assert f"source tree {checkout}" in reasons[0] and str(built) in reasons[0], reasons
     assert "run from another directory" in reasons[0] and "nvcc" not in reasons[0], reasons
     text = env.format_report(fake_report(extension=ext))
@@ -498,7 +498,7 @@ def test_check_cuda_backend_raises_with_every_reason():
     message = str(info.value)
     assert message.startswith("Buffer(backend='cuda') cannot run on these devices:")
     for part in ("jax_ep._C does not import", "compute capability 6.0",
-                 "GPU 0 has no peer access to GPU 1", "backend='xla'"):
+                 "GPU 0 has no peer access to GPU 1", "backend='reference'"):
         assert part in message
     env.check_cuda_backend([fake_gpu(0), fake_gpu(1)], 1 << 30, default_backend="gpu",
                            extension=EXT_90, gpus=fake_gpu_infos(2), peers=full_peers(2))

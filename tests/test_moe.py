@@ -417,7 +417,7 @@ def test_moe_layer_matches_dense(mesh_shape, experts, topk, matmul, chunked, mon
     num_tokens = tokens_per_rank * NUM_DEVICES
     buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
                         max_tokens_per_rank=tokens_per_rank, num_topk=topk,
-                        dtype=jnp.float32, backend="xla")
+                        dtype=jnp.float32, backend="reference")
     rng = np.random.default_rng(11)
     params = _layer_params(rng, num_tokens, hidden, experts, ffn)
     ct = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.float32)
@@ -457,7 +457,7 @@ def _bfloat16_layer(small_tokens=0):
     tokens_per_rank, hidden, ffn, experts, topk = 8, 128, 32, 8, 2
     buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
                         max_tokens_per_rank=tokens_per_rank, num_topk=topk,
-                        dtype=jnp.bfloat16, backend="xla")
+                        dtype=jnp.bfloat16, backend="reference")
     p = _layer_params(np.random.default_rng(5), tokens_per_rank * NUM_DEVICES, hidden,
                       experts, ffn)
 
@@ -518,7 +518,7 @@ def test_moe_ffn_rejects_wrong_expert_count():
     _require_devices()
     mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("ep",))
     buf = jax_ep.Buffer(mesh, "ep", num_experts=16, hidden=128, max_tokens_per_rank=4,
-                        num_topk=2, dtype=jnp.float32, backend="xla")
+                        num_topk=2, dtype=jnp.float32, backend="reference")
 
     def layer(x, idx, w, wg):
         return moe.moe_ffn(buf, x, idx, w, wg, wg, jnp.swapaxes(wg, 1, 2))
@@ -540,7 +540,7 @@ def test_flax_example_loss_decreases(tmp_path):
     train = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)  # puts examples/flax_moe on sys.path for data.py, model.py
     cfg = train.Config(steps=40, batch=16, seq=16, experts=8, topk=2, hidden=128, ffn=64,
-                       layers=1, heads=2, symbols=12, lr=1e-2, backend="xla", log_every=10,
+                       layers=1, heads=2, symbols=12, lr=1e-2, backend="reference", log_every=10,
                        plot=str(tmp_path / "loss.png"), save_losses=str(tmp_path / "run.json"),
                        progress=False)
     result = train.train(cfg)

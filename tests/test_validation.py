@@ -15,9 +15,9 @@ E, K, H, T = 32, 4, 128, 8
 
 def buffer(mesh=None, **overrides):
     args = dict(num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
-                dtype=jnp.float32, backend="xla")
+                dtype=jnp.float32, backend="reference")
     args.update(overrides)
-    return jax_ep.Buffer(mesh or ep_mesh("xla"), overrides.pop("axis", "ep"), **args)
+    return jax_ep.Buffer(mesh or ep_mesh("reference"), overrides.pop("axis", "ep"), **args)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -38,13 +38,26 @@ def test_buffer_rejects_bad_configuration(overrides, message):
 
 
 def test_buffer_rejects_missing_axis_and_non_mesh():
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     with pytest.raises(ValueError, match="axis_name 'experts' is not an axis"):
         jax_ep.Buffer(mesh, "experts", num_experts=E, hidden=H, max_tokens_per_rank=T,
-                      num_topk=K, backend="xla")
+                      num_topk=K, backend="reference")
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         jax_ep.Buffer("ep", "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
-                      num_topk=K, backend="xla")
+                      num_topk=K, backend="reference")
+
+
+def test_the_reference_backend_has_one_name():
+    """"reference" is the pure-JAX backend's one name (Buffer.backend, the demo's --backend,
+    bench_ep's label); "xla", its earlier name, still selects it and reads back as "reference"."""
+    assert jax_ep.buffer.BACKENDS == ("auto", "cuda", "reference")
+    assert buffer(backend="reference").backend == "reference"
+    assert buffer(backend="auto").backend == "reference"  # CPU devices
+    old = buffer(backend="xla")
+    assert old.backend == "reference" and "backend='reference'" in repr(old)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'cuda', "
+                                         r"'reference'\), got 'ref'"):
+        buffer(backend="ref")
 
 
 def test_cuda_backend_on_cpu_names_the_fix():
@@ -69,14 +82,14 @@ def _inputs(tokens=T, hidden=H, dtype=np.float32, idx_dtype=np.int32, topk=K):
     (_inputs(topk=K + 1), r"topk_idx must have shape \[8, 4\]"),
 ])
 def test_dispatch_rejects_bad_input(inputs, message):
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = buffer(mesh)
     with pytest.raises(ValueError, match=message):
         run_sharded(mesh, lambda x, i, w: jax_ep.dispatch(buf, x, i, w).recv_x, *inputs)
 
 
 def test_combine_and_handle_errors():
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = buffer(mesh)
     x, idx, w = _inputs()
 
@@ -94,7 +107,7 @@ def test_combine_and_handle_errors():
 
 
 def test_fp8_pair_is_checked():
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = buffer(mesh, dtype=jnp.bfloat16)
     x, idx, w = _inputs()
     scales = np.zeros((8, T, H // 128 + 1), np.float32)
@@ -105,7 +118,7 @@ def test_fp8_pair_is_checked():
 
 
 def test_closed_buffer_raises():
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = buffer(mesh)
     buf.close()
     x, idx, w = _inputs()

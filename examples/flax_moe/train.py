@@ -246,7 +246,7 @@ def parse_args(argv=None) -> Config:
                    help="size of the 'data' mesh axis (expert replicas)")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"],
                    help="dtype of the tokens jax_ep moves and of the expert matmuls")
-    p.add_argument("--backend", default=d.backend, choices=["auto", "cuda", "xla"],
+    p.add_argument("--backend", default=d.backend, choices=["auto", "cuda", "reference"],
                    help="jax_ep backend")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, choices=[1, 2],
                    help="2: each MoE layer in two micro-batches whose communication overlaps "

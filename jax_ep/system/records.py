@@ -302,7 +302,7 @@ class BackendDecision:
     """The backend Buffer(backend="auto") picks.
 
     Attributes:
-      backend: "cuda" or "xla".
+      backend: "cuda" or "reference".
       reasons: why not "cuda", each with its fix; empty when "cuda".
     """
 

@@ -60,7 +60,7 @@ JSON schema (`--json`; `schema_version` 1; keys are stable, `null` where unknown
                            "max_tokens_per_rank": int, "num_topk": int, "capacity": int,
                            "dtype_bytes": int, "low_latency": bool},
                   "bytes": int, "exact": bool, "source": str},
-    "backend": {"backend": "cuda"|"xla", "reasons": [str]}
+    "backend": {"backend": "cuda"|"reference", "reasons": [str]}
   }
 
 `peers` has one entry per ordered pair of distinct local GPUs; `link` is "nvlink" when NVML says
@@ -205,7 +205,7 @@ def collect(spec: BufferSpec | None = None, *, free_memory: bool = True) -> EnvR
     xla_memory = xla_memory_settings()
     infos = [describe_device(d) for d in devices]
     if jax_info.error is not None:
-        backend = BackendDecision("xla", (f"jax failed to start: {jax_info.error}",))
+        backend = BackendDecision("reference", (f"jax failed to start: {jax_info.error}",))
     else:
         group = infos[: spec.num_ranks]
         backend = decide_backend(
@@ -215,7 +215,7 @@ def collect(spec: BufferSpec | None = None, *, free_memory: bool = True) -> EnvR
             driver_cuda_version=driver_cuda_version(),
         )
         if spec.num_ranks > len(infos):
-            backend = BackendDecision("xla", backend.reasons + (
+            backend = BackendDecision("reference", backend.reasons + (
                 f"an EP group of {spec.num_ranks} ranks needs {spec.num_ranks} devices, jax has "
                 f"{len(infos)}: lower --num-ranks (the workspace above is sized for "
                 f"{spec.num_ranks})",
