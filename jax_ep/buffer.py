@@ -186,6 +186,8 @@ class Buffer:
         return module.workspace_bytes(self._runtime_config(module)) if module else 0
 
     def __repr__(self):
+        if "backend" not in self.__dict__:  # the constructor raised before it chose a backend
+            return "Buffer(<constructor failed>)"
         return (f"Buffer(id={self.buffer_id}, backend={self.backend!r}, ranks={self.num_ranks}, "
                 f"experts={self.num_experts}, hidden={self.hidden}, "
                 f"max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.num_topk}, "

@@ -60,6 +60,45 @@ def test_the_reference_backend_has_one_name():
         buffer(backend="ref")
 
 
+def test_a_buffer_whose_constructor_failed_has_a_repr():
+    """What a traceback's locals or a debugger show of a Buffer whose constructor raised."""
+    with pytest.raises(ValueError, match="backend must be one of") as info:
+        buffer(backend="tpu")
+    tb = info.tb
+    while tb.tb_next is not None and "self" not in tb.tb_frame.f_locals:
+        tb = tb.tb_next
+    half_built = tb.tb_frame.f_locals["self"]
+    assert isinstance(half_built, jax_ep.Buffer)
+    assert repr(half_built) == "Buffer(<constructor failed>)"
+
+
+def test_ops_outside_shard_map_say_where_to_call_them():
+    """The global batch passed outside shard_map: each op says to call it inside shard_map (not
+    that the 64 tokens are more than max_tokens_per_rank=8), jitted or not; a shard_map over
+    another number of ranks says so."""
+    mesh = ep_mesh("reference")
+    buf = buffer(mesh)
+    ll_buf = buffer(mesh, dtype=jnp.bfloat16, low_latency=True)
+    x, idx, w = (a.reshape(-1, *a.shape[2:]) for a in _inputs())
+    where = "runs per rank: call it inside jax.shard_map manual over the Buffer's axis 'ep'"
+    calls = {
+        "dispatch": lambda: jax_ep.dispatch(buf, x, idx, w),
+        "get_dispatch_layout": lambda: jax_ep.get_dispatch_layout(buf, idx),
+        "low_latency_dispatch": lambda: jax_ep.low_latency_dispatch(
+            ll_buf, x.astype(jnp.bfloat16), idx),
+    }
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=f"{op} {where}"):
+            call()
+        with pytest.raises(ValueError, match=f"{op} {where}"):
+            jax.jit(call)()
+    half = Mesh(np.array(jax.devices("cpu")[:4]), ("ep",))
+    with pytest.raises(ValueError, match="dispatch: the shard_map's axis 'ep' has 4 ranks, the "
+                                         "Buffer's mesh 8"):
+        run_sharded(half, lambda x, i, w: jax_ep.dispatch(buf, x, i, w).recv_x,
+                    *(a[:4] for a in _inputs()))
+
+
 def test_cuda_backend_on_cpu_names_the_fix():
     cpu_mesh = Mesh(np.array(jax.devices("cpu")), ("ep",))
     with pytest.raises(ValueError, match="backend='cuda' needs every mesh device to be a CUDA"):
