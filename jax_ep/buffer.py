@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import backends, fp8, settings
+from jax_ep import _vma, backends, fp8, settings
 from jax_ep.backends import cuda, gate
 from jax_ep.peers import ipc, nvshmem
 
@@ -339,6 +339,12 @@ class Buffer:
     def _check_open(self):
         if self._closed:
             raise ValueError(f"{self!r} is closed")
+
+    def _check_call(self, op):
+        """The checks of every op: this Buffer is open and ``op`` is traced inside
+        ``jax.shard_map`` manual over its axis, with its number of ranks."""
+        self._check_open()
+        _vma.check_manual_axis(self.axis_name, self.num_ranks, op)
 
     def close(self) -> None:
         """Frees the device memory. Later calls with this Buffer raise. Idempotent.
