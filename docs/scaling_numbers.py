@@ -3,8 +3,9 @@
 Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
 csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh
 transcribed to Python, with the compile-time rank limit kMaxRanks (8 in csrc/kernels/context.h)
-replaced by R for R > 8 (a hypothetical build with kMaxRanks = R). Where `jax_ep._C` imports,
-the transcription is checked against `jax_ep._C.workspace_bytes` for R <= 8 (exact equality).
+replaced by R for R > 8 (a hypothetical build with kMaxRanks = R). tests/test_scaling_numbers.py
+checks the transcription against `jax_ep._C.workspace_bytes` for R <= 8 (exact equality); so
+does this script where `jax_ep._C` imports.
 DeepEP's sizes are its V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended
 configs.
 

@@ -17,6 +17,7 @@ import jax
 import pytest
 
 from jax_ep import env
+from jax_ep.backends import cuda
 from jax_ep.system import compat, probes
 from jax_ep.system import cuda_driver as _cuda_driver
 from jax_ep.tools import env_report
@@ -54,7 +55,7 @@ SECTION_KEYS = {
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
                    "preallocate_env": (str, NONE), "mem_fraction_env": (str, NONE),
                    "allocator_env": (str, NONE), "notes": list},
-    "workspace": {"spec": dict, "bytes": int, "exact": bool, "source": str},
+    "workspace": {"spec": dict, "bytes": (int, NONE), "source": str},
     "backend": {"backend": str, "reasons": list},
 }
 GPU_KEYS = {"ordinal": int, "name": str, "compute_capability": str,
@@ -138,7 +139,12 @@ def test_report_on_cpu_machine_says_no_gpu_and_xla(report):
     assert report.jax.default_backend == "cpu"
     assert report.gpus == () and report.peers == ()
     assert report.versions.jax == jax.__version__
-    assert report.workspace.bytes > 0
+    if report.extension.importable:  # the kernels' own size, or none
+        assert report.workspace.bytes > 0, report.workspace
+        assert report.workspace.source == "jax_ep._C.workspace_bytes"
+    else:
+        assert report.workspace.bytes is None, report.workspace
+        assert "jax_ep._C is not built here" in report.workspace.source
     text = env.format_report(report)
     assert "no GPU" in text
     assert 'Buffer(backend="auto") -> reference' in text
@@ -206,7 +212,7 @@ def test_python_dash_m_runs():
 def test_bad_flags_exit_with_the_fix(capsys):
     with pytest.raises(SystemExit):
         env.main(["--num-experts", "10", "--num-ranks", "4"])
-    assert "multiple of num_ranks" in capsys.readouterr().err
+    assert "multiple of the number of ranks (4)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------- format_report
@@ -226,8 +232,7 @@ def fake_report(num_gpus=2, cuda_driver="13.0", extension=EXT_DEFAULT):
         extension=extension,
         nvshmem=env.NvshmemInfo("nvidia-nvshmem-cu12", "3.3.9", "/x/libnvshmem_host.so.3", None),
         xla_memory=env.xla_memory_settings({}),
-        workspace=env.WorkspaceEstimate(spec, env.approximate_workspace_bytes(spec), False,
-                                        "approximate formula"),
+        workspace=env.WorkspaceEstimate(spec, 3 << 30, "jax_ep._C.workspace_bytes"),
         backend=env.BackendDecision("cuda", ()),
     )
 
@@ -542,27 +547,33 @@ def test_describe_and_cmake_architectures():
 # ------------------------------------------------------------------------- memory
 
 
-def test_approximate_workspace_formula():
+def test_workspace_size_is_the_kernels_own():
+    """The report's workspace is jax_ep._C.workspace_bytes (what a CUDA Buffer of the spec
+    allocates), never a Python copy of the formula: without the extension it is unknown."""
     spec = env.BufferSpec(num_ranks=2, num_experts=8, hidden=256, max_tokens_per_rank=16,
-                          num_topk=2)
-    normal = 2 * 2 * 16 * (256 * 2 + 2 * 4 + 2 * 2 * 4 + 4) + 65536
-    assert env.approximate_workspace_bytes(spec) == normal
-    ll = env.BufferSpec(**{**vars(spec), "low_latency": True})
-    low = 2 * 8 * 16 * (256 * 2 + 2 * 4 + 16) + 2 * 16 * 2 * 256 * 2 + 65536
-    assert env.approximate_workspace_bytes(ll) == normal + low
-
-
-def test_workspace_estimate_source():
-    spec = env.BufferSpec(num_ranks=2)
-    estimate = env.workspace_estimate(spec, EXT_MISSING)
-    assert not estimate.exact and estimate.source == "approximate formula"
-    assert estimate.bytes == env.approximate_workspace_bytes(spec)
+                          num_topk=2, low_latency=True)
+    missing = env.workspace_estimate(spec, EXT_MISSING)
+    assert missing.bytes is None and missing.source.startswith("unknown: jax_ep._C is not built")
+    assert "normal+low_latency: unknown: jax_ep._C is not built here" in env.format_report(
+        dataclasses.replace(fake_report(), workspace=missing))
+    module, reason = cuda.load_extension()
+    if module is None:
+        pytest.skip(reason)
+    estimate = env.workspace_estimate(spec, env.probe_extension())
+    config = cuda.buffer_config(module, num_ranks=2, num_experts=8, hidden=256,
+                                max_tokens_per_rank=16, num_topk=2, capacity=32, dtype_bytes=2,
+                                low_latency=True)
+    assert estimate == env.WorkspaceEstimate(spec, module.workspace_bytes(config),
+                                             "jax_ep._C.workspace_bytes")
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"num_ranks": 3}, "num_experts \\(256\\) must be a multiple of num_ranks \\(3\\)"),
+    ({"num_ranks": 3}, "num_experts \\(256\\) must be a multiple of the number of ranks \\(3\\)"),
     ({"num_ranks": 2, "hidden": 100}, "hidden must be a multiple of 128"),
-    ({"num_ranks": 0}, "num_ranks must be positive"),
+    ({"num_ranks": 0}, "num_ranks must be a positive integer"),
+    ({"num_ranks": 2, "num_topk": 33}, "num_topk must be at most min\\(32, num_experts=256\\)"),
+    ({"num_ranks": 2, "hidden": 32768 + 128, "low_latency": True},
+     "hidden must be at most 32768 with low_latency=True"),
     ({"num_ranks": 2, "dtype_bytes": 1}, "dtype_bytes must be 2"),
 ])
 def test_buffer_spec_validation(kwargs, match):

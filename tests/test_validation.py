@@ -9,6 +9,7 @@ from harness import run_sharded
 from jax.sharding import Mesh
 
 import jax_ep
+from jax_ep import env
 
 E, K, H, T = 32, 4, 128, 8
 
@@ -35,6 +36,22 @@ def buffer(mesh=None, **overrides):
 def test_buffer_rejects_bad_configuration(overrides, message):
     with pytest.raises(ValueError, match=message):
         buffer(**overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(num_experts=30), dict(hidden=100), dict(num_topk=33), dict(max_tokens_per_rank=0),
+    dict(hidden=32768 + 128, low_latency=True), dict(capacity=8 * T + 1),
+])
+def test_buffer_and_the_reports_spec_share_one_check(overrides):
+    """jax_ep.Buffer and env.BufferSpec (what jax-ep-env sizes) run the same rules
+    (jax_ep.system.config.check_config): the same configuration, the same error."""
+    with pytest.raises(ValueError) as from_buffer:
+        buffer(**overrides)
+    spec = dict(num_ranks=8, num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
+                dtype_bytes=4)
+    with pytest.raises(ValueError) as from_spec:
+        env.BufferSpec(**{**spec, **overrides})
+    assert str(from_buffer.value) == str(from_spec.value)
 
 
 def test_buffer_rejects_missing_axis_and_non_mesh():
