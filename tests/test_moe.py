@@ -532,6 +532,43 @@ def test_moe_ffn_rejects_wrong_expert_count():
 
 
 # ---------------------------------------------------------------------------- the Flax example
+def test_flax_example_rule_loss_is_the_language_entropy():
+    """The rules' loss of a batch (data.py's Batch.rule_nats) is the negative log-likelihood of
+    its sequences under the generating rules, and its mean converges to expected_rule_loss: a
+    sample's value lies on either side of the expectation, so it is no floor."""
+    sys.path.insert(0, str(EXAMPLE_DIR))
+    try:
+        data = importlib.import_module("data")  # examples/flax_moe/data.py
+    finally:
+        sys.path.remove(str(EXAMPLE_DIR))
+    lang = data.SyntheticLanguage(seq_len=32, num_symbols=16)
+    batch = lang.batch(4000, np.random.default_rng(0))
+    positions = batch.mask.sum(1)
+    n = lang.num_symbols
+    markov = data.TASKS.index("markov")
+    for b in np.flatnonzero(batch.tasks == markov)[:20]:  # the chain's likelihood, recounted
+        body = batch.targets[b, 1:] - lang.first_symbol
+        nats = np.log(n)
+        for prev, cur in zip(body[:-1], body[1:], strict=True):
+            k = list(lang.successors[prev]).index(cur)
+            nats -= np.log(data.MARKOV_PROBS[k])
+        np.testing.assert_allclose(batch.rule_nats[b], nats, rtol=1e-12)
+    means = {}
+    for t, name in enumerate(data.TASKS):
+        rows = batch.tasks == t
+        means[name] = batch.rule_nats[rows].sum() / positions[rows].sum()
+        # ~1000 sequences per task: the markov mean's standard error is about 0.003 nats
+        assert abs(means[name] - lang.expected_rule_loss(name)) < 0.02, (name, means)
+    for name in ("progression", "mirror"):  # no randomness after the rule's own choices
+        assert means[name] == pytest.approx(lang.expected_rule_loss(name), rel=1e-12)
+    assert means["progression"] == pytest.approx((np.log(16) + np.log(15)) / 31, rel=1e-12)
+    # Samples of ~50 Markov sequences (an evaluation's size) fall on both sides of it.
+    chains = np.flatnonzero(batch.tasks == markov)
+    samples = [batch.rule_nats[part].sum() / positions[part].sum()
+               for part in np.array_split(chains, 20)]
+    assert min(samples) < lang.expected_rule_loss("markov") < max(samples), samples
+
+
 def test_flax_example_loss_decreases(tmp_path):
     _require_devices()
     pytest.importorskip("flax")
