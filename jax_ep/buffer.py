@@ -25,8 +25,8 @@ BACKENDS = ("auto", "cuda", "reference")
 # The reference backend's earlier name, still accepted: Buffer(backend="xla") is "reference".
 BACKEND_ALIASES = {"xla": "reference"}
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
-# The configuration's limits (MAX_TOPK, MAX_LOW_LATENCY_HIDDEN) and rules: jax_ep.system.config.
-# tests/test_facts.py checks them and these against the kernels' (_C.max_topk(),
+# The configuration's limits and rules live in jax_ep.system.config. tests/test_facts.py checks
+# its limits and ERROR_COUNTERS below against the kernels' (_C.max_topk(),
 # _C.max_low_latency_hidden(), _C.error_counter_names()).
 # Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/kernels/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
