@@ -237,6 +237,16 @@ def fake_report(num_gpus=2, cuda_driver="13.0", extension=EXT_DEFAULT):
     )
 
 
+def test_format_report_names_the_build_for_a_gpu_running_ptx():
+    """A build without a GPU carries PTX compute_80 alone: the report says the driver compiles
+    it and which JAX_EP_CUDA_ARCHS builds the GPU's own code."""
+    ptx = env.ExtensionInfo(True, "compute_80", "/fake/_C.so", None, False, 13000, 8)
+    text = env.format_report(fake_report(extension=ptx))
+    assert ("[0] NVIDIA H200 (compute capability 9.0): runs PTX compute_80, JIT-compiled by the "
+            'driver at first use (a build with JAX_EP_CUDA_ARCHS="90-real" carries its own '
+            "code)") in text, text
+
+
 def test_format_report_two_gpus_nvlink_matrix():
     text = env.format_report(fake_report(2))
     lines = text.splitlines()

@@ -280,7 +280,8 @@ def _driver_and_code_lines(report: EnvReport) -> list[str]:
         elif code.startswith("sm_"):
             runs = f"runs SASS {code}"
         else:
-            runs = f"runs PTX {code}, JIT-compiled by the driver at first use"
+            runs = (f"runs PTX {code}, JIT-compiled by the driver at first use (a build with "
+                    f"JAX_EP_CUDA_ARCHS=\"{cc[0]}{cc[1]}-real\" carries its own code)")
         lines.append(f"[{g.ordinal}] {g.name} (compute capability {g.compute_capability}): "
                      f"{runs}")
     return lines
