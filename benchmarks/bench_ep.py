@@ -2,7 +2,7 @@
 
     python benchmarks/bench_ep.py [--quick] [--sweep] [--tokens 4096] [--out benchmarks/results]
 
-Times, per op and per rank: jax_ep (backend "cuda"), its reference backend ("xla"),
+Times, per op and per rank: jax_ep (backend "cuda"), its reference backend ("reference"),
 ``jax.lax.all_to_all`` with capacity padding, ``jax.lax.ragged_all_to_all`` with default XLA
 flags, and ``ragged_all_to_all`` with ``--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer``
 (a child process, since XLA reads its flags once). Normal mode: layout, dispatch (bf16, fp8),
@@ -469,7 +469,7 @@ def run_all(args, impls, rename=None, deadline=None, checkpoint=None):
                         mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
                         max_tokens_per_rank=tokens, num_topk=args.topk,
                         low_latency=mode == "low_latency",
-                        backend="cuda" if impl == "jax_ep" else "xla",
+                        backend="cuda" if impl == "jax_ep" else "reference",
                         report_errors=False)  # no host callback inside the timed programs
             except Exception as e:  # noqa: BLE001 - Buffer creation failed: every case fails
                 for case in cases:

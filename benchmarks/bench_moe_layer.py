@@ -35,7 +35,7 @@ with 1/2 steps, 2 repeats, and only in the sections and impls named by ``--ragge
 - ``layer``: the whole layer step, for each implementation (impl):
 
 - ``jax_ep``: ``jax_ep.moe.moe_ffn`` with a ``Buffer(backend="cuda")`` on GPUs, the reference
-  backend (``"xla"``) elsewhere (``report_errors=False``: no host callback in timed programs);
+  backend (``"reference"``) elsewhere (``report_errors=False``: no host callback in timed programs);
 - ``all_to_all``: ``bench_common.AllToAllPeer`` (capacity-padded ``jax.lax.all_to_all``; each rank
   receives ``[R*T, H]`` rows, local ids -1 where not local);
 - ``ragged_all_to_all``: ``bench_common.RaggedAllToAllPeer`` (MaxText pattern; GPU only, skipped
@@ -753,7 +753,7 @@ def run_products(r, matmuls, inputs):
 def run_layers(r, matmuls, impls):
     args, mesh, num_ranks = r.args, r.mesh, r.num_ranks
     jax_ep, _ = bc.import_jax_ep()
-    backend = "cuda" if bc.on_gpu() else "xla"
+    backend = "cuda" if bc.on_gpu() else "reference"
 
     def buffer(kind):
         return jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
@@ -771,11 +771,11 @@ def run_layers(r, matmuls, impls):
         try:
             if jax_ep is None:
                 raise RuntimeError("no reference: jax_ep does not import")
-            ref_buf = buffer("xla")
+            ref_buf = buffer("reference")
             want = forward(mesh, make_layer("jax_ep", num_ranks, args.experts, args.topk,
                                             ref_buf, "tiled"), inputs)
             ref_buf.close()
-            log(f"[check] reference forward (xla backend, tiled): max |out| = "
+            log(f"[check] reference forward (reference backend, tiled): max |out| = "
                 f"{np.max(np.abs(want)):.4g}")
         except Exception as e:  # noqa: BLE001
             r.errors.append(error_row(OP, f"forward check: reference failed: "

@@ -420,7 +420,7 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     tokens = args.ll_tokens if decode else args.tokens
     buf = None
     if impl == "jax_ep":
-        backend = "cuda" if bc.on_gpu() else "xla"
+        backend = "cuda" if bc.on_gpu() else "reference"
         buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
                             max_tokens_per_rank=tokens, num_topk=args.topk,
                             low_latency=decode, backend=backend)

@@ -282,7 +282,7 @@ def stack_case(args, mesh, jax_ep, scan: bool):
     num_ranks = mesh.shape[bc.AXIS]
     buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
                         max_tokens_per_rank=args.tokens, num_topk=args.topk, dtype=jnp.bfloat16,
-                        backend="cuda" if bc.on_gpu() else "xla", report_errors=False)
+                        backend="cuda" if bc.on_gpu() else "reference", report_errors=False)
     layer = bml.make_layer("jax_ep", num_ranks, args.experts, args.topk, buf, args.matmul)
     stacked = P(None, bc.AXIS)
     step = jax.shard_map(

@@ -50,7 +50,7 @@ def parse_args(argv):
     p.add_argument("--experts", type=int, help="default 256")
     p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
     p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
-    p.add_argument("--backend", default="auto", choices=("auto", "cuda", "xla"),
+    p.add_argument("--backend", default="auto", choices=("auto", "cuda", "reference"),
                    help="jax_ep's Buffer backend (default auto: the CUDA kernels on GPUs)")
     p.add_argument("--modes", type=lambda s: tuple(s.split(",")), default=MODES,
                    help=f"comma-separated subset of {','.join(MODES)}")

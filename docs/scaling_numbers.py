@@ -2,8 +2,8 @@
 
 Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
 csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh transcribed to Python.
-Where `jax_ep._C` imports, the transcription is checked against `jax_ep._C.workspace_bytes` for
-every R of the tables (exact equality).
+tests/test_scaling_numbers.py checks the transcription against `jax_ep._C.workspace_bytes` for
+every R of the tables (exact equality); so does this script where `jax_ep._C` imports.
 DeepEP's sizes are its V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended
 configs.
 

@@ -41,3 +41,18 @@ def align(axis_name, tree):
         return tree  # vma checking is off (or nothing is varying yet: outside shard_map)
     axes |= {axis_name}
     return jax.tree.unflatten(treedef, [make_varying(a, axes) for a in leaves])
+
+
+def check_manual_axis(axis_name, num_ranks, op):
+    """Raises ValueError unless ``op`` is traced inside ``jax.shard_map`` manual over
+    ``axis_name`` of ``num_ranks`` ranks (outside it the arrays are global, not per rank)."""
+    try:
+        size = jax.lax.axis_size(axis_name)
+    except NameError:  # "unbound axis name": not inside a shard_map manual over the axis
+        raise ValueError(
+            f"{op} runs per rank: call it inside jax.shard_map manual over the Buffer's axis "
+            f"{axis_name!r}, each rank passing its own arrays (the README's API example "
+            f"shows one)") from None
+    if size != num_ranks:
+        raise ValueError(f"{op}: the shard_map's axis {axis_name!r} has {size} ranks, the "
+                         f"Buffer's mesh {num_ranks}: use the Buffer's mesh")

@@ -16,16 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import backends, fp8, settings
+from jax_ep import _vma, backends, settings
 from jax_ep.backends import cuda, gate
 from jax_ep.peers import ipc, nvshmem
+from jax_ep.system import config
 
-BACKENDS = ("auto", "cuda", "xla")
+BACKENDS = ("auto", "cuda", "reference")
+# The reference backend's earlier name, still accepted: Buffer(backend="xla") is "reference".
+BACKEND_ALIASES = {"xla": "reference"}
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
-# Both backends need these, so they live here; tests/test_facts.py checks them against the
-# kernels' (_C.max_topk(), _C.max_low_latency_hidden(), _C.error_counter_names()).
-MAX_TOPK = 32            # static limit of the kernels (per-token id lists live in registers)
-MAX_LOW_LATENCY_HIDDEN = 32768  # low-latency mode: the dispatch stages a token in shared memory
+# The configuration's limits and rules live in jax_ep.system.config. tests/test_facts.py checks
+# its limits and ERROR_COUNTERS below against the kernels' (_C.max_topk(),
+# _C.max_low_latency_hidden(), _C.error_counter_names()).
 # Bad-input counters of errors() (the CUDA backend's ErrorCounters, csrc/kernels/context.h).
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 # JAX_EP_DEVICE_TRANSPORT's values, in the order of the C++ DeviceTransport enum.
@@ -34,23 +36,14 @@ DEVICE_TRANSPORTS = ("stores", "mapped", "emulated", "nvshmem")
 _buffer_ids = itertools.count(1)
 
 
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 class Buffer:
     """Communication memory and configuration for dispatch/combine over one mesh axis.
 
     Built eagerly on the host, outside jit. With the CUDA backend it allocates on every device
-    of ``mesh`` one workspace with cudaMalloc beside XLA's pool (``workspace_bytes`` per device),
-    exchanges peer addresses and preloads every kernel. Its size, with ``b`` the dtype's bytes:
-    normal mode ``max(C * (H*b + H/32 + 8K + 4), R * T_max * (H*b + 4K))`` plus ~``12 R T_max``
-    bytes of flags (``C`` = ``capacity``; bf16, EP2, T_max=4096, H=7168: 120 MB); low-latency mode
-    adds two channels (fused calls, split send/receive pairs) of two parities each:
-    ``4 * (E_loc * (R-1) * T_max * 2H + T_max * K * 2H)`` plus ``64 E_loc R T_max`` bytes of
-    metadata and flags (EP2, T_max=128, E=256, H=7168: 1.0 GB). See docs/scaling.md for larger R.
+    of ``mesh`` one workspace with cudaMalloc beside XLA's pool (``workspace_bytes`` per device,
+    the kernels' own size: ``jax-ep-env --num-ranks R ...`` prints it for a configuration, and
+    docs/api.md, "Buffer", says what it holds), exchanges peer addresses and preloads every
+    kernel.
 
     Args:
       mesh: a ``jax.sharding.Mesh`` containing ``axis_name``.
@@ -61,8 +54,9 @@ class Buffer:
       num_topk: experts per token ``K`` (at most 32).
       dtype: data dtype of ``x``/``y`` (bfloat16 or float32); fp8 inputs come as a pair.
       low_latency: also set up the low-latency (decode) mode.
-      backend: ``"cuda"`` (our kernels), ``"xla"`` (pure-JAX reference, any platform) or
-        ``"auto"`` (cuda when every device is a CUDA GPU and the extension is built).
+      backend: ``"cuda"`` (our kernels), ``"reference"`` (the pure-JAX reference backend, any
+        platform; ``"xla"``, its earlier name, is accepted too) or ``"auto"`` (cuda when every
+        device is a CUDA GPU and the extension is built).
       capacity: static receive rows ``C`` of the normal mode (default ``R * T`` per call).
         Tokens past it are dropped and reported by ``check()``.
       timeout_s: bound on every wait for a peer (default ``$JAX_EP_TIMEOUT_S`` or 10 s).
@@ -98,39 +92,25 @@ class Buffer:
         self.mesh = mesh
         self.axis_name = axis_name
         self.num_ranks = int(mesh.shape[axis_name])
-        self.num_experts = _positive_int("num_experts", num_experts)
-        if self.num_experts % self.num_ranks:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be a multiple of the number of ranks along "
-                f"{axis_name!r} ({self.num_ranks})")
-        self.hidden = _positive_int("hidden", hidden)
-        if self.hidden % fp8.CHANNELS_PER_SCALE:
-            raise ValueError(f"hidden must be a multiple of {fp8.CHANNELS_PER_SCALE}, got {hidden}")
-        self.max_tokens_per_rank = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
-        self.num_topk = _positive_int("num_topk", num_topk)
-        if self.num_topk > min(MAX_TOPK, self.num_experts):
-            raise ValueError(f"num_topk must be at most min({MAX_TOPK}, num_experts="
-                             f"{self.num_experts}), got {num_topk}")
         if jnp.dtype(dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
             raise ValueError(f"dtype must be bfloat16 or float32, got {jnp.dtype(dtype)}")
         self.dtype = jnp.dtype(dtype)
         self.low_latency = bool(low_latency)
-        if self.low_latency and self.hidden > MAX_LOW_LATENCY_HIDDEN:
-            raise ValueError(f"hidden must be at most {MAX_LOW_LATENCY_HIDDEN} with "
-                             f"low_latency=True, got {hidden}")
-        max_capacity = self.num_ranks * self.max_tokens_per_rank
-        if capacity is not None:
-            capacity = _positive_int("capacity", capacity)
-            if capacity > max_capacity:
-                raise ValueError(f"capacity must be at most num_ranks * max_tokens_per_rank = "
-                                 f"{max_capacity}, got {capacity}")
-        self._capacity = capacity
-        self.num_sms = None if num_sms is None else _positive_int("num_sms", num_sms)
+        checked = config.check_config(
+            num_ranks=self.num_ranks, num_experts=num_experts, hidden=hidden,
+            max_tokens_per_rank=max_tokens_per_rank, num_topk=num_topk, capacity=capacity,
+            low_latency=self.low_latency, dtype_bytes=self.dtype.itemsize)
+        self.num_experts, self.hidden = checked["num_experts"], checked["hidden"]
+        self.max_tokens_per_rank = checked["max_tokens_per_rank"]
+        self.num_topk, self._capacity = checked["num_topk"], checked["capacity"]
+        self.num_sms = None if num_sms is None else config.positive_int("num_sms", num_sms)
         self.overlap = bool(overlap)
         self.timeout_s = (settings.value("JAX_EP_TIMEOUT_S")
                           if timeout_s is None else float(timeout_s))
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if isinstance(backend, str):
+            backend = BACKEND_ALIASES.get(backend, backend)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         # How the ops reach peers (CUDA backend; the others ignore the setting): "stores"
@@ -181,6 +161,8 @@ class Buffer:
         return module.workspace_bytes(self._runtime_config(module)) if module else 0
 
     def __repr__(self):
+        if "backend" not in self.__dict__:  # the constructor raised before it chose a backend
+            return "Buffer(<constructor failed>)"
         return (f"Buffer(id={self.buffer_id}, backend={self.backend!r}, ranks={self.num_ranks}, "
                 f"experts={self.num_experts}, hidden={self.hidden}, "
                 f"max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.num_topk}, "
@@ -191,17 +173,17 @@ class Buffer:
     # ------------------------------------------------------------------------------ set-up
     def _resolve_backend(self, backend, lowering_only):
         devices = list(self.mesh.devices.flat)
-        if backend == "xla":
-            return "xla"
+        if backend == "reference":
+            return "reference"
         module, reason = cuda.load_extension()
         if backend == "cuda" and lowering_only:
             if module is None:  # the target names and limits come from it
-                raise ValueError(f"backend='cuda': {reason}; use backend='xla'")
+                raise ValueError(f"backend='cuda': {reason}; use backend='reference'")
             return "cuda"
         all_gpus = all(d.platform == "gpu" for d in devices)
         if backend == "auto":
             if not all_gpus or module is None:
-                choice, self.backend_reasons = "xla", []
+                choice, self.backend_reasons = "reference", []
             else:
                 choice, self.backend_reasons = gate.auto_backend(
                     devices, ep_groups=self._ep_group_devices())
@@ -210,9 +192,9 @@ class Buffer:
             return choice
         if not all_gpus:
             raise ValueError(f"backend='cuda' needs every mesh device to be a CUDA GPU, got "
-                             f"{sorted({d.platform for d in devices})}; use backend='xla'")
+                             f"{sorted({d.platform for d in devices})}; use backend='reference'")
         if module is None:
-            raise ValueError(f"backend='cuda': {reason}; use backend='xla'")
+            raise ValueError(f"backend='cuda': {reason}; use backend='reference'")
         if self.num_ranks > cuda.max_ranks():
             raise ValueError(f"backend='cuda' supports at most {cuda.max_ranks()} ranks along "
                              f"{self.axis_name!r}, got {self.num_ranks}")
@@ -224,7 +206,7 @@ class Buffer:
             # machine (jax_ep.launch --fake-hosts): its proxies still map peers by CUDA IPC,
             # which fails, naming the cause, if the hosts are real.
             if problem and self.device_transport != "emulated":
-                raise ValueError(f"backend='cuda': {problem}; use backend='xla'")
+                raise ValueError(f"backend='cuda': {problem}; use backend='reference'")
         return "cuda"
 
     def _resolve_peer_mapping(self, lowering_only):
@@ -252,13 +234,13 @@ class Buffer:
         chose it (all processes must run the same programs)."""
         problem = self._other_hosts()  # collective: every process gathers, whatever its choice
         if choice == "cuda" and problem:
-            choice, self.backend_reasons = "xla", [problem]
+            choice, self.backend_reasons = "reference", [problem]
         choices = ipc.all_gather(self, "backend", choice)
         others = sorted(p for p, c in choices.items() if c != "cuda")
         if choice == "cuda" and others:
             self.backend_reasons = [f"processes {others} cannot use the cuda backend (their "
                                     f"Buffer.backend_reasons say why)"]
-            return "xla"
+            return "reference"
         return choice
 
     def _ep_group_devices(self):
@@ -332,6 +314,12 @@ class Buffer:
     def _check_open(self):
         if self._closed:
             raise ValueError(f"{self!r} is closed")
+
+    def _check_call(self, op):
+        """The checks of every op: this Buffer is open and ``op`` is traced inside
+        ``jax.shard_map`` manual over its axis, with its number of ranks."""
+        self._check_open()
+        _vma.check_manual_axis(self.axis_name, self.num_ranks, op)
 
     def close(self) -> None:
         """Frees the device memory. Later calls with this Buffer raise. Idempotent.

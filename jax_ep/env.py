@@ -49,7 +49,6 @@ from jax_ep.system.records import (
 )
 from jax_ep.tools.env_report import (
     SCHEMA_VERSION,
-    approximate_workspace_bytes,
     collect,
     format_report,
     main,
@@ -62,7 +61,7 @@ __all__ = [
     "BackendDecision", "BufferSpec", "BuiltCode", "DeviceInfo", "DriverInfo", "EnvReport",
     "ExtensionInfo", "GpuInfo", "JaxInfo", "NvshmemInfo", "PeerLink", "Versions",
     "WorkspaceEstimate", "XlaMemorySettings",
-    "approximate_workspace_bytes", "arch_supports", "auto_backend", "check_cuda_backend",
+    "arch_supports", "auto_backend", "check_cuda_backend",
     "code_for", "collect", "decide_backend", "describe_architectures", "driver_problem",
     "format_report", "main", "parse_architectures", "probe_extension", "probe_nvshmem",
     "report_to_dict", "workspace_estimate", "xla_memory_settings",

@@ -93,7 +93,7 @@ def get_dispatch_layout(buf, topk_idx) -> Layout:
     Returns:
       ``Layout(num_tokens_per_rank [R], num_tokens_per_expert [E], is_token_in_rank [T, R])``.
     """
-    buf._check_open()
+    buf._check_call("get_dispatch_layout")
     _check_array("topk_idx", topk_idx, (None, buf.num_topk), (jnp.int32,))
     _check_tokens(buf, "topk_idx", topk_idx.shape[0])
     return buf._impl.layout(topk_idx)
@@ -117,7 +117,7 @@ def dispatch(buf, x, topk_idx=None, topk_weights=None, *, handle=None) -> Dispat
       ``Dispatched`` (see its docstring). Differentiable w.r.t. ``x`` (not fp8) and
       ``topk_weights``.
     """
-    buf._check_open()
+    buf._check_call("dispatch")
     payload, scales, is_fp8 = _split_input(buf, x)
     num_tokens = payload.shape[0]
     _check_tokens(buf, "x", num_tokens)
@@ -208,7 +208,7 @@ def combine(buf, y, handle, topk_weights=None):
       ``(combined [T, H], combined_topk_weights [T, K] or None)``; tokens sent nowhere give 0.
       Differentiable w.r.t. ``y`` and ``topk_weights``.
     """
-    buf._check_open()
+    buf._check_call("combine")
     _check_handle(buf, handle)
     num_rows = handle.recv_src.shape[0]
     _check_array("y", y, (num_rows, buf.hidden), (buf.dtype,))
@@ -272,7 +272,7 @@ def low_latency_dispatch(buf, x, topk_idx, use_fp8=True, round_scale=False):
 
 def _check_ll_dispatch_args(buf, x, topk_idx):
     """Validation shared by the fused dispatch and its send half; returns the aligned inputs."""
-    buf._check_open()
+    buf._check_call("low_latency_dispatch")
     _check_low_latency(buf)
     _check_array("x", x, (None, buf.hidden), (jnp.bfloat16,))
     _check_tokens(buf, "x", x.shape[0])
@@ -332,7 +332,7 @@ def low_latency_combine(buf, y, topk_idx, topk_weights, handle):
 def _check_ll_combine_args(buf, y, topk_idx, topk_weights, handle):
     """Validation shared by the fused combine and its send half; returns the aligned
     ``(y, topk_idx, topk_weights, handle)``."""
-    buf._check_open()
+    buf._check_call("low_latency_combine")
     _check_low_latency(buf)
     rows = buf.num_ranks * buf.max_tokens_per_rank
     _check_array("y", y, (buf.num_local_experts, rows, buf.hidden), (jnp.bfloat16,))
@@ -452,7 +452,7 @@ def low_latency_dispatch_send(buf, x, topk_idx, use_fp8=True,
 def _check_pending(buf, pending, kind, op):
     """The checks of a receive half: open low-latency Buffer, a pending object of ``op``'s send,
     not received before in this trace."""
-    buf._check_open()
+    buf._check_call(f"{op}_recv")
     _check_low_latency(buf)
     if not isinstance(pending, kind):
         raise ValueError(f"pending must be the {kind.__name__} of {op}_send, got "

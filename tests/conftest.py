@@ -125,7 +125,7 @@ def require_gpus(count=1):
     return gpus
 
 
-@pytest.fixture(params=["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["reference", pytest.param("cuda", marks=pytest.mark.gpu)])
 def backend(request):
     """Every op test runs once per backend; the cuda one only with `-m gpu` on a GPU machine."""
     if request.param == "cuda":
@@ -137,7 +137,7 @@ def per_backend(gpu_cases, cpu_cases):
     """Parameters ``(backend, *case)`` for ``parametrize(..., indirect=["backend"])``: every case
     of `gpu_cases` on the CUDA kernels (marked gpu), `cpu_cases` on the reference backend."""
     return ([pytest.param("cuda", *case, marks=pytest.mark.gpu) for case in gpu_cases]
-            + [("xla", *case) for case in cpu_cases])
+            + [("reference", *case) for case in cpu_cases])
 
 
 def covering(*axes):

@@ -1,6 +1,6 @@
 """Digests of every op's outputs on fixed inputs, to compare process layouts bit for bit.
 
-    python tests/multiprocess_digest.py [xla|cuda] [normal|low_latency]  # one process, all devices
+    python tests/multiprocess_digest.py [reference|cuda] [normal|low_latency]  # one process
     python -m jax_ep.launch -n 2 -- python tests/multiprocess_digest.py cuda   # one per GPU
 
 Process 0 prints one line ``DIGEST <name> <sha256>`` per output (normal dispatch bf16/fp8,

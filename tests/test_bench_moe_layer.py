@@ -164,7 +164,7 @@ def test_implementations_compute_the_same_layer(impl, monkeypatch):
     args, mesh, inputs = _setup()
     num_ranks = mesh.shape[bc.AXIS]
     buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
-                        max_tokens_per_rank=args.tokens, num_topk=args.topk, backend="xla",
+                        max_tokens_per_rank=args.tokens, num_topk=args.topk, backend="reference",
                         report_errors=False)
     ref = bml.make_layer("jax_ep", num_ranks, args.experts, args.topk, buf)
     layer = bml.make_layer(impl, num_ranks, args.experts, args.topk)
@@ -191,7 +191,7 @@ def test_gate_up_layouts_compute_the_same_layer():
         [np.asarray(split.weights[0], np.float32), np.asarray(split.weights[1], np.float32)],
         axis=2))
     buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
-                        max_tokens_per_rank=args.tokens, num_topk=args.topk, backend="xla",
+                        max_tokens_per_rank=args.tokens, num_topk=args.topk, backend="reference",
                         report_errors=False)
     layer = bml.make_layer("jax_ep", mesh.shape[bc.AXIS], args.experts, args.topk, buf)
     err, ok = bml.compare(bml.forward(mesh, layer, fused), bml.forward(mesh, layer, split))

@@ -213,7 +213,7 @@ def test_split_halves_programs_run(op):
     mesh = bc.make_mesh()
     buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
                         max_tokens_per_rank=8, num_topk=args.topk, low_latency=True,
-                        backend="xla", report_errors=False)
+                        backend="reference", report_errors=False)
     inputs = bench_ep.Inputs(mesh, args, 8, jax_ep)
     program = bench_ep.jax_ep_program(
         jax_ep, buf, bench_ep.Case("low_latency", op, "bf16", 8), inputs)

@@ -49,11 +49,11 @@ def make_buffer(backend, low_latency=True):
 def test_the_setting_reaches_every_buffer(monkeypatch):
     for transport in ("emulated", "nvshmem"):
         monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", transport)
-        assert make_buffer("xla").device_transport == transport
-        assert make_buffer("xla", low_latency=False).device_transport == transport
+        assert make_buffer("reference").device_transport == transport
+        assert make_buffer("reference", low_latency=False).device_transport == transport
     monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "rdma")
     with pytest.raises(ValueError, match="JAX_EP_DEVICE_TRANSPORT"):
-        make_buffer("xla")
+        make_buffer("reference")
     monkeypatch.setenv("JAX_EP_DEVICE_TRANSPORT", "mapped")
     monkeypatch.setenv("JAX_EP_EMULATOR_SEED", "-1")
     with pytest.raises(ValueError, match="JAX_EP_EMULATOR_SEED"):
@@ -61,7 +61,7 @@ def test_the_setting_reaches_every_buffer(monkeypatch):
 
 
 def test_the_reference_backend_reports_no_transport_errors():
-    buf = make_buffer("xla")
+    buf = make_buffer("reference")
     assert buf.errors()["transport"] == []
     buf.check()
 
@@ -231,7 +231,7 @@ def _two_processes_digest(transport, seed=0, mutant="none", part="low_latency", 
 def _reference_digests(part, count):
     """The reference backend's digests of `part` (two CPU devices, one process)."""
     reference = subprocess.run(
-        [sys.executable, str(launching.DIGEST_SCRIPT), "xla", part],
+        [sys.executable, str(launching.DIGEST_SCRIPT), "reference", part],
         capture_output=True, text=True, errors="replace", timeout=300,
         env=launching.child_env("cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
     return _digests(reference, count, rank=None)  # the script alone: no prefix

@@ -17,6 +17,7 @@ import jax
 import pytest
 
 from jax_ep import env
+from jax_ep.backends import cuda
 from jax_ep.system import compat, probes
 from jax_ep.system import cuda_driver as _cuda_driver
 from jax_ep.tools import env_report
@@ -54,7 +55,7 @@ SECTION_KEYS = {
     "xla_memory": {"preallocate": bool, "mem_fraction": float, "allocator": str,
                    "preallocate_env": (str, NONE), "mem_fraction_env": (str, NONE),
                    "allocator_env": (str, NONE), "notes": list},
-    "workspace": {"spec": dict, "bytes": int, "exact": bool, "source": str},
+    "workspace": {"spec": dict, "bytes": (int, NONE), "source": str},
     "backend": {"backend": str, "reasons": list},
 }
 GPU_KEYS = {"ordinal": int, "name": str, "compute_capability": str,
@@ -132,16 +133,21 @@ def report():
 
 
 def test_report_on_cpu_machine_says_no_gpu_and_xla(report):
-    assert report.backend.backend == "xla"
-    assert report.backend.reasons, "backend xla must come with a reason"
+    assert report.backend.backend == "reference"
+    assert report.backend.reasons, "backend reference must come with a reason"
     assert any(r.startswith("no GPU") for r in report.backend.reasons), report.backend.reasons
     assert report.jax.default_backend == "cpu"
     assert report.gpus == () and report.peers == ()
     assert report.versions.jax == jax.__version__
-    assert report.workspace.bytes > 0
+    if report.extension.importable:  # the kernels' own size, or none
+        assert report.workspace.bytes > 0, report.workspace
+        assert report.workspace.source == "jax_ep._C.workspace_bytes"
+    else:
+        assert report.workspace.bytes is None, report.workspace
+        assert "jax_ep._C is not built here" in report.workspace.source
     text = env.format_report(report)
     assert "no GPU" in text
-    assert 'Buffer(backend="auto") -> xla' in text
+    assert 'Buffer(backend="auto") -> reference' in text
 
 
 def test_driver_absent_degrades_gracefully():
@@ -172,7 +178,7 @@ def check_json_report(data):
     for i, gpu in enumerate(data["gpus"]):
         check_keys(gpu, GPU_KEYS, f"gpus[{i}]")
     check_keys(data["workspace"]["spec"], SPEC_KEYS, "workspace.spec")
-    assert data["backend"]["backend"] in ("cuda", "xla")
+    assert data["backend"]["backend"] in ("cuda", "reference")
     for link in data["peers"]:
         assert link["link"] in ("nvlink", "pcie", "none", "unknown")
 
@@ -199,14 +205,14 @@ def test_python_dash_m_runs():
                          capture_output=True, text=True, env=environ, cwd=REPO_ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["backend"]["backend"] == "xla"
+    assert data["backend"]["backend"] == "reference"
     assert data["workspace"]["spec"]["low_latency"] is True
 
 
 def test_bad_flags_exit_with_the_fix(capsys):
     with pytest.raises(SystemExit):
         env.main(["--num-experts", "10", "--num-ranks", "4"])
-    assert "multiple of num_ranks" in capsys.readouterr().err
+    assert "multiple of the number of ranks (4)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------- format_report
@@ -226,10 +232,19 @@ def fake_report(num_gpus=2, cuda_driver="13.0", extension=EXT_DEFAULT):
         extension=extension,
         nvshmem=env.NvshmemInfo("nvidia-nvshmem-cu12", "3.3.9", "/x/libnvshmem_host.so.3", None),
         xla_memory=env.xla_memory_settings({}),
-        workspace=env.WorkspaceEstimate(spec, env.approximate_workspace_bytes(spec), False,
-                                        "approximate formula"),
+        workspace=env.WorkspaceEstimate(spec, 3 << 30, "jax_ep._C.workspace_bytes"),
         backend=env.BackendDecision("cuda", ()),
     )
+
+
+def test_format_report_names_the_build_for_a_gpu_running_ptx():
+    """A build without a GPU carries PTX compute_80 alone: the report says the driver compiles
+    it and which JAX_EP_CUDA_ARCHS builds the GPU's own code."""
+    ptx = env.ExtensionInfo(True, "compute_80", "/fake/_C.so", None, False, 13000, 8)
+    text = env.format_report(fake_report(extension=ptx))
+    assert ("[0] NVIDIA H200 (compute capability 9.0): runs PTX compute_80, JIT-compiled by the "
+            'driver at first use (a build with JAX_EP_CUDA_ARCHS="90-real" carries its own '
+            "code)") in text, text
 
 
 def test_format_report_two_gpus_nvlink_matrix():
@@ -289,14 +304,14 @@ def test_format_report_marks_pcie_missing_and_inferred_links():
 def test_auto_backend_no_gpu():
     backend, reasons = env.auto_backend([fake_cpu(i) for i in range(4)], default_backend="cpu",
                                         extension=EXT_MISSING, gpus=(), peers=())
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons[0].startswith("no GPU: jax's default backend is cpu")
     assert any("jax_ep._C does not import" in r for r in reasons)
 
 
 def test_auto_backend_real_cpu_devices():
     backend, reasons = env.auto_backend(jax.devices("cpu"))
-    assert backend == "xla" and reasons[0].startswith("no GPU")
+    assert backend == "reference" and reasons[0].startswith("no GPU")
 
 
 def test_auto_backend_all_good_is_cuda():
@@ -321,7 +336,7 @@ def test_auto_backend_accepts_a100_with_the_default_build():
 
 def test_auto_backend_refuses_a100_without_code_for_it():
     backend, reasons = decide(a100s())  # EXT_90: CMake's "90", SASS sm_90 + PTX compute_90
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == [
         "GPUs 0, 1 (NVIDIA A100-SXM4-80GB): compute capability 8.0, but jax_ep._C carries no "
         "code that runs on it (built for sm_90 + PTX compute_90; SASS sm_N runs on compute "
@@ -330,7 +345,7 @@ def test_auto_backend_refuses_a100_without_code_for_it():
     ]
     ptx_90 = env.ExtensionInfo(True, "compute_90", "/fake/_C.so", None, False, 13000)
     backend, reasons = decide(a100s(), extension=ptx_90)
-    assert backend == "xla" and "(built for PTX compute_90;" in reasons[0]
+    assert backend == "reference" and "(built for PTX compute_90;" in reasons[0]
     assert reasons[0].endswith('rebuild with JAX_EP_CUDA_ARCHS="90-virtual;80"')
 
 
@@ -340,11 +355,11 @@ def test_auto_backend_minimum_compute_capability():
     assert decide(volta, extension=ext_70, driver_cuda_version=12040) == ("cuda", [])
     pascal = [fake_gpu(i, cc="6.0", kind="Tesla P100-SXM2-16GB") for i in range(2)]
     backend, reasons = decide(pascal, extension=ext_70, driver_cuda_version=12040)
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == [
         "GPUs 0, 1 (Tesla P100-SXM2-16GB): compute capability 6.0, but the cuda kernels need "
         "compute capability 7.0 or newer (loads and stores with acquire/release semantics at "
-        "system scope): use the reference backend (xla) on these GPUs"
+        "system scope): use the reference backend (backend='reference') on these GPUs"
     ]
 
 
@@ -353,11 +368,11 @@ def test_auto_backend_needs_cooperative_launch():
     gpus = fake_gpu_infos(2)
     gpus = (gpus[0], env.GpuInfo(**{**vars(gpus[1]), "cooperative_launch": False}))
     backend, reasons = decide(devices, extension=EXT_DEFAULT, gpus=gpus)
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == [
         "GPU 1 (NVIDIA H200): no cooperative launch (cudaDevAttrCooperativeLaunch is 0), which "
         "the low-latency kernels need (all blocks of a launch resident at once): use the "
-        "reference backend (xla)"
+        "reference backend (backend='reference')"
     ]
     unknown = tuple(env.GpuInfo(**{**vars(g), "cooperative_launch": None}) for g in gpus)
     assert decide(devices, extension=EXT_DEFAULT, gpus=unknown) == ("cuda", [])
@@ -367,7 +382,7 @@ def test_auto_backend_driver_older_than_the_build():
     devices = [fake_gpu(0), fake_gpu(1)]
     # Another major version: nothing of the module runs.
     backend, reasons = decide(devices, extension=EXT_DEFAULT, driver_cuda_version=12080)
-    assert backend == "xla" and len(reasons) == 1
+    assert backend == "reference" and len(reasons) == 1
     assert reasons[0].startswith(
         "the CUDA driver supports CUDA 12.8, but jax_ep._C was built with CUDA 13.0 (its CUDA "
         "runtime is linked in), which needs a driver of CUDA 13.0 or newer (r580+): update the "
@@ -377,7 +392,7 @@ def test_auto_backend_driver_older_than_the_build():
     assert decide(devices, extension=ext_132, driver_cuda_version=13000) == ("cuda", [])
     ptx_80 = env.ExtensionInfo(True, "compute_80", "/fake/_C.so", None, False, 13020)
     backend, reasons = decide(devices, extension=ptx_80, driver_cuda_version=13000)
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == [
         "GPUs 0, 1 (NVIDIA H200): compute capability 9.0 runs jax_ep._C through its PTX "
         "compute_80, which the driver JIT-compiles, but the driver (CUDA 13.0) is older than "
@@ -394,7 +409,7 @@ def test_auto_backend_newer_gpu_vs_arch_specific_build():
     ext = env.ExtensionInfo(True, "90a", "/fake/_C.so", None)
     backend, reasons = decide([fake_gpu(0, cc="10.0", kind="NVIDIA B200"), fake_gpu(1, cc="10.0",
                                kind="NVIDIA B200")], extension=ext)
-    assert backend == "xla"
+    assert backend == "reference"
     assert reasons == ["GPUs 0, 1 (NVIDIA B200): compute capability 10.0, but jax_ep._C carries "
                        "no code that runs on it (built for sm_90a + PTX compute_90a; SASS sm_N "
                        "runs on compute capability N/10.x, PTX compute_N on N/10 and newer): "
@@ -406,7 +421,7 @@ def test_auto_backend_newer_gpu_vs_arch_specific_build():
 def test_auto_backend_missing_peer_access():
     devices = [fake_gpu(i) for i in range(4)]
     backend, reasons = decide(devices, peers=full_peers(4, missing={(1, 0), (1, 3)}))
-    assert backend == "xla" and len(reasons) == 1
+    assert backend == "reference" and len(reasons) == 1
     assert reasons[0].startswith("GPU 1 has no peer access to GPUs 0, 3:")
     # Peer access is needed within an EP group only.
     groups = [[devices[0], devices[2]], [devices[1], devices[3]]]
@@ -416,7 +431,7 @@ def test_auto_backend_missing_peer_access():
 
 def test_auto_backend_extension_missing():
     backend, reasons = decide([fake_gpu(0), fake_gpu(1)], extension=EXT_MISSING)
-    assert backend == "xla" and len(reasons) == 1
+    assert backend == "reference" and len(reasons) == 1
     assert "the CUDA extension jax_ep._C does not import (ModuleNotFoundError" in reasons[0]
     assert "JAX_EP_ENABLE_CUDA=ON pip install ." in reasons[0]
 
@@ -452,7 +467,7 @@ def test_extension_hidden_by_the_source_tree_says_so(tmp_path, monkeypatch):
     assert not ext.importable and ext.error.startswith("ModuleNotFoundError")
     assert ext.source_tree == str(checkout) and ext.shadowed_build == str(built)
     backend, reasons = decide([fake_gpu(0), fake_gpu(1)], extension=ext)
-    assert backend == "xla" and len(reasons) == 1, reasons
+    assert backend == "reference" and len(reasons) == 1, reasons
     assert f"source tree {checkout}" in reasons[0] and str(built) in reasons[0], reasons
     assert "run from another directory" in reasons[0] and "nvcc" not in reasons[0], reasons
     text = env.format_report(fake_report(extension=ext))
@@ -498,7 +513,7 @@ def test_check_cuda_backend_raises_with_every_reason():
     message = str(info.value)
     assert message.startswith("Buffer(backend='cuda') cannot run on these devices:")
     for part in ("jax_ep._C does not import", "compute capability 6.0",
-                 "GPU 0 has no peer access to GPU 1", "backend='xla'"):
+                 "GPU 0 has no peer access to GPU 1", "backend='reference'"):
         assert part in message
     env.check_cuda_backend([fake_gpu(0), fake_gpu(1)], 1 << 30, default_backend="gpu",
                            extension=EXT_90, gpus=fake_gpu_infos(2), peers=full_peers(2))
@@ -542,27 +557,33 @@ def test_describe_and_cmake_architectures():
 # ------------------------------------------------------------------------- memory
 
 
-def test_approximate_workspace_formula():
+def test_workspace_size_is_the_kernels_own():
+    """The report's workspace is jax_ep._C.workspace_bytes (what a CUDA Buffer of the spec
+    allocates), never a Python copy of the formula: without the extension it is unknown."""
     spec = env.BufferSpec(num_ranks=2, num_experts=8, hidden=256, max_tokens_per_rank=16,
-                          num_topk=2)
-    normal = 2 * 2 * 16 * (256 * 2 + 2 * 4 + 2 * 2 * 4 + 4) + 65536
-    assert env.approximate_workspace_bytes(spec) == normal
-    ll = env.BufferSpec(**{**vars(spec), "low_latency": True})
-    low = 2 * 8 * 16 * (256 * 2 + 2 * 4 + 16) + 2 * 16 * 2 * 256 * 2 + 65536
-    assert env.approximate_workspace_bytes(ll) == normal + low
-
-
-def test_workspace_estimate_source():
-    spec = env.BufferSpec(num_ranks=2)
-    estimate = env.workspace_estimate(spec, EXT_MISSING)
-    assert not estimate.exact and estimate.source == "approximate formula"
-    assert estimate.bytes == env.approximate_workspace_bytes(spec)
+                          num_topk=2, low_latency=True)
+    missing = env.workspace_estimate(spec, EXT_MISSING)
+    assert missing.bytes is None and missing.source.startswith("unknown: jax_ep._C is not built")
+    assert "normal+low_latency: unknown: jax_ep._C is not built here" in env.format_report(
+        dataclasses.replace(fake_report(), workspace=missing))
+    module, reason = cuda.load_extension()
+    if module is None:
+        pytest.skip(reason)
+    estimate = env.workspace_estimate(spec, env.probe_extension())
+    config = cuda.buffer_config(module, num_ranks=2, num_experts=8, hidden=256,
+                                max_tokens_per_rank=16, num_topk=2, capacity=32, dtype_bytes=2,
+                                low_latency=True)
+    assert estimate == env.WorkspaceEstimate(spec, module.workspace_bytes(config),
+                                             "jax_ep._C.workspace_bytes")
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"num_ranks": 3}, "num_experts \\(256\\) must be a multiple of num_ranks \\(3\\)"),
+    ({"num_ranks": 3}, "num_experts \\(256\\) must be a multiple of the number of ranks \\(3\\)"),
     ({"num_ranks": 2, "hidden": 100}, "hidden must be a multiple of 128"),
-    ({"num_ranks": 0}, "num_ranks must be positive"),
+    ({"num_ranks": 0}, "num_ranks must be a positive integer"),
+    ({"num_ranks": 2, "num_topk": 33}, "num_topk must be at most min\\(32, num_experts=256\\)"),
+    ({"num_ranks": 2, "hidden": 32768 + 128, "low_latency": True},
+     "hidden must be at most 32768 with low_latency=True"),
     ({"num_ranks": 2, "dtype_bytes": 1}, "dtype_bytes must be 2"),
 ])
 def test_buffer_spec_validation(kwargs, match):

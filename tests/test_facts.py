@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jax_ep import Buffer, buffer, env, fp8
 from jax_ep.backends import cuda
+from jax_ep.system import config
 
 # None where the extension is missing: the `extension` fixture (conftest's rule) then fails each
 # test where nvcc or a GPU is found, and skips it elsewhere, before the test touches _C. The
@@ -114,8 +115,8 @@ def test_low_latency_regions_neither_overlap_nor_overrun(ranks, experts, tokens,
 def test_topk_limit_and_error_counters_agree_with_the_kernels():
     """Both backends need the top-k limit and the error counters' names (the keys of
     ``errors()``), so Python keeps them; the kernels' must be the same."""
-    assert buffer.MAX_TOPK == _C.max_topk()
-    assert buffer.MAX_LOW_LATENCY_HIDDEN == _C.max_low_latency_hidden()
+    assert config.MAX_TOPK == _C.max_topk()
+    assert config.MAX_LOW_LATENCY_HIDDEN == _C.max_low_latency_hidden()
     assert list(buffer.ERROR_COUNTERS) == _C.error_counter_names()
 
 

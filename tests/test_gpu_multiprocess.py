@@ -138,7 +138,7 @@ def test_processes_sharing_one_gpu_move_the_bits_of_the_reference():
     from jax_ep.peers import nvshmem as _nvshmem  # noqa: PLC0415
 
     reference = subprocess.run(
-        [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True,
+        [sys.executable, str(launching.DIGEST_SCRIPT), "reference"], capture_output=True, text=True,
         errors="replace",
         timeout=300, env=launching.child_env(
             "cpu", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))

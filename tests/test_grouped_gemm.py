@@ -385,7 +385,7 @@ def test_moe_layer_on_library_kernels_matches_dense(matmul, reference_kernels):
     if len(jax.devices()) < NUM_DEVICES:
         pytest.skip(f"needs {NUM_DEVICES} host devices")
     mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]).reshape(2, 4), ("data", "ep"))
-    _check_moe_layer(mesh, "xla", matmul, experts=8, topk=2, tokens_per_rank=12, hidden=512,
+    _check_moe_layer(mesh, "reference", matmul, experts=8, topk=2, tokens_per_rank=12, hidden=512,
                      ffn=512, seed=3)
 
 
@@ -424,7 +424,7 @@ def test_layer_on_the_real_kernels_lowers_for_cuda(matmul, monkeypatch):
     tokens, hidden, ffn, experts, topk = 256, 1024, 512, 8, 2
     buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
                         max_tokens_per_rank=tokens, num_topk=topk, dtype=jnp.bfloat16,
-                        backend="xla", report_errors=False)
+                        backend="reference", report_errors=False)
 
     def layer(x, idx, weights, w_gate, w_up, w_down):
         return moe.moe_ffn(buf, x, idx, weights, w_gate, w_up, w_down, matmul=matmul)

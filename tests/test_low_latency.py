@@ -137,9 +137,9 @@ def test_back_to_back_pairs_with_different_inputs(backend, rng):
 
 
 def test_low_latency_needs_low_latency_buffer(rng):
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=128, max_tokens_per_rank=4,
-                        num_topk=K, backend="xla")
+                        num_topk=K, backend="reference")
     x = np.zeros((8, 4, 128), ml_dtypes.bfloat16)
     idx = np.zeros((8, 4, K), np.int32)
     with pytest.raises(ValueError, match="low_latency=True"):
@@ -153,9 +153,9 @@ def test_combine_check_catches_kernel_like_mutations(rng, use_fp8):
     summed term left out of one token, (c) channels 128-255 negated in every row. The inputs
     are those of the op tests (channels 0-127 100x larger), where a tolerance relative to the
     tensor's maximum, as these tests had, lets (c) through."""
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     R = mesh.shape["ep"]
-    buf = make_buffer("xla", mesh, HIDDEN, T_MAX)
+    buf = make_buffer("reference", mesh, HIDDEN, T_MAX)
     idx, w, x = next(routed_inputs(rng, "with_minus_one", R))
 
     def step(x, idx, w):

@@ -417,7 +417,7 @@ def test_moe_layer_matches_dense(mesh_shape, experts, topk, matmul, chunked, mon
     num_tokens = tokens_per_rank * NUM_DEVICES
     buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
                         max_tokens_per_rank=tokens_per_rank, num_topk=topk,
-                        dtype=jnp.float32, backend="xla")
+                        dtype=jnp.float32, backend="reference")
     rng = np.random.default_rng(11)
     params = _layer_params(rng, num_tokens, hidden, experts, ffn)
     ct = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.float32)
@@ -457,7 +457,7 @@ def _bfloat16_layer(small_tokens=0):
     tokens_per_rank, hidden, ffn, experts, topk = 8, 128, 32, 8, 2
     buf = jax_ep.Buffer(mesh, "ep", num_experts=experts, hidden=hidden,
                         max_tokens_per_rank=tokens_per_rank, num_topk=topk,
-                        dtype=jnp.bfloat16, backend="xla")
+                        dtype=jnp.bfloat16, backend="reference")
     p = _layer_params(np.random.default_rng(5), tokens_per_rank * NUM_DEVICES, hidden,
                       experts, ffn)
 
@@ -518,7 +518,7 @@ def test_moe_ffn_rejects_wrong_expert_count():
     _require_devices()
     mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("ep",))
     buf = jax_ep.Buffer(mesh, "ep", num_experts=16, hidden=128, max_tokens_per_rank=4,
-                        num_topk=2, dtype=jnp.float32, backend="xla")
+                        num_topk=2, dtype=jnp.float32, backend="reference")
 
     def layer(x, idx, w, wg):
         return moe.moe_ffn(buf, x, idx, w, wg, wg, jnp.swapaxes(wg, 1, 2))
@@ -532,6 +532,43 @@ def test_moe_ffn_rejects_wrong_expert_count():
 
 
 # ---------------------------------------------------------------------------- the Flax example
+def test_flax_example_rule_loss_is_the_language_entropy():
+    """The rules' loss of a batch (data.py's Batch.rule_nats) is the negative log-likelihood of
+    its sequences under the generating rules, and its mean converges to expected_rule_loss: a
+    sample's value lies on either side of the expectation, so it is no floor."""
+    sys.path.insert(0, str(EXAMPLE_DIR))
+    try:
+        data = importlib.import_module("data")  # examples/flax_moe/data.py
+    finally:
+        sys.path.remove(str(EXAMPLE_DIR))
+    lang = data.SyntheticLanguage(seq_len=32, num_symbols=16)
+    batch = lang.batch(4000, np.random.default_rng(0))
+    positions = batch.mask.sum(1)
+    n = lang.num_symbols
+    markov = data.TASKS.index("markov")
+    for b in np.flatnonzero(batch.tasks == markov)[:20]:  # the chain's likelihood, recounted
+        body = batch.targets[b, 1:] - lang.first_symbol
+        nats = np.log(n)
+        for prev, cur in zip(body[:-1], body[1:], strict=True):
+            k = list(lang.successors[prev]).index(cur)
+            nats -= np.log(data.MARKOV_PROBS[k])
+        np.testing.assert_allclose(batch.rule_nats[b], nats, rtol=1e-12)
+    means = {}
+    for t, name in enumerate(data.TASKS):
+        rows = batch.tasks == t
+        means[name] = batch.rule_nats[rows].sum() / positions[rows].sum()
+        # ~1000 sequences per task: the markov mean's standard error is about 0.003 nats
+        assert abs(means[name] - lang.expected_rule_loss(name)) < 0.02, (name, means)
+    for name in ("progression", "mirror"):  # no randomness after the rule's own choices
+        assert means[name] == pytest.approx(lang.expected_rule_loss(name), rel=1e-12)
+    assert means["progression"] == pytest.approx((np.log(16) + np.log(15)) / 31, rel=1e-12)
+    # Samples of ~50 Markov sequences (an evaluation's size) fall on both sides of it.
+    chains = np.flatnonzero(batch.tasks == markov)
+    samples = [batch.rule_nats[part].sum() / positions[part].sum()
+               for part in np.array_split(chains, 20)]
+    assert min(samples) < lang.expected_rule_loss("markov") < max(samples), samples
+
+
 def test_flax_example_loss_decreases(tmp_path):
     _require_devices()
     pytest.importorskip("flax")
@@ -540,7 +577,7 @@ def test_flax_example_loss_decreases(tmp_path):
     train = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)  # puts examples/flax_moe on sys.path for data.py, model.py
     cfg = train.Config(steps=40, batch=16, seq=16, experts=8, topk=2, hidden=128, ffn=64,
-                       layers=1, heads=2, symbols=12, lr=1e-2, backend="xla", log_every=10,
+                       layers=1, heads=2, symbols=12, lr=1e-2, backend="reference", log_every=10,
                        plot=str(tmp_path / "loss.png"), save_losses=str(tmp_path / "run.json"),
                        progress=False)
     result = train.train(cfg)

@@ -67,7 +67,7 @@ def test_ep_group_spanning_hosts_runs_on_the_reference_backend(hosts):
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     R = mesh.shape["ep"]
     buf = make_buffer("auto", mesh, H, T)
-    assert buf.backend == "xla", buf.backend
+    assert buf.backend == "reference", buf.backend
     if on_gpus():  # why: the group spans hosts (or, past 8 ranks, the rank limit comes first)
         said = " ".join(buf.backend_reasons)
         assert "spans hosts" in said or "ranks" in said, buf.backend_reasons
@@ -99,7 +99,7 @@ def test_ep_groups_inside_hosts_with_data_parallel_across_them(hosts):
     mesh = Mesh(np.array(groups), ("data", "ep"))
     D, R = mesh.shape["data"], mesh.shape["ep"]
     buf = make_buffer("auto", mesh, H, T)
-    assert buf.backend == ("cuda" if on_gpus() else "xla"), (buf.backend, buf.backend_reasons)
+    assert buf.backend == ("cuda" if on_gpus() else "reference"), (buf.backend, buf.backend_reasons)
     idx, w = oracle.make_routing("uniform", rng, D * R, T, E, K)
     x = random_x(rng, (D * R, T, H), np.float32)
     d, y, y_w = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)

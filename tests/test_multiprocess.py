@@ -170,11 +170,11 @@ def test_two_processes_give_the_bits_of_one():
     1 process x 4 devices bit for bit (tests/multiprocess_digest.py)."""
     digest = str(launching.DIGEST_SCRIPT)
     proc, _ = run_launcher("-n", "1", "--devices-per-process", "4", "--",
-                           sys.executable, digest, "xla", timeout=300)
+                           sys.executable, digest, "reference", timeout=300)
     single = digest_lines(proc.stdout)
     assert proc.returncode == 0 and len(single) == 9, proc.stdout + proc.stderr
     proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--",
-                           sys.executable, digest, "xla", timeout=300)
+                           sys.executable, digest, "reference", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert digest_lines(proc.stdout) == single
 
@@ -187,7 +187,7 @@ def test_a_failed_process_leaves_at_once_and_the_launcher_ends_its_peer():
     itself after 30 s, gloo's wait for the failed process, and both exit then.)"""
     proc, seconds = run_launcher("-n", "2", "--devices-per-process", "2", "--timeout", "90",
                                  "--grace", "3", "--", sys.executable,
-                                 str(launching.DIGEST_SCRIPT), "xla", "normal",
+                                 str(launching.DIGEST_SCRIPT), "reference", "normal",
                                  extra_env={"DIGEST_FAIL_PROCESS": "1"}, timeout=150)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fails on purpose" in proc.stdout + proc.stderr
@@ -205,7 +205,7 @@ PROTOCOL_SCRIPT = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     experts = 16 if (sys.argv[1] == "mismatch" and me == 1) else 8
     buf = Buffer(mesh, "ep", num_experts=experts, hidden=128, max_tokens_per_rank=4, num_topk=2,
-                 backend="auto" if sys.argv[1] == "auto" else "xla")
+                 backend="auto" if sys.argv[1] == "auto" else "reference")
     if sys.argv[1] == "auto":
         print("backend", buf.backend)
         print("host", _ipc.host_name())  # the name this process gave the others
@@ -251,7 +251,7 @@ def test_auto_backend_agrees_across_processes():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(2):
         lines = lines_of(proc.stdout, rank)
-        assert "backend xla" in lines, proc.stdout
+        assert "backend reference" in lines, proc.stdout
         host = next(line for line in lines if line.startswith("host "))
         assert host.endswith(f"/fake{rank}"), host
 

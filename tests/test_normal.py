@@ -54,9 +54,9 @@ def test_combine_check_catches_kernel_like_mutations(rng):
     zeroed, (b) one rank's row left out of a token sent to several, (c) channels 128-255
     negated in every row. The inputs' channels 128-255 are 10^4 x smaller than the rest (small
     activations), where the former check (rtol = atol = 1e-2) lets (c) through."""
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     R, T, H = mesh.shape["ep"], 16, 256
-    buf = make_buffer("xla", mesh, H, T, jnp.bfloat16)
+    buf = make_buffer("reference", mesh, H, T, jnp.bfloat16)
     idx, w = oracle.make_routing("with_minus_one", rng, R, T, E, K)
     x = rng.standard_normal((R, T, H)).astype(np.float32)
     x[..., 128:] *= 1e-4
@@ -227,7 +227,7 @@ def test_cached_dispatch_repeats_routing(backend, rng):
 
 
 def test_data_axis_mesh(backend, rng):
-    mesh = ep_mesh(backend, num_ranks=4 if backend == "xla" else 1, data=2)
+    mesh = ep_mesh(backend, num_ranks=4 if backend == "reference" else 1, data=2)
     D, R = mesh.shape["data"], mesh.shape["ep"]
     T, H = 8, 128
     buf = make_buffer(backend, mesh, H, T)

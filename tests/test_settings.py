@@ -13,6 +13,7 @@ SCANNED = ("jax_ep", "csrc", "xla_ffi", "benchmarks", "tests", "scripts", "examp
 # Names that are CMake variables or C/C++ macros of the build, not environment variables.
 BUILD_INTERNAL = {"JAX_EP_CMAKE_CUDA_ARCHS", "JAX_EP_CUDA_ARCHS_BUILT", "JAX_EP_CUDA_ARCH_ENTRIES",
                   "JAX_EP_CUDA_PTX", "JAX_EP_CUDA_SASS", "JAX_EP_FFI_SOURCES", "JAX_EP_HAVE_CUDA",
+                  "JAX_EP_NVIDIA_SMI", "JAX_EP_GPU_CAPS",
                   "JAX_EP_DIVISOR_HOST_DEVICE", "JAX_EP_HAVE_NVSHMEM", "JAX_EP_HOST_DEVICE",
                   "JAX_EP_KERNEL_SOURCES", "JAX_EP_NVCC_VERSION_TEXT", "JAX_EP_RUNTIME_SOURCES",
                   "JAX_EP_TRANSPORT_SOURCES", "JAX_EP_TESTING_KERNEL_SOURCES",

@@ -54,8 +54,8 @@ def _buffer(mesh, backend, **kw):
 
 
 def test_two_micro_batches_compute_what_each_half_computes(rng):
-    mesh = ep_mesh("xla", 2)
-    buf = _buffer(mesh, "xla", dtype=jnp.float32)
+    mesh = ep_mesh("reference", 2)
+    buf = _buffer(mesh, "reference", dtype=jnp.float32)
     x, idx, w, weights = _inputs(rng, mesh)
     one, two = _layer(buf, mesh, 1), _layer(buf, mesh, 2)
     np.testing.assert_array_equal(jax.jit(two)(x, idx, w, *weights),
@@ -81,8 +81,8 @@ def test_two_micro_batches_compute_what_each_half_computes(rng):
 def test_a_dropped_micro_batch_fails_the_comparison(rng):
     """The comparison above bites: the two-batch layer with B's combine left out (B's rows
     zero) differs."""
-    mesh = ep_mesh("xla", 2)
-    buf = _buffer(mesh, "xla", dtype=jnp.float32)
+    mesh = ep_mesh("reference", 2)
+    buf = _buffer(mesh, "reference", dtype=jnp.float32)
     x, idx, w, weights = _inputs(rng, mesh)
     stages = [moe.dispatch_stage(buf),
               moe.expert_stage(buf, lambda p, xs, g: moe.swiglu_experts(xs, g, *p,
@@ -110,22 +110,22 @@ def _decode_layer(buf, mesh, micro_batches, use_fp8=False):
 
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_decode_two_micro_batches_equal_one(rng, use_fp8):
-    mesh = ep_mesh("xla", 2)
-    buf = _buffer(mesh, "xla", low_latency=True)
+    mesh = ep_mesh("reference", 2)
+    buf = _buffer(mesh, "reference", low_latency=True)
     x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
     one, two = (jax.jit(_decode_layer(buf, mesh, m, use_fp8))(x, idx, w, *weights)
                 for m in (1, 2))
     np.testing.assert_array_equal(two, one)
     # Against the normal-mode layer (same experts, another path): bf16 roundings apart.
-    normal = jax.jit(_layer(_buffer(mesh, "xla"), mesh, 1))(x, idx, w, *weights)
+    normal = jax.jit(_layer(_buffer(mesh, "reference"), mesh, 1))(x, idx, w, *weights)
     scale = np.abs(np.asarray(normal, np.float32)).max(axis=-1, keepdims=True)
     err = np.abs(np.asarray(one, np.float32) - np.asarray(normal, np.float32))
     assert (err <= (0.1 if use_fp8 else 0.02) * scale).all()
 
 
 def test_decode_stages_have_no_backward(rng):
-    mesh = ep_mesh("xla", 2)
-    buf = _buffer(mesh, "xla", low_latency=True)
+    mesh = ep_mesh("reference", 2)
+    buf = _buffer(mesh, "reference", low_latency=True)
     x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
 
     def loss(x):
@@ -136,8 +136,8 @@ def test_decode_stages_have_no_backward(rng):
 
 
 def test_bad_arguments_are_named(rng):
-    mesh = ep_mesh("xla", 2)
-    buf = _buffer(mesh, "xla")
+    mesh = ep_mesh("reference", 2)
+    buf = _buffer(mesh, "reference")
     x, idx, w, weights = _inputs(rng, mesh, jnp.bfloat16)
     with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
         jax.jit(_layer(buf, mesh, 3))(x, idx, w, *weights)
@@ -148,7 +148,7 @@ def test_bad_arguments_are_named(rng):
         moe.two_batch([moe.dispatch_stage(buf), moe.combine_stage(buf)], (), None, None)
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="num_sms must be a positive integer"):
-            _buffer(mesh, "xla", num_sms=bad)
+            _buffer(mesh, "reference", num_sms=bad)
 
 
 # --------------------------------------------------- the schedule's dependences (lowered)
@@ -156,7 +156,7 @@ def _overlap_pair():
     """One overlapped pair over a CUDA Buffer(overlap=True) that only lowers: B's dispatch
     beside a matmul. Returns the jitted step and its argument shapes."""
     require_extension()  # the suite's rule for a missing _C
-    mesh = ep_mesh("xla", 1)
+    mesh = ep_mesh("reference", 1)
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
                         backend="cuda", lowering_only=True, overlap=True)
     stage = moe.dispatch_stage(buf)
@@ -275,7 +275,7 @@ def test_an_exported_overlap_step_keeps_its_dependences():
     order; a two-micro-batch training layer exports with every start waited for."""
     assert _dependence_problems(_exported_overlap()) == []
 
-    mesh = ep_mesh("xla", 1)
+    mesh = ep_mesh("reference", 1)
     buf = _buffer(mesh, "cuda", lowering_only=True, overlap=True)
     layer = _layer(buf, mesh, 2)
 
@@ -332,8 +332,8 @@ def _attention_train_step(buf, mesh, micro_batches):
 
 def test_parameters_read_by_some_stages_get_the_halves_gradients(rng):
     """Each parameter's gradient is the sum of the halves' (zero for one no stage reads)."""
-    mesh = ep_mesh("xla", 2)
-    buf = _buffer(mesh, "xla", dtype=jnp.float32)
+    mesh = ep_mesh("reference", 2)
+    buf = _buffer(mesh, "reference", dtype=jnp.float32)
     x, idx, w, weights = _inputs(rng, mesh)
     params = {"attention": jnp.asarray(rng.standard_normal((2 * H, H)) * H ** -0.5, jnp.float32),
               "experts": tuple(weights), "unread": jnp.ones((2, 4), jnp.float32)}
@@ -364,7 +364,7 @@ def test_the_waits_take_no_parameter_sized_operand():
     where XLA would otherwise fuse it into the micro-batches' sum (docs/overlap.md, "Where the
     training step lost")."""
     require_extension()  # the suite's rule for a missing _C
-    mesh = ep_mesh("xla", 1)
+    mesh = ep_mesh("reference", 1)
     buf = _buffer(mesh, "cuda", lowering_only=True, overlap=True)
     S = jax.ShapeDtypeStruct
     params = {"attention": S((H, H), jnp.bfloat16),

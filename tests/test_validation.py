@@ -9,15 +9,16 @@ from harness import run_sharded
 from jax.sharding import Mesh
 
 import jax_ep
+from jax_ep import env
 
 E, K, H, T = 32, 4, 128, 8
 
 
 def buffer(mesh=None, **overrides):
     args = dict(num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
-                dtype=jnp.float32, backend="xla")
+                dtype=jnp.float32, backend="reference")
     args.update(overrides)
-    return jax_ep.Buffer(mesh or ep_mesh("xla"), overrides.pop("axis", "ep"), **args)
+    return jax_ep.Buffer(mesh or ep_mesh("reference"), overrides.pop("axis", "ep"), **args)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -37,14 +38,82 @@ def test_buffer_rejects_bad_configuration(overrides, message):
         buffer(**overrides)
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(num_experts=30), dict(hidden=100), dict(num_topk=33), dict(max_tokens_per_rank=0),
+    dict(hidden=32768 + 128, low_latency=True), dict(capacity=8 * T + 1),
+])
+def test_buffer_and_the_reports_spec_share_one_check(overrides):
+    """jax_ep.Buffer and env.BufferSpec (what jax-ep-env sizes) run the same rules
+    (jax_ep.system.config.check_config): the same configuration, the same error."""
+    with pytest.raises(ValueError) as from_buffer:
+        buffer(**overrides)
+    spec = dict(num_ranks=8, num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
+                dtype_bytes=4)
+    with pytest.raises(ValueError) as from_spec:
+        env.BufferSpec(**{**spec, **overrides})
+    assert str(from_buffer.value) == str(from_spec.value)
+
+
 def test_buffer_rejects_missing_axis_and_non_mesh():
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     with pytest.raises(ValueError, match="axis_name 'experts' is not an axis"):
         jax_ep.Buffer(mesh, "experts", num_experts=E, hidden=H, max_tokens_per_rank=T,
-                      num_topk=K, backend="xla")
+                      num_topk=K, backend="reference")
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         jax_ep.Buffer("ep", "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
-                      num_topk=K, backend="xla")
+                      num_topk=K, backend="reference")
+
+
+def test_the_reference_backend_has_one_name():
+    """"reference" is the pure-JAX backend's one name (Buffer.backend, the demo's --backend,
+    bench_ep's label); "xla", its earlier name, still selects it and reads back as "reference"."""
+    assert jax_ep.buffer.BACKENDS == ("auto", "cuda", "reference")
+    assert buffer(backend="reference").backend == "reference"
+    assert buffer(backend="auto").backend == "reference"  # CPU devices
+    old = buffer(backend="xla")
+    assert old.backend == "reference" and "backend='reference'" in repr(old)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'cuda', "
+                                         r"'reference'\), got 'ref'"):
+        buffer(backend="ref")
+
+
+def test_a_buffer_whose_constructor_failed_has_a_repr():
+    """What a traceback's locals or a debugger show of a Buffer whose constructor raised."""
+    with pytest.raises(ValueError, match="backend must be one of") as info:
+        buffer(backend="tpu")
+    tb = info.tb
+    while tb.tb_next is not None and "self" not in tb.tb_frame.f_locals:
+        tb = tb.tb_next
+    half_built = tb.tb_frame.f_locals["self"]
+    assert isinstance(half_built, jax_ep.Buffer)
+    assert repr(half_built) == "Buffer(<constructor failed>)"
+
+
+def test_ops_outside_shard_map_say_where_to_call_them():
+    """The global batch passed outside shard_map: each op says to call it inside shard_map (not
+    that the 64 tokens are more than max_tokens_per_rank=8), jitted or not; a shard_map over
+    another number of ranks says so."""
+    mesh = ep_mesh("reference")
+    buf = buffer(mesh)
+    ll_buf = buffer(mesh, dtype=jnp.bfloat16, low_latency=True)
+    x, idx, w = (a.reshape(-1, *a.shape[2:]) for a in _inputs())
+    where = "runs per rank: call it inside jax.shard_map manual over the Buffer's axis 'ep'"
+    calls = {
+        "dispatch": lambda: jax_ep.dispatch(buf, x, idx, w),
+        "get_dispatch_layout": lambda: jax_ep.get_dispatch_layout(buf, idx),
+        "low_latency_dispatch": lambda: jax_ep.low_latency_dispatch(
+            ll_buf, x.astype(jnp.bfloat16), idx),
+    }
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=f"{op} {where}"):
+            call()
+        with pytest.raises(ValueError, match=f"{op} {where}"):
+            jax.jit(call)()
+    half = Mesh(np.array(jax.devices("cpu")[:4]), ("ep",))
+    with pytest.raises(ValueError, match="dispatch: the shard_map's axis 'ep' has 4 ranks, the "
+                                         "Buffer's mesh 8"):
+        run_sharded(half, lambda x, i, w: jax_ep.dispatch(buf, x, i, w).recv_x,
+                    *(a[:4] for a in _inputs()))
 
 
 def test_cuda_backend_on_cpu_names_the_fix():
@@ -69,14 +138,14 @@ def _inputs(tokens=T, hidden=H, dtype=np.float32, idx_dtype=np.int32, topk=K):
     (_inputs(topk=K + 1), r"topk_idx must have shape \[8, 4\]"),
 ])
 def test_dispatch_rejects_bad_input(inputs, message):
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = buffer(mesh)
     with pytest.raises(ValueError, match=message):
         run_sharded(mesh, lambda x, i, w: jax_ep.dispatch(buf, x, i, w).recv_x, *inputs)
 
 
 def test_combine_and_handle_errors():
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = buffer(mesh)
     x, idx, w = _inputs()
 
@@ -94,7 +163,7 @@ def test_combine_and_handle_errors():
 
 
 def test_fp8_pair_is_checked():
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = buffer(mesh, dtype=jnp.bfloat16)
     x, idx, w = _inputs()
     scales = np.zeros((8, T, H // 128 + 1), np.float32)
@@ -105,7 +174,7 @@ def test_fp8_pair_is_checked():
 
 
 def test_closed_buffer_raises():
-    mesh = ep_mesh("xla")
+    mesh = ep_mesh("reference")
     buf = buffer(mesh)
     buf.close()
     x, idx, w = _inputs()

@@ -1,6 +1,6 @@
 """The backends of a Buffer: what `jax_ep.ops` calls, per rank, inside `jax.shard_map`.
 
-  - `reference.ReferenceBackend` (`backend="xla"`): plain `jax.lax`, any platform;
+  - `reference.ReferenceBackend` (`backend="reference"`): plain `jax.lax`, any platform;
   - `cuda.CudaBackend` (`backend="cuda"`): FFI calls of our kernels in `jax_ep._C`;
   - `gate`: whether the cuda backend runs on a Buffer's devices (what `backend="auto"` picks).
 
@@ -28,7 +28,7 @@ class Backend(Protocol):
     order a split send before its receive (`jax_ep/_ordering.py`).
     """
 
-    name: str  # "xla" or "cuda", Buffer.backend
+    name: str  # "reference" or "cuda", Buffer.backend
 
     def layout(self, topk_idx: Array) -> Layout:
         """`get_dispatch_layout` of `topk_idx [T, K]`."""
@@ -73,10 +73,10 @@ class Backend(Protocol):
 
 
 def create(name: str, buf) -> Backend:
-    """The backend `name` ("xla" or "cuda") of `buf`."""
+    """The backend `name` ("reference" or "cuda") of `buf`."""
     from jax_ep.backends import cuda, reference  # noqa: PLC0415 - gate users need neither
 
-    implementations = {"xla": reference.ReferenceBackend, "cuda": cuda.CudaBackend}
+    implementations = {"reference": reference.ReferenceBackend, "cuda": cuda.CudaBackend}
     if name not in implementations:
         raise ValueError(f"unknown backend {name!r}; one of {sorted(implementations)}")
     return implementations[name](buf)

@@ -1,7 +1,7 @@
 """The backend gate: whether the cuda backend runs on a Buffer's devices, and why not.
 
-  - `auto_backend(devices)` -> `("cuda" | "xla", reasons)`: what `Buffer(backend="auto")` uses for
-    the EP group(s) on `devices`; `reasons` says why not "cuda" (empty when "cuda").
+  - `auto_backend(devices)` -> `("cuda" | "reference", reasons)`: what `Buffer(backend="auto")`
+    uses for the EP group(s) on `devices`; `reasons` says why not "cuda" (empty when "cuda").
   - `check_cuda_backend(devices, workspace_bytes_needed)` raises `RuntimeError` listing every
     reason `Buffer(backend="cuda")` cannot run there.
   - `decide_backend(...)`: the same decision from facts already gathered (pure; tests).
@@ -120,7 +120,7 @@ def decide_backend(
         jax_ep._C was built with; None skips that check.
 
     Returns:
-      BackendDecision("cuda", ()) or BackendDecision("xla", reasons).
+      BackendDecision("cuda", ()) or BackendDecision("reference", reasons).
     """
     reasons: list[str] = []
     cuda_devices = [d for d in devices if d.is_cuda]
@@ -134,7 +134,7 @@ def decide_backend(
                 f"build of jax (pip install -U \"jax[cuda12]\") and check JAX_PLATFORMS"
             )
         else:
-            text += "; the reference backend (xla) runs here"
+            text += "; the reference backend runs here"
         reasons.append(text)
     else:
         if default_backend != "gpu":
@@ -177,7 +177,7 @@ def decide_backend(
             reasons.append(
                 f"{who}, but the cuda kernels need compute capability {min_text} or newer "
                 f"(loads and stores with acquire/release semantics at system scope): use the "
-                f"reference backend (xla) on these GPUs"
+                f"reference backend (backend='reference') on these GPUs"
             )
             continue
         if archs is None:
@@ -208,7 +208,7 @@ def decide_backend(
             f"{_gpus_text([g.ordinal for g in no_cooperative])} ({', '.join(names)}): no "
             f"cooperative launch (cudaDevAttrCooperativeLaunch is 0), which the low-latency "
             f"kernels need (all blocks of a launch resident at once): use the reference backend "
-            f"(xla)"
+            f"(backend='reference')"
         )
 
     # GPUs of other processes are reached through CUDA IPC (jax_ep/peers/ipc.py); that
@@ -237,7 +237,7 @@ def decide_backend(
         reasons.append(
             f"GPU {src} has no peer access to {_gpus_text(missing[src])}: the cuda backend writes "
             f"into its peers' memory; put each EP group on GPUs that reach each other "
-            f"(nvidia-smi topo -p2p r) or use the reference backend (xla)"
+            f"(nvidia-smi topo -p2p r) or use the reference backend (backend='reference')"
         )
 
     # Memory for the workspace.
@@ -259,7 +259,7 @@ def decide_backend(
                 f"max_tokens_per_rank"
             )
 
-    return BackendDecision("xla", tuple(reasons)) if reasons else BackendDecision("cuda", ())
+    return BackendDecision("reference", tuple(reasons)) if reasons else BackendDecision("cuda", ())
 
 
 def _gather_and_decide(
@@ -333,7 +333,7 @@ def auto_backend(
       driver_cuda_version: overrides cuDriverGetVersion, e.g. 12080 (tests).
 
     Returns:
-      ("cuda", []) or ("xla", reasons), each reason naming the problem and its fix.
+      ("cuda", []) or ("reference", reasons), each reason naming the problem and its fix.
     """
     decision = _gather_and_decide(
         devices, ep_groups=ep_groups, workspace_bytes_needed=workspace_bytes_needed,
@@ -369,6 +369,6 @@ def check_cuda_backend(
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise RuntimeError(
             f"Buffer(backend='cuda') cannot run on these devices:\n{lines}\n"
-            f"Use backend='auto' (falls back to the reference backend) or backend='xla'; "
+            f"Use backend='auto' (falls back to the reference backend) or backend='reference'; "
             f"`python -m jax_ep.env` shows the details."
         )

@@ -1,4 +1,4 @@
-"""The reference backend (``backend="xla"``): the semantics of docs/api.md in plain ``jax.lax``.
+"""The reference backend (``backend="reference"``): docs/api.md's semantics in plain ``jax.lax``.
 
 Runs inside ``jax.shard_map`` (manual over the EP axis) on any platform, XLA:CPU included. Each
 rank packs, per destination rank, a capacity-padded block of ``T`` rows (every token that has an
@@ -56,7 +56,7 @@ def _select_rows(valid, rows, fill):
 class ReferenceBackend:
     """Pure-JAX implementation of every op, for one Buffer's configuration."""
 
-    name = "xla"
+    name = "reference"
 
     def __init__(self, buf):
         self.buf = buf

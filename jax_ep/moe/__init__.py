@@ -1,8 +1,9 @@
 """`jax_ep.moe`: Mixture-of-Experts building blocks around `jax_ep.dispatch` / `jax_ep.combine`.
 
-  - `layer`: `router`, `permute` / `unpermute`, `swiglu_experts` (`expert_matmul`: the matmul
-    it runs), `moe_ffn` (re-exported here; the module docstring describes the layer and its
-    sharding model);
+  - `layer`: `router`, `swiglu_experts` (`expert_matmul`: the matmul it runs), `moe_ffn`
+    (re-exported here; the module docstring describes the layer and its sharding model);
+  - `permute`: `permute` / `unpermute`, a rank's received rows grouped by local expert and back
+    (what `layer` and `stages` both build on);
   - `tiled_matmul`: `grouped_matmul`, the portable tiled grouped matmul;
   - `grouped_gemm`: library grouped GEMMs on Hopper GPUs and the `matmul="auto"` choice;
   - `two_batch`: two micro-batches whose communication runs under each other's compute;
@@ -15,17 +16,14 @@ The MoE helpers sit on top of the public ops; nothing below them imports this pa
 from jax_ep.moe.layer import (
     DEFAULT_MATMUL,
     MATMULS,
-    Permuted,
-    PermuteState,
     Routing,
     expert_matmul,
     grouped_matmul,
     moe_ffn,
-    permute,
     router,
     swiglu_experts,
-    unpermute,
 )
+from jax_ep.moe.permute import Permuted, PermuteState, permute, unpermute
 from jax_ep.moe.stages import (
     combine_stage,
     dispatch_stage,

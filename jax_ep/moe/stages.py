@@ -36,7 +36,7 @@ import numpy as np
 
 from jax_ep import fp8
 from jax_ep._types import LowLatencyHandle
-from jax_ep.moe.layer import permute, unpermute
+from jax_ep.moe.permute import permute, unpermute
 from jax_ep.moe.two_batch import Comm, Compute, two_batch
 
 

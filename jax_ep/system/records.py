@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_ep.fp8 import CHANNELS_PER_SCALE
+from jax_ep.system import config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,14 +228,14 @@ class XlaMemorySettings:
 
 @dataclasses.dataclass(frozen=True)
 class BufferSpec:
-    """The Buffer configuration whose memory is estimated (Buffer's own arguments).
+    """The Buffer configuration whose memory is reported (Buffer's own arguments and rules).
 
     Attributes:
       num_ranks: R, devices in one EP group.
       num_experts: E, global experts; a multiple of num_ranks.
-      hidden: H, channels per token; a multiple of 128.
+      hidden: H, channels per token; a multiple of 128 (with low_latency at most 32768).
       max_tokens_per_rank: T_max.
-      num_topk: K.
+      num_topk: K, at most min(32, E).
       capacity: normal-mode receive rows; 0 means the default R * T_max.
       dtype_bytes: bytes per element of the Buffer's dtype (bfloat16: 2, float32: 4).
       low_latency: whether the low-latency regions are allocated too.
@@ -250,34 +250,12 @@ class BufferSpec:
     dtype_bytes: int = 2
     low_latency: bool = False
 
-    def __post_init__(self):
-        positive = ("num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_experts % self.num_ranks:
-            raise ValueError(
-                f"num_experts ({self.num_experts}) must be a multiple of num_ranks "
-                f"({self.num_ranks}): choose num_experts = k * {self.num_ranks}"
-            )
-        if self.hidden % CHANNELS_PER_SCALE:
-            raise ValueError(
-                f"hidden must be a multiple of {CHANNELS_PER_SCALE}, got {self.hidden}"
-            )
-        if self.num_topk > self.num_experts:
-            raise ValueError(
-                f"num_topk ({self.num_topk}) must be <= num_experts ({self.num_experts})"
-            )
-        if not 0 <= self.capacity <= self.num_ranks * self.max_tokens_per_rank:
-            raise ValueError(
-                f"capacity must be in [0, num_ranks * max_tokens_per_rank = "
-                f"{self.num_ranks * self.max_tokens_per_rank}] (0 = that default), "
-                f"got {self.capacity}"
-            )
-        if self.dtype_bytes not in (2, 4):
-            raise ValueError(
-                f"dtype_bytes must be 2 (bfloat16) or 4 (float32), got {self.dtype_bytes}"
-            )
+    def __post_init__(self):  # the Buffer's own rules (capacity 0: the default)
+        config.check_config(
+            num_ranks=self.num_ranks, num_experts=self.num_experts, hidden=self.hidden,
+            max_tokens_per_rank=self.max_tokens_per_rank, num_topk=self.num_topk,
+            capacity=self.capacity or None, low_latency=self.low_latency,
+            dtype_bytes=self.dtype_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,14 +264,13 @@ class WorkspaceEstimate:
 
     Attributes:
       spec: the configuration.
-      bytes: bytes per device.
-      exact: True when computed by jax_ep._C.workspace_bytes, False for the approximate formula.
-      source: "jax_ep._C.workspace_bytes" or "approximate formula".
+      bytes: bytes per device, from jax_ep._C.workspace_bytes (the kernels' own size); None
+        where jax_ep._C does not load (no CUDA backend here to allocate it).
+      source: "jax_ep._C.workspace_bytes", or why the size is unknown.
     """
 
     spec: BufferSpec
-    bytes: int
-    exact: bool
+    bytes: int | None
     source: str
 
 
@@ -302,7 +279,7 @@ class BackendDecision:
     """The backend Buffer(backend="auto") picks.
 
     Attributes:
-      backend: "cuda" or "xla".
+      backend: "cuda" or "reference".
       reasons: why not "cuda", each with its fix; empty when "cuda".
     """
 

@@ -54,7 +54,7 @@ def rate_text(bytes_per_s: float) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="auto", choices=("auto", "cuda", "xla"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "cuda", "reference"))
     parser.add_argument("--tokens", type=int, help="tokens per rank (default: by platform)")
     args = parser.parse_args(argv)
 

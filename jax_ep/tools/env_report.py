@@ -22,10 +22,10 @@ None of this initialises JAX's GPU backend except where the backend choice needs
 (`collect`, and `auto_backend` without an explicit `default_backend`). Free device memory is
 measured after that, so it is what a Buffer can still allocate beside XLA's preallocated pool.
 
-JSON schema (`--json`; `schema_version` 1; keys are stable, `null` where unknown):
+JSON schema (`--json`; `schema_version` 2; keys are stable, `null` where unknown):
 
   {
-    "schema_version": 1,
+    "schema_version": 2,
     "versions": {"jax_ep": str|null, "jax": str, "jaxlib": str|null, "python": str,
                  "cuda_driver": str|null (e.g. "12.8"), "cuda_runtime": str ("unknown" if so),
                  "cuda_runtime_source": str|null, "jax_cuda_plugin": str|null},
@@ -59,8 +59,8 @@ JSON schema (`--json`; `schema_version` 1; keys are stable, `null` where unknown
     "workspace": {"spec": {"num_ranks": int, "num_experts": int, "hidden": int,
                            "max_tokens_per_rank": int, "num_topk": int, "capacity": int,
                            "dtype_bytes": int, "low_latency": bool},
-                  "bytes": int, "exact": bool, "source": str},
-    "backend": {"backend": "cuda"|"xla", "reasons": [str]}
+                  "bytes": int|null (null without jax_ep._C), "source": str},
+    "backend": {"backend": "cuda"|"reference", "reasons": [str]}
   }
 
 `peers` has one entry per ordered pair of distinct local GPUs; `link` is "nvlink" when NVML says
@@ -85,7 +85,7 @@ import jax
 
 from jax_ep.backends import cuda
 from jax_ep.backends.gate import decide_backend
-from jax_ep.fp8 import CHANNELS_PER_SCALE
+from jax_ep.system import config
 from jax_ep.system.compat import (
     code_for,
     cuda_version_text,
@@ -119,48 +119,36 @@ from jax_ep.system.records import (
     WorkspaceEstimate,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-# Control words at the start of every workspace (approximate formula only).
-_WORKSPACE_HEADER_BYTES = 64 * 1024
 _GIB = 1 << 30
 _MIB = 1 << 20
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-def approximate_workspace_bytes(spec: BufferSpec) -> int:
-    """The approximate per-device workspace of a Buffer, without the extension.
-
-    normal = 2 * R*T_max * (H*dtype_bytes + H/128*4 + 2*K*4 + 4) + 64 KiB, plus, with
-    low_latency, 2 * E*T_max * (H*2 + H/128*4 + 16) + 2 * T_max*K*H*2 + 64 KiB. The factor 2 is
-    the two alternating regions (epoch parity). jax_ep._C.workspace_bytes is the exact figure.
-    """
-    r, e, h, t, k = (spec.num_ranks, spec.num_experts, spec.hidden, spec.max_tokens_per_rank,
-                     spec.num_topk)
-    scales = h // CHANNELS_PER_SCALE * 4
-    total = 2 * r * t * (h * spec.dtype_bytes + scales + 2 * k * 4 + 4) + _WORKSPACE_HEADER_BYTES
-    if spec.low_latency:
-        total += 2 * e * t * (h * 2 + scales + 16) + 2 * t * k * h * 2 + _WORKSPACE_HEADER_BYTES
-    return total
-
+_DTYPE_BYTES = {name: size for size, name in config.DTYPE_BYTES.items()}  # the Buffer's dtypes
 
 def workspace_estimate(
     spec: BufferSpec, extension: ExtensionInfo | None = None
 ) -> WorkspaceEstimate:
-    """Per-device workspace of `spec`: exact from jax_ep._C when it imports, else approximate."""
+    """Per-device workspace of `spec`: the kernels' own size, `jax_ep._C.workspace_bytes`.
+
+    Without jax_ep._C the size is unknown (None, and `source` says why): Python does not copy
+    the kernels' formula, and without the extension there is no CUDA backend here to allocate
+    it. docs/scaling.md tabulates sizes for larger configurations.
+    """
     extension = probe_extension() if extension is None else extension
-    if extension.importable:
-        try:
-            module = importlib.import_module("jax_ep._C")
-            capacity = spec.capacity or spec.num_ranks * spec.max_tokens_per_rank
-            size = module.workspace_bytes(cuda.buffer_config(
-                module, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
-                hidden=spec.hidden, max_tokens_per_rank=spec.max_tokens_per_rank,
-                num_topk=spec.num_topk, capacity=capacity, dtype_bytes=spec.dtype_bytes,
-                low_latency=spec.low_latency))
-            return WorkspaceEstimate(spec, int(size), True, "jax_ep._C.workspace_bytes")
-        except Exception:  # an older build: fall back to the formula
-            pass
-    return WorkspaceEstimate(spec, approximate_workspace_bytes(spec), False, "approximate formula")
+    if not extension.importable:
+        return WorkspaceEstimate(spec, None, "unknown: jax_ep._C is not built here (the size is "
+                                             "the kernels' own, jax_ep._C.workspace_bytes)")
+    try:
+        module = importlib.import_module("jax_ep._C")
+        capacity = spec.capacity or spec.num_ranks * spec.max_tokens_per_rank
+        size = module.workspace_bytes(cuda.buffer_config(
+            module, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
+            hidden=spec.hidden, max_tokens_per_rank=spec.max_tokens_per_rank,
+            num_topk=spec.num_topk, capacity=capacity, dtype_bytes=spec.dtype_bytes,
+            low_latency=spec.low_latency))
+    except Exception as e:  # noqa: BLE001 - a build whose config the spec does not fit
+        return WorkspaceEstimate(spec, None, f"unknown: jax_ep._C.workspace_bytes failed: {e}")
+    return WorkspaceEstimate(spec, int(size), "jax_ep._C.workspace_bytes")
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +193,7 @@ def collect(spec: BufferSpec | None = None, *, free_memory: bool = True) -> EnvR
     xla_memory = xla_memory_settings()
     infos = [describe_device(d) for d in devices]
     if jax_info.error is not None:
-        backend = BackendDecision("xla", (f"jax failed to start: {jax_info.error}",))
+        backend = BackendDecision("reference", (f"jax failed to start: {jax_info.error}",))
     else:
         group = infos[: spec.num_ranks]
         backend = decide_backend(
@@ -215,7 +203,7 @@ def collect(spec: BufferSpec | None = None, *, free_memory: bool = True) -> EnvR
             driver_cuda_version=driver_cuda_version(),
         )
         if spec.num_ranks > len(infos):
-            backend = BackendDecision("xla", backend.reasons + (
+            backend = BackendDecision("reference", backend.reasons + (
                 f"an EP group of {spec.num_ranks} ranks needs {spec.num_ranks} devices, jax has "
                 f"{len(infos)}: lower --num-ranks (the workspace above is sized for "
                 f"{spec.num_ranks})",
@@ -292,7 +280,8 @@ def _driver_and_code_lines(report: EnvReport) -> list[str]:
         elif code.startswith("sm_"):
             runs = f"runs SASS {code}"
         else:
-            runs = f"runs PTX {code}, JIT-compiled by the driver at first use"
+            runs = (f"runs PTX {code}, JIT-compiled by the driver at first use (a build with "
+                    f"JAX_EP_CUDA_ARCHS=\"{cc[0]}{cc[1]}-real\" carries its own code)")
         lines.append(f"[{g.ordinal}] {g.name} (compute capability {g.compute_capability}): "
                      f"{runs}")
     return lines
@@ -393,8 +382,9 @@ def format_report(report: EnvReport) -> str:
     out.append(
         f"  R={s.num_ranks} E={s.num_experts} H={s.hidden} T_max={s.max_tokens_per_rank} "
         f"K={s.num_topk} C={capacity} dtype_bytes={s.dtype_bytes} "
-        f"{'normal+low_latency' if s.low_latency else 'normal'}: {_bytes_text(ws.bytes)} "
-        f"({ws.bytes} bytes, {'exact' if ws.exact else 'approximate'}: {ws.source})"
+        f"{'normal+low_latency' if s.low_latency else 'normal'}: "
+        + (f"{_bytes_text(ws.bytes)} ({ws.bytes} bytes, {ws.source})" if ws.bytes is not None
+           else ws.source)
     )
     out.append("")
 
