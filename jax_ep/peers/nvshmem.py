@@ -91,7 +91,7 @@ def load_device_transport(module) -> None:
         raise RuntimeError(f"JAX_EP_DEVICE_TRANSPORT=nvshmem: {PLUGIN} was not built (jax_ep "
                            f"builds it where the nvidia-nvshmem-cu13 wheel's headers and device "
                            f"library are found)")
-    module.nvshmem_plugin_load(PLUGIN)
+    module.transport_plugin_load(PLUGIN)
 
 
 def join(buf, module, workspace_bytes: int) -> None:

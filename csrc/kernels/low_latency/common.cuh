@@ -19,10 +19,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/launch.h"
+#include "common/limits.h"
+#include "common/sync.cuh"
 #include "kernels/api.h"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
-#include "kernels/common/sync.cuh"
 #include "kernels/context.h"
 #include "kernels/low_latency/layout.cuh"
 

@@ -11,14 +11,13 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "common/launch.h"
+#include "common/limits.h"
 #include "kernels/api.h"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
 #include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/combine_transfer.cuh"
 #include "kernels/normal/launch.cuh"
-#include "kernels/normal/nvshmem.h"
-#include "kernels/normal/transport.cuh"
+#include "kernels/normal/put_path.cuh"
 #include "kernels/normal/workspace.h"
 #include "kernels/preload.h"
 
@@ -31,19 +30,16 @@ using normal_combine::CombinePlanArgs;
 using normal_combine::CombineTransferArgs;
 using normal_combine::kCombinePlanThreads;
 using normal_combine::kTransferThreads;
-using transport::EmulatedTransport;
-using transport::MappedTransport;
 
 // The plan kernel on the rank's path: stores, or a device transport.
 cudaError_t launch_plan(const RankContext& ctx, const CombinePlanArgs& plan, cudaStream_t stream) {
   return launch_on_path(
       ctx,
-      [&](auto path) {
-        using Path = typename decltype(path)::type;
-        combine_plan_kernel<Path><<<1, kCombinePlanThreads, 0, stream>>>(plan);
+      [&] {
+        combine_plan_kernel<StoresPath><<<1, kCombinePlanThreads, 0, stream>>>(plan);
         return cudaGetLastError();
       },
-      [&] { return launch_combine_plan_nvshmem(plan, stream); });
+      [&](const PutPlugin& put) { return put.combine_plan(&plan, stream); });
 }
 
 // The transfer kernel of Element on the rank's path.
@@ -52,24 +48,23 @@ cudaError_t launch_transfer(const RankContext& ctx, const CombineTransferArgs& a
                             cudaStream_t stream) {
   return launch_on_path(
       ctx,
-      [&](auto path) {
-        using Path = typename decltype(path)::type;
-        combine_transfer_kernel<Element, Path>
+      [&] {
+        combine_transfer_kernel<Element, StoresPath>
             <<<ctx.normal_blocks, kTransferThreads, 0, stream>>>(args);
         return cudaGetLastError();
       },
-      [&] {
-        return launch_combine_transfer_nvshmem(static_cast<int>(sizeof(Element)), ctx.normal_blocks,
-                                               args, stream);
+      [&](const PutPlugin& put) {
+        return put.combine_transfer(static_cast<int>(sizeof(Element)), ctx.normal_blocks, &args,
+                                    stream);
       });
 }
 
-template <typename Path>
-cudaError_t preload_combine_kernels_on() {
+cudaError_t preload_combine_kernels_on_stores() {
   cudaFuncAttributes attributes;
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<Path>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, Path>));
-  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, Path>);
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<StoresPath>));
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, StoresPath>));
+  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, StoresPath>);
 }
 
 }  // namespace
@@ -112,11 +107,6 @@ int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w) {
   return region_row_bytes(y_bytes_per_row, num_w);
 }
 
-cudaError_t preload_combine_kernels() { return preload_combine_kernels_on<StoresPath>(); }
-
-cudaError_t preload_combine_transport_kernels() {
-  CUDA_RETURN_IF_ERROR(preload_combine_kernels_on<TransportPath<MappedTransport>>());
-  return preload_combine_kernels_on<TransportPath<EmulatedTransport>>();
-}
+cudaError_t preload_combine_kernels() { return preload_combine_kernels_on_stores(); }
 
 }  // namespace jax_ep
