@@ -109,7 +109,7 @@ def test_what_a_device_transport_does_not_carry_is_refused_by_name():
             capacity=16, dtype_bytes=2, low_latency=False, timeout_s=10.0,
             device_transport=transport, normal_send_slots=send_slots)
 
-    with pytest.raises(RuntimeError, match="set JAX_EP_TRANSPORT=nvshmem too"):
+    with pytest.raises(RuntimeError, match="set JAX_EP_PEER_MAPPING=nvshmem too"):
         module.create_buffer(2**40, [[0, 1]], config(3))
     with pytest.raises(RuntimeError, match="normal_send_slots must be >= 0, got -1"):
         module.create_buffer(2**40, [[0, 1]], config(2, send_slots=-1))
@@ -198,7 +198,7 @@ def _nvshmem_env():
     if not module.nvshmem_built():
         pytest.skip("jax_ep was built without NVSHMEM (the nvidia-nvshmem wheel's headers "
                     "and device library)")
-    return {"JAX_EP_TRANSPORT": "nvshmem"}
+    return {"JAX_EP_PEER_MAPPING": "nvshmem"}
 
 
 @pytest.mark.gpu

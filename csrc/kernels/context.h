@@ -30,7 +30,7 @@ constexpr int kTransportRegions = 4;
 // (kernels/put_plugin.h): kMapped performs each put as stores through the peer mapping;
 // kEmulated hands every command to a host proxy per rank, which delivers it with copy-engine
 // copies, adversarially (the test module's); kNvshmem performs it with NVSHMEM's device API (the
-// workspace on NVSHMEM's symmetric heap, JAX_EP_TRANSPORT=nvshmem; the NVSHMEM plugin's).
+// workspace on NVSHMEM's symmetric heap, JAX_EP_PEER_MAPPING=nvshmem; the NVSHMEM plugin's).
 enum class DeviceTransport : int32_t { kStores = 0, kMapped = 1, kEmulated = 2, kNvshmem = 3 };
 
 // Static configuration of a Buffer, identical on every rank.

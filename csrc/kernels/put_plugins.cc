@@ -113,7 +113,7 @@ std::string transport_plugin_missing(DeviceTransport device_transport) {
   }
   return "jax_ep: JAX_EP_DEVICE_TRANSPORT=nvshmem needs the NVSHMEM plugin loaded "
          "(jax_ep._C.transport_plugin_load(<libjax_ep_nvshmem.so>), which the Buffer does with "
-         "JAX_EP_TRANSPORT=nvshmem)";
+         "JAX_EP_PEER_MAPPING=nvshmem)";
 }
 
 std::string nvshmem_transport_library(void** library) {

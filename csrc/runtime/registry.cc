@@ -39,7 +39,7 @@ std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
   if (error.empty() && config.device_transport == DeviceTransport::kNvshmem && pes.empty()) {
     error =
         "jax_ep: JAX_EP_DEVICE_TRANSPORT=nvshmem puts through NVSHMEM's symmetric heap: "
-        "set JAX_EP_TRANSPORT=nvshmem too";
+        "set JAX_EP_PEER_MAPPING=nvshmem too";
   }
   if (error.empty()) error = transport_plugin_missing(config.device_transport);
   if (!error.empty()) return error;

@@ -1,7 +1,7 @@
 // The device transport through NVSHMEM's device API (device_transport.cuh's interface): puts and
 // signals are NVSHMEM operations on the symmetric heap, performed by whatever NVSHMEM reaches the
 // peer with (peer-to-peer stores, its host proxy, or a NIC). The regions must live on the
-// symmetric heap (JAX_EP_TRANSPORT=nvshmem): a region of this rank and the same offset name the
+// symmetric heap (JAX_EP_PEER_MAPPING=nvshmem): a region of this rank and the same offset name the
 // same bytes on every PE. Only with NVSHMEM's headers (JAX_EP_HAVE_NVSHMEM); the kernels that use
 // it are compiled without relocatable device code and their module is registered with
 // nvshmemx_culibrary_init (csrc/plugins/nvshmem_transport_kernels.cu).
