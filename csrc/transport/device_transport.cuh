@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "common/sync.cuh"
 #include "transport/symmetric_address.h"

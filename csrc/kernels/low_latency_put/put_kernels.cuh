@@ -1,9 +1,9 @@
 // The bodies of the low-latency put-protocol dispatch and combine (protocol in
 // low_latency_put/put_protocol.h), templates on the transport. A translation unit includes this,
 // specialises MakeTransport for its transport and instantiates the kernels for it:
-// low_latency_put/put_protocol.cu (mapped), plugins/nvshmem_transport_kernels.cu (NVSHMEM's
-// device API, built only with NVSHMEM's headers), and the test module's emulated kernels
-// (xla_ffi/testing/emulated_kernels.cu). One warp per block.
+// kernels/put_mapped.cu (mapped), plugins/nvshmem_transport_kernels.cu (NVSHMEM's device API,
+// built only with NVSHMEM's headers), and the test module's emulated kernels
+// (xla_ffi/testing/emulated_kernels.cu), each through kernels/put_plugin.cuh. One warp per block.
 #pragma once
 
 #include <cuda_bf16.h>
