@@ -1,10 +1,11 @@
-// The paths by which the normal-mode kernels cross ranks (dispatch.cu, combine.cu).
+// The put path of the normal-mode kernels, TransportPath<T>, beside the store path it replaces
+// over a device transport, StoresPath: the two paths by which those kernels cross ranks.
 //
-// StoresPath is today's: a warp stores rows and release-stores flags straight into a peer's
-// workspace through its mapping. TransportPath<T> does the same through a device transport
-// (transport/device_transport.cuh), for peers without a mapping: the flags and words stay where
-// they are and keep their values, each store becomes a transport call (docs/transport.md,
-// "The normal mode over a device transport"):
+// StoresPath: a warp stores rows and release-stores flags straight into a peer's workspace
+// through its mapping (dispatch.cu, combine.cu instantiate it). TransportPath<T> does the same
+// through a device transport (transport/device_transport.cuh), for peers without a mapping: the
+// flags and words stay where they are and keep their values, each store becomes a transport call
+// (docs/transport.md, "The normal mode over a device transport"):
 //   - a row is staged in this rank's send region (a put's source must be registered; x and y
 //     are XLA operands, which are not), then put_signal sets its row flag at the peer;
 //   - a count or barrier word is a signal (kSet).
