@@ -326,7 +326,8 @@ class LowLatencyTransportForTests {
   bool per_rank_ = false;
   OpWords dispatch_words_;
   OpWords combine_words_;
-  PutPlugin plugin_;  // the transport's kernels: jax_ep._C's mapped ones, or the emulated ones
+  PutPlugin plugin_;  // the transport's kernels: the mapped ones (as jax_ep._C builds them) or the
+                      // emulated ones
   bool emulated_ = false;
   LowLatencyTransportLaunch launch_;
   void* x_[kTransportMaxRanksPerLaunch] = {};
