@@ -6,7 +6,7 @@
 
 Needs a build with the phase timeline (the CMake option above; a release build prints
 nothing and this script says so): every block of a launch prints its marks
-(csrc/kernels/common/phase_timeline.cuh). The script runs each op ``--launches`` times in a
+(csrc/common/phase_timeline.cuh). The script runs each op ``--launches`` times in a
 child process, one launch per program call, and prints per mark how many blocks reached it and
 the earliest, median and latest time after the launch's first block started (microseconds,
 medians over the launches), then the marks of the block that finished last. Marks: dispatch

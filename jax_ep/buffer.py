@@ -129,7 +129,7 @@ class Buffer:
         self.backend = self._resolve_backend(backend, lowering_only)
         # How peers' memory is mapped (CUDA backend): "local" (one process: unified
         # addressing), "ipc" (CUDA IPC between the processes of one host) or "nvshmem"
-        # (JAX_EP_TRANSPORT=nvshmem: NVSHMEM's symmetric heap, one process per GPU).
+        # (JAX_EP_PEER_MAPPING=nvshmem: NVSHMEM's symmetric heap, one process per GPU).
         self.peer_mapping = None
         if self.backend == "cuda":
             self.peer_mapping = self._resolve_peer_mapping(lowering_only)
@@ -225,7 +225,7 @@ class Buffer:
             if len(names) > 1:
                 return (f"EP group {g} spans hosts {names}: the cuda backend reaches peers over "
                         f"NVLink within one host (ranks on other hosts need device-initiated "
-                        f"NVSHMEM puts, not implemented yet; JAX_EP_TRANSPORT=nvshmem covers "
+                        f"NVSHMEM puts, not implemented yet; JAX_EP_PEER_MAPPING=nvshmem covers "
                         f"the peers NVSHMEM maps peer-to-peer)")
         return ""
 

@@ -70,8 +70,8 @@ SETTINGS = {s.name: s for s in (
             "bound on every wait of a kernel for a peer (Buffer(timeout_s=...) overrides)"),
     Setting("JAX_EP_JOIN_TIMEOUT_S", "runtime", 120.0, _seconds,
             "bound on every wait of the multi-process Buffer exchange"),
-    Setting("JAX_EP_TRANSPORT", "runtime", "ipc", _choice("ipc", "nvshmem"),
-            "how processes map their peers' workspaces (a Buffer's peer mapping): CUDA IPC or "
+    Setting("JAX_EP_PEER_MAPPING", "runtime", "ipc", _choice("ipc", "nvshmem"),
+            "how processes map their peers' workspaces (a Buffer's peer_mapping): CUDA IPC or "
             "NVSHMEM's symmetric heap"),
     Setting("JAX_EP_NVSHMEM_LIB", "runtime", None, _text,
             "path of NVSHMEM's host library (default: the nvidia-nvshmem wheel's)"),
@@ -89,8 +89,8 @@ SETTINGS = {s.name: s for s in (
             _choice("stores", "mapped", "emulated", "nvshmem"),
             "how the ops of a Buffer reach peers: stores through peer mappings, or the "
             "put-protocol kernels for peers without one, performed as stores (mapped), by an "
-            "adversarial host proxy (emulated: for tests) or by NVSHMEM's device API (nvshmem, "
-            "with JAX_EP_TRANSPORT=nvshmem; docs/transport.md)"),
+            "adversarial host proxy (emulated: the test module's, for tests) or by NVSHMEM's "
+            "device API (nvshmem, with JAX_EP_PEER_MAPPING=nvshmem; docs/transport.md)"),
     Setting("JAX_EP_EMULATOR_SEED", "runtime", 0, _nonnegative_int,
             "the emulated transport's seed (reordering, tearing, delays); rank r uses seed + r"),
     Setting("JAX_EP_MOE_MATMUL", "runtime", None,
@@ -133,11 +133,24 @@ SETTINGS = {s.name: s for s in (
 )}
 
 
+# Names no longer read, by the setting that replaced them: reading the new one while the old is
+# set is an error naming both (a renamed setting must not be ignored without a word).
+RENAMED = {
+    "JAX_EP_TRANSPORT": ("JAX_EP_PEER_MAPPING", "how processes map peers' memory; "
+                         "JAX_EP_DEVICE_TRANSPORT is how the ops send rows"),
+}
+
+
 def value(name: str, environ=None):
     """The parsed value of setting ``name`` (its default when unset or empty); ValueError naming
-    the variable when the text does not parse."""
+    the variable when the text does not parse, or when a name it replaced (RENAMED) is set."""
     setting = SETTINGS[name]
-    raw = (os.environ if environ is None else environ).get(name)
+    environ = os.environ if environ is None else environ
+    for old, (new, meaning) in RENAMED.items():
+        if new == name and old in environ:
+            raise ValueError(f"{old} was renamed {new} ({meaning}): set "
+                             f"{new}={environ[old].strip() or '...'} instead, and unset {old}")
+    raw = environ.get(name)
     if raw is None or raw.strip() == "":
         return setting.default
     return setting.parse(name, raw)

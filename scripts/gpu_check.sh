@@ -16,9 +16,9 @@
 #   tests      the GPU tests of $TESTS, one pytest process per file (a kernel that traps takes its
 #              process down, not the run)
 #   multiproc  tests/test_gpu_multiprocess.py, then the GPU suite under `jax_ep.launch -n 2`
-#   nvshmem    the GPU suite and bench_ep under `JAX_EP_TRANSPORT=nvshmem jax_ep.launch -n 2
+#   nvshmem    the GPU suite and bench_ep under `JAX_EP_PEER_MAPPING=nvshmem jax_ep.launch -n 2
 #              --share-gpus` (NVSHMEM's symmetric heap and peer-to-peer mappings)
-#   one_pe     the GPU suite under JAX_EP_TRANSPORT=nvshmem as a job of one PE (EP=1)
+#   one_pe     the GPU suite under JAX_EP_PEER_MAPPING=nvshmem as a job of one PE (EP=1)
 #   shared     2 processes sharing each GPU (jax_ep.launch --processes-per-gpu 2): every op's bits
 #              with CUDA IPC and with NVSHMEM peers against the reference backend, then the op
 #              tests (the oracle) with IPC peers (SHARED_ARGS: the test files)
@@ -111,10 +111,10 @@ fi
 has multiproc && step mp_tests 200 "${PYTEST[@]}" tests/test_gpu_multiprocess.py ${MP_ARGS:-}
 has multiproc && step mp_suite 300 python3 -m jax_ep.launch -n 2 --timeout 280 -- \
   "${PYTEST[@]}" tests/test_normal.py tests/test_low_latency.py tests/test_gradients.py
-has nvshmem && JAX_EP_TRANSPORT=nvshmem step nvshmem_suite 300 python3 -m jax_ep.launch -n 2 \
+has nvshmem && JAX_EP_PEER_MAPPING=nvshmem step nvshmem_suite 300 python3 -m jax_ep.launch -n 2 \
   --share-gpus --timeout 280 -- "${PYTEST[@]}" tests/test_normal.py tests/test_low_latency.py \
   tests/test_low_latency_split.py tests/test_gradients.py
-has one_pe && JAX_EP_TRANSPORT=nvshmem step one_pe 300 python3 -m jax_ep.launch -n 1 \
+has one_pe && JAX_EP_PEER_MAPPING=nvshmem step one_pe 300 python3 -m jax_ep.launch -n 1 \
   --timeout 280 -- "${PYTEST[@]}" tests/test_normal.py tests/test_low_latency.py \
   tests/test_gradients.py
 if has shared; then  # digests of IPC and NVSHMEM peers against the reference, then the op tests
@@ -150,7 +150,7 @@ if has bench; then
   step bench_mp 240 python3 -m jax_ep.launch -n 2 --timeout 230 -- python3 \
     "$R/benchmarks/bench_ep.py" --out "$OUT" --tag 2proc --impls jax_ep --ll-tokens 128 --ops "$LL_OPS"
 fi
-has nvshmem && JAX_EP_TRANSPORT=nvshmem step bench_nvshmem 240 python3 -m jax_ep.launch -n 2 \
+has nvshmem && JAX_EP_PEER_MAPPING=nvshmem step bench_nvshmem 240 python3 -m jax_ep.launch -n 2 \
   --share-gpus --timeout 230 -- python3 "$R/benchmarks/bench_ep.py" --out "$OUT" --tag nvshmem \
   --impls jax_ep --ll-tokens 128 --ops "$LL_OPS"
 has split_bench && step bench_split 120 python3 "$R/benchmarks/bench_ep.py" --out "$OUT" \

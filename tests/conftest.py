@@ -31,6 +31,7 @@ if os.environ.get("JAX_EP_NUM_PROCESSES"):
 
 
 def pytest_configure(config):
+    _register_emulated_transport()
     # The CPU suite compiles a few hundred small programs, and XLA:CPU's LLVM passes are most of
     # that time: at -O0 the suite takes ~20% less (the results are the same; nothing here times
     # XLA's code). Runs that select GPU tests keep XLA's defaults.
@@ -39,6 +40,22 @@ def pytest_configure(config):
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
     if not selects_gpu:
         _use_compilation_cache(config)
+
+
+def _register_emulated_transport():
+    """JAX_EP_DEVICE_TRANSPORT=emulated runs the test module's emulated transport (jax_ep never
+    imports jax_ep._C_testing, and jax_ep._C carries none): hand it to jax_ep._C in every test
+    process, child processes' pytest runs included, where both modules are built."""
+    from jax_ep.backends import cuda  # noqa: PLC0415
+
+    module, _ = cuda.load_extension()
+    if module is None:
+        return
+    try:
+        from jax_ep import _C_testing  # noqa: PLC0415
+    except ImportError:  # built without the test module: test_build.py reports it
+        return
+    _C_testing.register_emulated_transport()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,6 +82,15 @@ def save_sum(name, value, magnitude):
 BUFFERS = []  # every Buffer made, for print_evidence
 
 
+def register_emulated_transport():
+    """Over JAX_EP_DEVICE_TRANSPORT=emulated: hand the test module's emulated transport to
+    jax_ep._C (which carries none) before the first Buffer."""
+    if settings.value("JAX_EP_DEVICE_TRANSPORT") == "emulated":
+        from jax_ep import _C_testing  # noqa: PLC0415
+
+        _C_testing.register_emulated_transport()
+
+
 def with_mutant(buf):
     """``buf``, its put-protocol kernels made to break the rule JAX_EP_TRANSPORT_MUTANT names
     (from its first op on), when that is set."""
@@ -121,6 +130,8 @@ def print_evidence():
 def main(backend, parts="all"):
     if os.environ.get("DIGEST_FAIL_PROCESS") == str(jax.process_index()):
         raise RuntimeError("this process fails on purpose (DIGEST_FAIL_PROCESS)")
+    if backend == "cuda":
+        register_emulated_transport()
     devices = jax.devices("gpu") if backend == "cuda" else jax.devices("cpu")
     mesh = Mesh(np.array(devices), ("ep",))
     R = mesh.shape["ep"]

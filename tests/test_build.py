@@ -31,7 +31,13 @@ pytestmark = pytest.mark.usefixtures("extension")
 TEST_BINDINGS = ("EmulatedQueueForTests", "LowLatencyTransportForTests", "transport_probe",
                  "transport_ring_stress", "low_latency_transport_layout", "low_latency_layout",
                  "fast_divide", "print_native_stack_on_crash", "set_transport_mutant",
-                 "check_transport_mutant", "mutant_names")
+                 "check_transport_mutant", "mutant_names", "register_emulated_transport")
+# Names that only test code has: the emulator's (its transport, host proxy, proxy thread,
+# executors, emulated ranks), the protocol mutants, and the capsule by which the test module
+# once reached into _C's registry. The user's module may carry none of them, in its bindings or
+# in its machine code (class names survive stripping: kernels' mangled names, type names).
+TEST_ONLY_NAMES = ("EmulatedTransport", "EmulatedQueue", "HostProxy", "ProxyThread", "RankProxy",
+                   "CudaCopyExecutor", "HostMemcpyExecutor", "Mutant", "mutant", "_runtime_api")
 
 
 def test_test_bindings_live_in_the_test_extension_beside_the_module():
@@ -44,6 +50,26 @@ def test_test_bindings_live_in_the_test_extension_beside_the_module():
     assert [name for name in TEST_BINDINGS if hasattr(_C, name)] == []
     assert [name for name in dir(_C) if re.search(r"mutant|ForTests|probe", name)] == []
     assert [name for name in dir(_C.BufferConfig) if "mutant" in name] == []
+
+
+def test_the_module_exports_nothing_that_only_tests_use():
+    """jax_ep._C ships no emulator, no protocol mutant and no test-only binding or capsule: its
+    attributes, its BufferConfig's fields, its FFI targets and the bytes of its shared object
+    name none of TEST_ONLY_NAMES, while the test module's shared object names them (so the scan
+    can see them where they are)."""
+    testing = pytest.importorskip("jax_ep._C_testing", reason="the test extension is not built")
+    names = (set(dir(_C)) | set(dir(_C.BufferConfig)) | set(_C.registrations())
+             | set(_C.target_names().values()))
+    pattern = re.compile(r"mutant|emulat(ed|or)_?(transport|queue|ranks?)|proxy|ForTests|probe|"
+                         r"runtime_api", re.IGNORECASE)
+    assert sorted(n for n in names if pattern.search(n)) == []
+    with open(_C.__file__, "rb") as f:
+        image = f.read()
+    assert [n for n in TEST_ONLY_NAMES if n.encode() in image] == []
+    with open(testing.__file__, "rb") as f:
+        testing_image = f.read()
+    assert [n for n in ("EmulatedTransport", "HostProxy", "Mutant")
+            if n.encode() not in testing_image] == []
 
 
 def test_cuda_architectures_name_the_code_in_the_module():
@@ -111,7 +137,8 @@ def test_kernels_compile_for_the_oldest_architecture_we_promise():
     major = int(re.search(r"release (\d+)\.", version).group(1))
     arch = "sm_70" if major <= 12 else "sm_75"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sources = sorted(glob.glob(os.path.join(root, "csrc", "kernels", "*", "*.cu")))
+    sources = sorted(glob.glob(os.path.join(root, "csrc", "kernels", "*.cu")))
+    sources += sorted(glob.glob(os.path.join(root, "csrc", "kernels", "*", "*.cu")))
     sources += sorted(glob.glob(os.path.join(root, "xla_ffi", "testing", "*.cu")))
     assert len(sources) > 5, sources
 

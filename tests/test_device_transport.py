@@ -109,10 +109,46 @@ def test_what_a_device_transport_does_not_carry_is_refused_by_name():
             capacity=16, dtype_bytes=2, low_latency=False, timeout_s=10.0,
             device_transport=transport, normal_send_slots=send_slots)
 
-    with pytest.raises(RuntimeError, match="set JAX_EP_TRANSPORT=nvshmem too"):
+    with pytest.raises(RuntimeError, match="set JAX_EP_PEER_MAPPING=nvshmem too"):
         module.create_buffer(2**40, [[0, 1]], config(3))
     with pytest.raises(RuntimeError, match="normal_send_slots must be >= 0, got -1"):
         module.create_buffer(2**40, [[0, 1]], config(2, send_slots=-1))
+
+
+@pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
+def test_the_emulated_transport_is_the_test_modules_and_registered_on_request():
+    """jax_ep._C carries no emulated transport: a Buffer over it, in a process that has not
+    registered the test module's (conftest does, for the tests), is refused before it touches a
+    device, naming what to do; once registered, the refusal is gone (the same configuration
+    fails further on, on a machine without the devices, or not at all)."""
+    script = (
+        "import sys\n"
+        "from jax_ep.backends import cuda\n"
+        "module, _ = cuda.load_extension()\n"
+        "config = cuda.buffer_config(module, num_ranks=1, num_experts=8, hidden=256, "
+        "max_tokens_per_rank=8, num_topk=2, capacity=8, dtype_bytes=2, low_latency=True, "
+        "timeout_s=10.0, device_transport=2)\n"
+        "def create():\n"
+        "    try:\n"
+        "        module.create_buffer(2**40, [[0]], config)\n"
+        "    except RuntimeError as e:\n"
+        "        return str(e)\n"
+        "    module.destroy_buffer(2**40)\n"
+        "    return 'created'\n"
+        "print('BEFORE', create())\n"
+        "from jax_ep import _C_testing\n"
+        "_C_testing.register_emulated_transport()\n"
+        "_C_testing.register_emulated_transport()  # again: harmless\n"
+        "print('AFTER', create())\n")
+    with tempfile.TemporaryDirectory() as cwd:  # the installed jax_ep, not the checkout
+        proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True,
+                              text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    before = next(line for line in proc.stdout.splitlines() if line.startswith("BEFORE"))
+    after = next(line for line in proc.stdout.splitlines() if line.startswith("AFTER"))
+    assert "JAX_EP_DEVICE_TRANSPORT=emulated" in before, before
+    assert "jax_ep._C_testing.register_emulated_transport()" in before, before
+    assert "register_emulated_transport" not in after, after
 
 
 @pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C
@@ -162,7 +198,7 @@ def _nvshmem_env():
     if not module.nvshmem_built():
         pytest.skip("jax_ep was built without NVSHMEM (the nvidia-nvshmem wheel's headers "
                     "and device library)")
-    return {"JAX_EP_TRANSPORT": "nvshmem"}
+    return {"JAX_EP_PEER_MAPPING": "nvshmem"}
 
 
 @pytest.mark.gpu
@@ -294,7 +330,8 @@ def test_normal_ops_across_fake_hosts_move_the_bits_of_the_stores_path(mapped_no
         print(f"emulator seed {seed}: the stores path's digests", flush=True)  # with -s
 
 
-# The faults the emulated transport's proxies report (ProxyErrorKind, csrc/transport/host_proxy.h).
+# The faults the emulated transport's proxies report (ProxyErrorKind,
+# csrc/transport/emulator/host_proxy.h).
 PROXY_FAULTS = ("bad_command", "source_out_of_region", "destination_out_of_region",
                 "signal_out_of_region", "misaligned", "source_reused")
 
@@ -318,9 +355,9 @@ def _caught_evidence(output):
 @pytest.mark.parametrize("mutant", ["no_fence", "signal_before_data", "unregistered_source",
                                     "no_final_quiet"])
 def test_every_protocol_mutant_is_caught_under_the_ops(mapped_digests, mutant):
-    """Each protocol mutant (transport/mutant.h) in the ops' kernels, one process per rank as
-    two hosts: the emulated transport must catch it under every seed (a surviving mutant means
-    the emulator is too weak). no_final_quiet shows only here: with a launch per rank, the
+    """Each protocol mutant (transport/emulator/mutant.h) in the ops' kernels, one process per
+    rank as two hosts: the emulated transport must catch it under every seed (a surviving mutant
+    means the emulator is too weak). no_final_quiet shows only here: with a launch per rank, the
     second dispatch of the digest program restages rows the proxy may still be reading.
     (reuse_before_quiet needs more combine rows per warp than its 8 slots, which the digest
     program does not send: tests/test_transport_gpu.py catches it.)"""
@@ -374,5 +411,5 @@ def test_the_nvshmem_device_transport_loads_where_it_is_built():
         assert not os.path.exists(nvshmem.PLUGIN)
         pytest.skip("jax_ep was built without NVSHMEM (no nvidia-nvshmem-cu13 wheel at build time)")
     module.nvshmem_load(nvshmem.library_path())
-    module.nvshmem_plugin_load(nvshmem.PLUGIN)
-    module.nvshmem_plugin_load(nvshmem.PLUGIN)  # once: later calls are no-ops
+    module.transport_plugin_load(nvshmem.PLUGIN)
+    module.transport_plugin_load(nvshmem.PLUGIN)  # once: later calls are no-ops

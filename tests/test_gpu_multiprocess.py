@@ -44,7 +44,7 @@ def test_two_processes_give_the_bits_of_one():
 
 
 def test_nvshmem_transport_gives_the_bits_of_one_process():
-    """JAX_EP_TRANSPORT=nvshmem (workspaces on NVSHMEM's symmetric heap, peers by nvshmem_ptr
+    """JAX_EP_PEER_MAPPING=nvshmem (workspaces on NVSHMEM's symmetric heap, peers by nvshmem_ptr
     through NVSHMEM's own peer-to-peer transport): the same bits as 1 process x 2 GPUs."""
     require_gpus(2)
     from jax_ep.backends import cuda as _cuda  # noqa: PLC0415

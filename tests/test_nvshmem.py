@@ -24,7 +24,7 @@ def test_peer_mapping_switch(monkeypatch, value, want):
 
 def test_unknown_peer_mapping_names_the_variable(monkeypatch):
     monkeypatch.setenv(_nvshmem.ENV_MAPPING, "rdma")
-    with pytest.raises(ValueError, match="JAX_EP_TRANSPORT='rdma'.*ipc, nvshmem"):
+    with pytest.raises(ValueError, match="JAX_EP_PEER_MAPPING='rdma'.*ipc, nvshmem"):
         _nvshmem.requested_peer_mapping()
 
 

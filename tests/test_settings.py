@@ -16,7 +16,7 @@ BUILD_INTERNAL = {"JAX_EP_CMAKE_CUDA_ARCHS", "JAX_EP_CUDA_ARCHS_BUILT", "JAX_EP_
                   "JAX_EP_NVIDIA_SMI", "JAX_EP_GPU_CAPS",
                   "JAX_EP_DIVISOR_HOST_DEVICE", "JAX_EP_HAVE_NVSHMEM", "JAX_EP_HOST_DEVICE",
                   "JAX_EP_KERNEL_SOURCES", "JAX_EP_NVCC_VERSION_TEXT", "JAX_EP_RUNTIME_SOURCES",
-                  "JAX_EP_TRANSPORT_SOURCES", "JAX_EP_TESTING_KERNEL_SOURCES",
+                  "JAX_EP_EMULATOR_SOURCES", "JAX_EP_TESTING_KERNEL_SOURCES",
                   "JAX_EP_TESTING_SOURCES"}
 
 
@@ -33,7 +33,10 @@ def names_in_code():
 
 def test_every_variable_of_the_code_is_in_the_table_and_the_readme():
     table = set(settings.SETTINGS)
-    assert names_in_code() - BUILD_INTERNAL <= table, names_in_code() - BUILD_INTERNAL - table
+    # A renamed variable's old name is named only to refuse it (settings.RENAMED).
+    known = table | BUILD_INTERNAL | set(settings.RENAMED)
+    assert names_in_code() <= known, names_in_code() - known
+    assert not set(settings.RENAMED) & table
     readme = (ROOT / "README.md").read_text()
     missing = [name for name in table if f"`{name}`" not in readme]
     assert not missing, f"not in the README's Settings table: {missing}"
@@ -45,7 +48,7 @@ def test_every_variable_of_the_code_is_in_the_table_and_the_readme():
     ("JAX_EP_JOIN_TIMEOUT_S", "0", "JAX_EP_JOIN_TIMEOUT_S must be positive"),
     ("JAX_EP_NORMAL_BLOCKS", "0", "JAX_EP_NORMAL_BLOCKS must be a positive integer"),
     ("JAX_EP_LOW_LATENCY_BLOCKS", "many", "JAX_EP_LOW_LATENCY_BLOCKS must be a positive integer"),
-    ("JAX_EP_TRANSPORT", "rdma", "JAX_EP_TRANSPORT='rdma': choose one of ipc, nvshmem"),
+    ("JAX_EP_PEER_MAPPING", "rdma", "JAX_EP_PEER_MAPPING='rdma': choose one of ipc, nvshmem"),
 ])
 def test_a_bad_value_names_the_variable(name, raw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -57,4 +60,16 @@ def test_values_and_defaults():
     assert settings.value("JAX_EP_TIMEOUT_S", {"JAX_EP_TIMEOUT_S": "2.5"}) == 2.5
     assert settings.value("JAX_EP_NORMAL_PUSH_BLOCKS", {"JAX_EP_NORMAL_PUSH_BLOCKS": ""}) is None
     assert settings.value("JAX_EP_NORMAL_PUSH_BLOCKS", {"JAX_EP_NORMAL_PUSH_BLOCKS": "12"}) == 12
-    assert settings.value("JAX_EP_TRANSPORT", {"JAX_EP_TRANSPORT": " NVSHMEM "}) == "nvshmem"
+    assert settings.value("JAX_EP_PEER_MAPPING", {"JAX_EP_PEER_MAPPING": " NVSHMEM "}) == "nvshmem"
+
+
+@pytest.mark.parametrize("environ", [{"JAX_EP_TRANSPORT": "nvshmem"},
+                                     {"JAX_EP_TRANSPORT": "ipc", "JAX_EP_PEER_MAPPING": "ipc"}])
+def test_the_old_name_of_the_peer_mapping_is_refused_naming_the_new_one(environ):
+    """JAX_EP_TRANSPORT (how peers' memory is mapped) was renamed JAX_EP_PEER_MAPPING, so that
+    "transport" means only JAX_EP_DEVICE_TRANSPORT (how the ops send rows): the old name, set,
+    is an error that names the new one, whether or not the new one is set too."""
+    with pytest.raises(ValueError, match=r"JAX_EP_TRANSPORT was renamed JAX_EP_PEER_MAPPING .*"
+                                         r"set JAX_EP_PEER_MAPPING="):
+        settings.value("JAX_EP_PEER_MAPPING", environ)
+    assert settings.value("JAX_EP_DEVICE_TRANSPORT", environ) == "stores"

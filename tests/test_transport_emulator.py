@@ -1,4 +1,5 @@
-"""The emulated transport's host proxy on CPU (csrc/transport/host_proxy.cc, docs/transport.md).
+"""The emulated transport's host proxy on CPU (csrc/transport/emulator/host_proxy.cc,
+docs/transport.md).
 
 Python stands in for the kernels: it pushes commands into the same rings the device side of
 EmulatedTransport fills, numpy arrays stand in for every rank's registered regions, and the

@@ -5,12 +5,12 @@
   interface, over the mapped transport (the warp's own stores) and the emulated one (rings in
   pinned memory, the host proxy on its thread, copy-engine copies);
 - the low-latency dispatch and combine over a transport
-  (csrc/kernels/low_latency/transport.h) against the NumPy oracle
+  (csrc/kernels/low_latency_put/put_protocol.h) against the NumPy oracle
   (tests/transport_exchange.py).
 
 Every row a receiver sees must be the row that was sent, under many seeds of the proxy's
 reordering, tearing and delays; and each mutant that breaks one rule of the protocol
-(transport/mutant.h) must be caught.
+(transport/emulator/mutant.h) must be caught.
 
 The cases run in child processes: a transport that hangs traps after its bounded wait, which
 ends the CUDA context, and must not take the rest of the GPU suite with it.

@@ -27,7 +27,7 @@ void add_fact_functions(nb::module_& m) {
       "WaitPhase value -> its name, as timeout records report it (read_errors).");
   m.def(
       "max_ranks", []() { return kMaxRanks; },
-      "Most ranks in one EP group: the kernels' per-peer arrays are sized by it (kMaxRanks).");
+      "Most ranks in one EP group (kMaxRanks; per-peer tables are sized by the group's R).");
   // The reference backend needs these too, so Python keeps its own constants
   // (jax_ep.buffer.MAX_TOPK, MAX_LOW_LATENCY_HIDDEN, ERROR_COUNTERS: the public errors() keys);
   // tests/test_facts.py checks that they agree.

@@ -96,7 +96,8 @@ void add_runtime_functions(nb::module_& m) {
       .def_rw("normal_push_blocks", &BufferConfig::normal_push_blocks)
       .def_rw("low_latency_blocks", &BufferConfig::low_latency_blocks)
       .def_rw("normal_send_slots", &BufferConfig::normal_send_slots)
-      // DeviceTransport as its number: 0 stores, 1 mapped, 2 emulated (create_buffer checks it).
+      // DeviceTransport as its number: 0 stores, 1 mapped, 2 emulated, 3 nvshmem (create_buffer
+      // checks it).
       .def_prop_rw(
           "device_transport",
           [](const BufferConfig& c) { return static_cast<int>(c.device_transport); },
@@ -104,9 +105,6 @@ void add_runtime_functions(nb::module_& m) {
             c.device_transport = static_cast<DeviceTransport>(value);
           })
       .def_rw("emulator_seed", &BufferConfig::emulator_seed);
-  // The registry for the test module jax_ep._C_testing (runtime/registry.h, RuntimeApi).
-  m.attr(kRuntimeApiAttribute) = nb::capsule(runtime_api(), kRuntimeApiName);
-
   m.def(
       "take_transport_errors",
       [](int64_t buffer_id) {
@@ -114,8 +112,9 @@ void add_runtime_functions(nb::module_& m) {
         return take_transport_errors(buffer_id);
       },
       nb::arg("buffer_id"),
-      "The errors the emulated transport's host proxies found since the last call, each once "
-      "(\"rank r of EP group g: kind: message\"); empty for other Buffers.");
+      "The errors the host side of the Buffer's device transport found since the last call, "
+      "each once (\"rank r of EP group g: kind: message\"): the emulated transport's proxies "
+      "(Buffer.errors()['transport']); empty for other Buffers.");
 
   m.def(
       "create_buffer",
@@ -148,14 +147,16 @@ void add_runtime_functions(nb::module_& m) {
       },
       nb::arg("library_path"), "Loads NVSHMEM's host library (libnvshmem_host.so.3).");
   m.def(
-      "nvshmem_plugin_load",
+      "transport_plugin_load",
       [](const std::string& path) {
-        const std::string error = nvshmem_plugin_load(path);
+        const std::string error = transport_plugin_load(path);
         if (!error.empty()) throw std::runtime_error(error);
       },
       nb::arg("path"),
-      "Loads the NVSHMEM device transport's kernels (libjax_ep_nvshmem.so, built only with "
-      "NVSHMEM), after nvshmem_load.");
+      "Loads a device transport's put-protocol kernels from the shared library at `path`, which "
+      "exports their table (kernels/put_plugin.h): the NVSHMEM plugin libjax_ep_nvshmem.so "
+      "(built only with NVSHMEM; after nvshmem_load), or the test module's emulated transport "
+      "(jax_ep._C_testing.register_emulated_transport() passes its own path).");
   m.def(
       "nvshmem_unique_id",
       []() {

@@ -1,16 +1,18 @@
 // The parts of kernels/api.h that span both modes: the workspace of one rank (the normal-mode
 // area, the low-latency regions, the device transport's area of the low-latency kernels, the
-// normal mode's send region), the device transport's regions and warps in it, and preloading.
+// normal mode's send region), placed here from each area's size (each mode's workspace header),
+// the device transport's regions and warps in it, and preloading.
 #include "kernels/api.h"
 
 #include <algorithm>
 #include <initializer_list>
 
 #include "kernels/low_latency/layout.cuh"
-#include "kernels/low_latency/over_transport.h"
-#include "kernels/low_latency/transport.h"
+#include "kernels/low_latency_put/put_ops.h"
+#include "kernels/low_latency_put/put_protocol.h"
 #include "kernels/normal/workspace.h"
 #include "kernels/preload.h"
+#include "kernels/put_plugin.h"
 
 namespace jax_ep {
 namespace {
@@ -48,6 +50,15 @@ cudaError_t preload_in_order(std::initializer_list<cudaError_t (*)()> preloads) 
 }
 
 }  // namespace
+
+size_t low_latency_workspace_offset(const BufferConfig& config) {
+  return align_up(normal_workspace_bytes(config), kLowLatencyAlignBytes);
+}
+
+size_t low_latency_transport_offset(const BufferConfig& config) {
+  return align_up(low_latency_workspace_offset(config) + low_latency_workspace_bytes(config),
+                  kLowLatencyAlignBytes);
+}
 
 size_t workspace_bytes(const BufferConfig& config) {
   const size_t send_region = normal_send_region_bytes(config);
@@ -87,15 +98,11 @@ cudaError_t preload_kernels(const BufferConfig& config) {
     status = preload_in_order(
         {preload_low_latency_dispatch_kernels, preload_low_latency_combine_kernels});
   }
-  const bool over_transport = config.device_transport != DeviceTransport::kStores;
-  if (status == cudaSuccess && over_transport && config.low_latency) {
-    status = preload_low_latency_transport_kernels();
-  }
-  // Over kNvshmem the normal kernels are the plugin's (not preloaded, as its low-latency ones).
-  if (status == cudaSuccess && normal_over_transport(config) &&
-      config.device_transport != DeviceTransport::kNvshmem) {
-    status =
-        preload_in_order({preload_dispatch_transport_kernels, preload_combine_transport_kernels});
+  // A device transport's put-protocol kernels, both modes', through its table (the NVSHMEM
+  // plugin's are not preloaded).
+  const PutPlugin* plugin = put_plugin(config.device_transport);
+  if (status == cudaSuccess && plugin != nullptr && plugin->preload != nullptr) {
+    status = static_cast<cudaError_t>(plugin->preload());
   }
   return status;
 }

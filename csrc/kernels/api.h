@@ -1,7 +1,8 @@
 // The kernels' one header for the layers above them: the runtime (csrc/runtime/) and the FFI
-// handlers (xla_ffi/) include this and nothing else of csrc/kernels/ (tests/test_layers.py
+// handlers (xla_ffi/) include this and nothing else of csrc/kernels/ (tests/test_include_layers.py
 // checks). It declares every launcher with its parameters, the workspace a rank needs and the
-// device transport's regions in it, kernel preloading, and the NVSHMEM plugin's entry points.
+// device transport's regions in it, kernel preloading, and the device transports' put-protocol
+// kernels from other libraries (the NVSHMEM plugin, the test module's emulated transport).
 //
 // The handlers fill one *Params struct per op with the XLA buffers of the call (already validated
 // against the Buffer's configuration) and call the launcher, which enqueues its kernels on
@@ -17,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/common/limits.h"
-#include "kernels/common/wait_phase.h"
+#include "common/limits.h"
+#include "common/wait_phase.h"
 #include "kernels/context.h"
 
 namespace jax_ep {
@@ -102,7 +103,8 @@ int64_t cached_dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales
 int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w);
 
 // ----------------------------------------------------------------------- low-latency mode
-// (kernels/low_latency/: dispatch.cu, combine.cu; over a device transport, over_transport.cu)
+// (kernels/low_latency/: dispatch.cu, combine.cu, the store kernels; over a device transport,
+// the put-protocol kernels of kernels/low_latency_put/)
 
 // Operands and results of jax_ep_low_latency_dispatch_v2 (docs/internals.md), device pointers.
 // The split pair uses the same struct: the send half reads x and topk_idx and writes ticket (the
@@ -145,13 +147,22 @@ struct LowLatencyCombineParams {
 enum class LowLatencyHalves : int { kSend = 1, kRecv = 2, kBoth = 3 };
 
 // One kernel launch each on `stream`; no host synchronisation, no host state per call
-// (CUDA-graph replay safe). Return the launch error, if any.
+// (CUDA-graph replay safe). Return the launch error, if any. Over a device transport they launch
+// the *_put launchers below.
 cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
                                         const LowLatencyDispatchParams& params,
                                         LowLatencyHalves halves, cudaStream_t stream);
 cudaError_t launch_low_latency_combine(const RankContext& ctx,
                                        const LowLatencyCombineParams& params,
                                        LowLatencyHalves halves, cudaStream_t stream);
+// The same ops' put-protocol kernels (low_latency_put/put_ops.cu), one launch per rank through the
+// table of the rank's transport.
+cudaError_t launch_low_latency_dispatch_put(const RankContext& ctx,
+                                            const LowLatencyDispatchParams& params,
+                                            LowLatencyHalves halves, cudaStream_t stream);
+cudaError_t launch_low_latency_combine_put(const RankContext& ctx,
+                                           const LowLatencyCombineParams& params,
+                                           LowLatencyHalves halves, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------ workspace
 // (kernels/api.cc, kernels/normal/workspace.cu)
@@ -183,7 +194,7 @@ void transport_region_bytes(const BufferConfig& config, uint64_t bytes[kTranspor
 uint32_t transport_warps(const RankContext& ctx, uint32_t* normal_first_warp);
 
 // -------------------------------------------------------------------------------- loading
-// (kernels/api.cc, kernels/nvshmem_plugin.cc)
+// (kernels/api.cc)
 
 // Loads every kernel the ops of a Buffer of `config` may launch on the current device (no lazy
 // loading mid-run, or under graph capture). Returns the first failure.
@@ -194,15 +205,36 @@ cudaError_t preload_kernels(const BufferConfig& config);
 // kernel of the module is built for the same architectures.
 cudaError_t layout_kernel_attributes(cudaFuncAttributes* attributes);
 
-// The NVSHMEM device transport's kernels live in a plugin, libjax_ep_nvshmem.so next to
-// jax_ep._C (csrc/plugins/nvshmem_transport_kernels.cu), built only where NVSHMEM is found and
-// loaded only when a Buffer asks for JAX_EP_DEVICE_TRANSPORT=nvshmem: jax_ep._C itself imports
-// without NVSHMEM. Loads it (once; NVSHMEM's host library must be loaded first, RTLD_GLOBAL, as
-// nvshmem_load does). "" or an error naming the path.
-std::string nvshmem_plugin_load(const std::string& path);
-// The CUDA library (a CUlibrary) holding the plugin's kernels, loaded on the current device, for
-// nvshmemx_culibrary_init: their NVSHMEM device state is theirs alone (no relocatable device
-// code). "" or what failed.
+// ----------------------------------------------------------- device transports' libraries
+// (kernels/put_plugins.cc, kernels/put_plugin.h)
+
+// The put-protocol kernels of a device transport other than the mapped one (jax_ep._C's own)
+// live in another shared library, which exports their table: the NVSHMEM plugin
+// libjax_ep_nvshmem.so beside jax_ep._C (csrc/plugins/nvshmem_transport_kernels.cu, built only
+// where NVSHMEM is found; NVSHMEM's host library must be loaded first, RTLD_GLOBAL, as
+// nvshmem_load does), or the test module jax_ep._C_testing (the emulated transport, with its
+// host proxies and protocol mutants). Loads the library at `path` (once per transport) and keeps
+// its table. "" or an error naming the path.
+std::string transport_plugin_load(const std::string& path);
+// "" when the ops of `device_transport` can launch in this process, else what to do (the test
+// module or the NVSHMEM plugin not loaded).
+std::string transport_plugin_missing(DeviceTransport device_transport);
+// The CUDA library (a CUlibrary) holding the NVSHMEM plugin's kernels, loaded on the current
+// device, for nvshmemx_culibrary_init: their NVSHMEM device state is theirs alone (no
+// relocatable device code). "" or what failed.
 std::string nvshmem_transport_library(void** library);
+
+// The host side of `ctx`'s device transport (the emulated transport's proxy; none for the
+// others), started once every peer is mapped, with every rank's regions (transport_region_table,
+// transport_region_bytes): *rank is what stop and take_errors take, *queue what the rank's
+// kernels read (RankContext::transport_queue); both null for a transport without a host side.
+// "" or what failed.
+std::string start_transport_rank(int64_t buffer_id, const RankContext& ctx,
+                                 char* const* region_table, const uint64_t* region_bytes,
+                                 void** rank, const void** queue);
+// Stops it, after the rank's device is idle.
+void stop_transport_rank(DeviceTransport device_transport, void* rank);
+// The errors it found since the last call ("kind: message"), each once.
+std::vector<std::string> take_transport_rank_errors(DeviceTransport device_transport, void* rank);
 
 }  // namespace jax_ep

@@ -12,9 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/common/wait_phase.h"
-#include "transport/command_ring.h"
-#include "transport/mutant.h"
+#include "common/wait_phase.h"
 
 namespace jax_ep {
 
@@ -27,19 +25,18 @@ constexpr int kMaxRanks = 1024;
 constexpr int kNarrowRanks = 8;
 
 // Regions per rank in the ops' table of a device transport (RankContext::transport_region_bases):
-// the low-latency kernels' two (kernels/low_latency/transport.h), then the normal
+// the low-latency kernels' two (kernels/low_latency_put/put_protocol.h), then the normal
 // mode's two (kernels/normal/workspace.h).
 constexpr int kTransportRegions = 4;
 
 // How the ops reach their peers (JAX_EP_DEVICE_TRANSPORT). kStores: the kernels' own stores
 // through peer mappings (NVLink). The others run the put-protocol kernels of
-// kernels/low_latency/transport.h and the normal-mode kernels' transport path
-// (kernels/normal/transport.cuh), written for peers without a mapping
-// (docs/transport.md): kMapped performs each put as stores through the peer mapping;
+// kernels/low_latency_put/ and the normal-mode kernels' put path (kernels/normal/put_path.cuh),
+// written for peers without a mapping (docs/transport.md), through the table of their transport
+// (kernels/put_plugin.h): kMapped performs each put as stores through the peer mapping;
 // kEmulated hands every command to a host proxy per rank, which delivers it with copy-engine
-// copies, adversarially (the test transport of issue 20); kNvshmem performs it with NVSHMEM's
-// device API (the workspace on NVSHMEM's symmetric heap, JAX_EP_TRANSPORT=nvshmem; the kernels
-// are the NVSHMEM plugin's).
+// copies, adversarially (the test module's); kNvshmem performs it with NVSHMEM's device API (the
+// workspace on NVSHMEM's symmetric heap, JAX_EP_PEER_MAPPING=nvshmem; the NVSHMEM plugin's).
 enum class DeviceTransport : int32_t { kStores = 0, kMapped = 1, kEmulated = 2, kNvshmem = 3 };
 
 // Static configuration of a Buffer, identical on every rank.
@@ -110,20 +107,16 @@ struct RankContext {
                                // low_latency_grid_size)
   int normal_push_blocks = 0;  // of which the first ones send (push roles)
   // DeviceTransport other than kStores: the device table [R][kTransportRegions] of every
-  // rank's transport regions (each inside that rank's workspace), and with kEmulated this rank's
-  // command ring (pinned host memory; its proxy is the registry's).
+  // rank's transport regions (each inside that rank's workspace), and what this rank's kernels
+  // read of a transport with a host side (the emulated transport's queue record: its ring in
+  // pinned host memory; opaque here, made by the transport's start_rank, kernels/put_plugin.h).
   char** transport_region_bases = nullptr;
-  transport::RingView transport_ring{};
+  const void* transport_queue = nullptr;
   // kEmulated: the ring's warp index of the normal-mode kernels' first warp (the low-latency
   // kernels' warps come first; every warp has its own acknowledgement word).
   uint32_t normal_first_warp = 0;
   std::vector<int> pes;       // [R] symmetric_workspace: every rank's NVSHMEM PE
   int* pes_device = nullptr;  // the same table in device memory (kNvshmem kernels read it)
-  // Set by tests only (the test module jax_ep._C_testing, after creation): the ops'
-  // put-protocol kernels break one rule (transport/mutant.h), so that a test with one process
-  // per rank shows the emulated transport catches it. The normal kernels over a transport
-  // honour all but no_fence (they issue no fence).
-  transport::Mutant transport_mutant = transport::Mutant::kNone;
 };
 
 }  // namespace jax_ep

@@ -6,18 +6,16 @@
 
 namespace jax_ep {
 
-// The normal mode (kernels/normal/): layout.cu, dispatch.cu, combine.cu, and over a device
-// transport (normal_over_transport) their paths through the mapped and emulated transports.
+// The normal mode (kernels/normal/): layout.cu, dispatch.cu, combine.cu, their store path.
 cudaError_t preload_layout_kernels();
 cudaError_t preload_dispatch_kernels();
 cudaError_t preload_combine_kernels();
-cudaError_t preload_dispatch_transport_kernels();
-cudaError_t preload_combine_transport_kernels();
 
-// The low-latency mode (kernels/low_latency/): dispatch.cu, combine.cu, and its put-protocol
-// kernels over the mapped and emulated transports (transport.cu).
+// The low-latency mode (kernels/low_latency/): dispatch.cu, combine.cu, the store kernels.
 cudaError_t preload_low_latency_dispatch_kernels();
 cudaError_t preload_low_latency_combine_kernels();
-cudaError_t preload_low_latency_transport_kernels();
+
+// A device transport's put-protocol kernels of both modes are preloaded through its table
+// (kernels/put_plugin.h, PutPlugin::preload).
 
 }  // namespace jax_ep

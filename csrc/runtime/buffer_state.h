@@ -14,24 +14,22 @@
 
 #include "kernels/api.h"
 #include "runtime/registry.h"
-#include "transport/emulated_ranks.h"
 
 namespace jax_ep {
 
-// The host proxy of one local rank over the emulated transport, and the memory of its ring.
-// Members go in reverse order: the proxy thread stops before the ring is freed.
-struct EmulatedRank {
+// The host side of one local rank's device transport (the emulated transport's proxy), made by
+// its table's start_rank (kernels/put_plugin.h): opaque here.
+struct TransportRank {
   const RankContext* ctx = nullptr;
-  transport::DeviceArena arena;
-  std::unique_ptr<transport::RankProxy> proxy;
+  void* state = nullptr;
 };
 
 struct BufferState {
   BufferConfig config;
-  std::vector<std::unique_ptr<RankContext>> contexts;   // every local device of every group
-  std::vector<std::vector<int>> groups;                 // device ordinals or kRemoteRank
-  std::vector<std::pair<int, void*>> imported;          // (device, mapping) of other processes
-  std::vector<std::unique_ptr<EmulatedRank>> emulated;  // DeviceTransport::kEmulated
+  std::vector<std::unique_ptr<RankContext>> contexts;  // every local device of every group
+  std::vector<std::vector<int>> groups;                // device ordinals or kRemoteRank
+  std::vector<std::pair<int, void*>> imported;         // (device, mapping) of other processes
+  std::vector<TransportRank> transport_ranks;          // a transport with a host side
 };
 
 inline std::string cuda_failure(int device, const char* call, cudaError_t status) {
@@ -92,11 +90,12 @@ void free_rank_context(RankContext& ctx);
 void close_imported(std::vector<std::pair<int, void*>>& imported);
 
 // ------------------------------------------------------------------- transport_start.cc
-// Once every peer of `ctx` is mapped: the device table of every rank's transport regions, and over
-// the emulated transport this rank's ring and host proxy (which registers every rank's regions).
-std::string start_transport(BufferState& state, RankContext& ctx);
-// Waits for the local devices, then stops the proxies (they deliver what was published first):
-// before peers are unmapped or workspaces freed.
+// Once every peer of `ctx` is mapped: the device table of every rank's transport regions, and the
+// host side of a transport that has one (the emulated transport's ring and host proxy, which
+// registers every rank's regions).
+std::string start_transport(int64_t buffer_id, BufferState& state, RankContext& ctx);
+// Waits for the local devices, then stops the transports' host sides (the proxies deliver what
+// was published first): before peers are unmapped or workspaces freed.
 void stop_transport(BufferState& state);
 
 }  // namespace jax_ep

@@ -39,8 +39,9 @@ std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
   if (error.empty() && config.device_transport == DeviceTransport::kNvshmem && pes.empty()) {
     error =
         "jax_ep: JAX_EP_DEVICE_TRANSPORT=nvshmem puts through NVSHMEM's symmetric heap: "
-        "set JAX_EP_TRANSPORT=nvshmem too";
+        "set JAX_EP_PEER_MAPPING=nvshmem too";
   }
+  if (error.empty()) error = transport_plugin_missing(config.device_transport);
   if (!error.empty()) return error;
   {
     std::shared_lock<std::shared_mutex> lock(registry_mutex);
@@ -65,7 +66,7 @@ std::string create_buffer(int64_t buffer_id, const BufferConfig& config,
       const std::vector<int>& group = groups[ctx->group];
       if (!error.empty()) break;
       if (ctx->symmetric_workspace || std::count(group.begin(), group.end(), kRemoteRank) == 0) {
-        error = start_transport(state, *ctx);
+        error = start_transport(buffer_id, state, *ctx);
       }
     }
     if (!error.empty()) {
@@ -159,7 +160,7 @@ std::string import_workspace_handles(int64_t buffer_id,
       ctx->peer_workspaces[r] = static_cast<char*>(mapping);
     }
     std::string error = upload_peer_table(*ctx);
-    if (error.empty()) error = start_transport(state, *ctx);
+    if (error.empty()) error = start_transport(buffer_id, state, *ctx);
     if (!error.empty()) return error;
   }
   return "";
@@ -180,10 +181,11 @@ std::vector<std::string> take_transport_errors(int64_t buffer_id) {
   std::vector<std::string> errors;
   auto it = buffers.find(buffer_id);
   if (it == buffers.end()) return errors;
-  for (const auto& emulated : it->second.emulated) {
-    for (const std::string& e : emulated->proxy->take_errors()) {
-      errors.push_back("rank " + std::to_string(emulated->ctx->rank) + " of EP group " +
-                       std::to_string(emulated->ctx->group) + ": " + e);
+  for (const TransportRank& rank : it->second.transport_ranks) {
+    for (const std::string& e :
+         take_transport_rank_errors(rank.ctx->config.device_transport, rank.state)) {
+      errors.push_back("rank " + std::to_string(rank.ctx->rank) + " of EP group " +
+                       std::to_string(rank.ctx->group) + ": " + e);
     }
   }
   return errors;
@@ -202,26 +204,6 @@ std::vector<const RankContext*> rank_contexts(int64_t buffer_id) {
   if (it == buffers.end()) return result;
   for (const auto& ctx : it->second.contexts) result.push_back(ctx.get());
   return result;
-}
-
-namespace {
-
-int mutable_rank_contexts(int64_t buffer_id, RankContext** out, int capacity) {
-  std::shared_lock<std::shared_mutex> lock(registry_mutex);
-  auto it = buffers.find(buffer_id);
-  if (it == buffers.end()) return 0;
-  const auto& contexts = it->second.contexts;
-  for (size_t i = 0; i < contexts.size() && static_cast<int>(i) < capacity; ++i) {
-    out[i] = contexts[i].get();
-  }
-  return static_cast<int>(contexts.size());
-}
-
-}  // namespace
-
-const RuntimeApi* runtime_api() {
-  static const RuntimeApi api = {sizeof(RankContext), &mutable_rank_contexts};
-  return &api;
 }
 
 namespace {

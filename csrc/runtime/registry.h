@@ -45,8 +45,9 @@ std::string import_workspace_handles(int64_t buffer_id,
 // did this (a cross-process barrier), destroy_buffer can free the local memory safely.
 void release_peer_workspaces(int64_t buffer_id);
 
-// Over the emulated device transport: the errors its host proxies found since the last call
-// ("rank r of EP group g: kind: message"), each once. Empty for other Buffers.
+// The errors the host sides of the Buffer's device transport found since the last call ("rank r
+// of EP group g: kind: message"), each once: the emulated transport's proxies; empty for other
+// Buffers.
 std::vector<std::string> take_transport_errors(int64_t buffer_id);
 
 // Frees everything of `buffer_id` (synchronises its devices first). Unknown ids are ignored.
@@ -59,23 +60,10 @@ const RankContext* find_rank_context(int64_t buffer_id, int device);
 // The pointers stay valid until destroy_buffer(buffer_id).
 std::vector<const RankContext*> rank_contexts(int64_t buffer_id);
 
-// What a sibling extension module reaches of this registry (its own copy of the runtime would hold
-// no Buffer): the test module jax_ep._C_testing sets a protocol mutant on a Buffer's rank
-// contexts after creation (xla_ffi/testing/mutants.cc). jax_ep._C exports it as the capsule
-// kRuntimeApiName in its attribute kRuntimeApiAttribute, as numpy shares its C API.
-inline constexpr const char* kRuntimeApiAttribute = "_runtime_api";
-inline constexpr const char* kRuntimeApiName = "jax_ep._C._runtime_api";
-struct RuntimeApi {
-  size_t rank_context_bytes;  // sizeof(RankContext) where it was made: both modules of one build
-  // Writes up to `capacity` contexts of `buffer_id`'s local ranks into `out`; returns how many the
-  // Buffer has (0: unknown). Only before the Buffer's first op: handlers read them unlocked.
-  int (*rank_contexts)(int64_t buffer_id, RankContext** out, int capacity);
-};
-const RuntimeApi* runtime_api();
-
 // Process-wide counts of FFI handler executions, and of those that ran while their stream was
-// being captured into a CUDA graph (XLA command buffers). A test reads them to prove that the
-// calls it checked really went through graph capture.
+// being captured into a CUDA graph (XLA command buffers). benchmarks/bench_step.py records them
+// with its timings (how many of a program's calls ran in a graph), and a test reads them to prove
+// that the calls it checked really went through graph capture.
 struct HandlerCallCounts {
   uint64_t calls;
   uint64_t captured;

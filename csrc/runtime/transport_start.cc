@@ -4,28 +4,17 @@
 // (docs/transport.md).
 #include <cuda_runtime.h>
 
-#include <exception>
-#include <memory>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "kernels/api.h"
 #include "runtime/buffer_state.h"
 #include "runtime/nvshmem_host.h"
-#include "transport/emulated_ranks.h"
 
 namespace jax_ep {
-namespace {
 
-// Commands in a rank's ring before its warps wait for the proxy (DeviceTransport::kEmulated).
-constexpr uint64_t kEmulatorRingCapacity = 4096;
-
-}  // namespace
-
-// Once every peer of `ctx` is mapped: the device table of every rank's transport regions, and over
-// the emulated transport this rank's ring and host proxy (which registers every rank's regions).
-std::string start_transport(BufferState& state, RankContext& ctx) {
+// Once every peer of `ctx` is mapped: the device table of every rank's transport regions, and the
+// host side of the rank's transport when it has one (kernels/api.h, start_transport_rank).
+std::string start_transport(int64_t buffer_id, BufferState& state, RankContext& ctx) {
   const BufferConfig& config = ctx.config;
   if (config.device_transport == DeviceTransport::kStores) return "";
   const std::vector<char*> table = transport_region_table(ctx);
@@ -39,50 +28,32 @@ std::string start_transport(BufferState& state, RankContext& ctx) {
     if (error.empty()) error = nvshmem_init_device_library(library);
     return error;
   }
-  if (config.device_transport != DeviceTransport::kEmulated) return "";
-  for (const auto& running : state.emulated) {
-    if (running->ctx == &ctx) return "";  // started at creation (a group of this process alone)
+  for (const TransportRank& running : state.transport_ranks) {
+    if (running.ctx == &ctx) return "";  // started at creation (a group of this process alone)
   }
-  // Region ids are the table's columns; an area the Buffer lacks is registered empty, so a
-  // command into it is reported.
+  // The ring's acknowledgement words: the low-latency kernels' warps, then the normal kernels'.
+  transport_warps(ctx, &ctx.normal_first_warp);
   uint64_t region_bytes[kTransportRegions];
   transport_region_bytes(config, region_bytes);
-  std::vector<std::vector<std::pair<void*, uint64_t>>> regions(config.num_ranks);
-  for (int r = 0; r < config.num_ranks; ++r) {
-    for (int region = 0; region < kTransportRegions; ++region) {
-      regions[r].emplace_back(table[kTransportRegions * r + region], region_bytes[region]);
-    }
-  }
-  transport::ProxyOptions options;  // adversarial, as docs/transport.md describes
-  options.ordering = transport::Ordering::kUnordered;
-  options.seed = config.emulator_seed + static_cast<uint64_t>(ctx.rank);
-  options.chunk_bytes = 1024;
-  options.max_delay_steps = 4;
-  options.snapshot_sources = true;
-  options.log_deliveries = false;
-  auto emulated = std::make_unique<EmulatedRank>();
-  emulated->ctx = &ctx;
-  try {
-    // An acknowledgement word per issuing warp (each needs its own while it may run).
-    const uint32_t num_warps = transport_warps(ctx, &ctx.normal_first_warp);
-    ctx.transport_ring = transport::make_ring(emulated->arena, kEmulatorRingCapacity, num_warps);
-    emulated->proxy =
-        std::make_unique<transport::RankProxy>(ctx.rank, options, ctx.transport_ring, regions);
-  } catch (const std::exception& e) {
-    return std::string("jax_ep: the emulated transport of rank ") + std::to_string(ctx.rank) +
-           " (device " + std::to_string(ctx.device) + "): " + e.what();
-  }
-  state.emulated.push_back(std::move(emulated));
+  TransportRank rank;
+  rank.ctx = &ctx;
+  const std::string error = start_transport_rank(buffer_id, ctx, table.data(), region_bytes,
+                                                 &rank.state, &ctx.transport_queue);
+  if (!error.empty()) return error;
+  if (rank.state != nullptr) state.transport_ranks.push_back(rank);
   return "";
 }
 
-// Waits for the local devices, then stops the proxies (they deliver what was published first):
-// before peers are unmapped or workspaces freed.
+// Waits for the local devices, then stops the transports' host sides (the proxies deliver what was
+// published first): before peers are unmapped or workspaces freed.
 void stop_transport(BufferState& state) {
   for (auto& ctx : state.contexts) {
     if (cudaSetDevice(ctx->device) == cudaSuccess) cudaDeviceSynchronize();
   }
-  state.emulated.clear();
+  for (const TransportRank& rank : state.transport_ranks) {
+    stop_transport_rank(rank.ctx->config.device_transport, rank.state);
+  }
+  state.transport_ranks.clear();
   cudaGetLastError();
 }
 

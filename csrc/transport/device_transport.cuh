@@ -1,12 +1,14 @@
 // The device transport interface: how a kernel reaches a peer's symmetric memory.
 //
-// Two implementations share one set of members, so a kernel is written once as a template on
+// Every implementation has one set of members, so a kernel is written once as a template on
 // its transport:
-//   MappedTransport   (mapped_transport.cuh): the peer's memory is mapped (NVLink, CUDA IPC,
-//                     NVSHMEM's peer-to-peer): a put is the warp's own stores, today's path.
-//   EmulatedTransport (emulated_transport.cuh): commands go through a ring in pinned host memory
-//                     to the host proxy (host_proxy.h), which performs them with copy-engine
-//                     copies; it stands in for a network transport in tests.
+//   MappedTransport   (mapped/mapped_transport.cuh): the peer's memory is mapped (NVLink, CUDA
+//                     IPC): a put is the warp's own stores.
+//   NvshmemTransport  (nvshmem/nvshmem_transport.cuh): NVSHMEM's device API (the NVSHMEM plugin
+//                     only).
+//   EmulatedTransport (emulator/emulated_transport.cuh): commands go through a ring in pinned
+//                     host memory to a host proxy, which performs them with copy-engine copies;
+//                     it stands in for a network transport in tests (the test module only).
 //
 // Members (every one warp-collective: all 32 lanes call it, converged, with equal arguments):
 //   char* local(SymmetricAddress a)          this rank's byte at `a` (to stage rows, to read)
@@ -30,9 +32,10 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
-#include "kernels/common/sync.cuh"
-#include "transport/command_ring.h"
+#include "common/sync.cuh"
 #include "transport/symmetric_address.h"
 
 namespace jax_ep {
@@ -48,6 +51,35 @@ struct RegionTable {
     return bases[rank * num_regions + static_cast<int>(address.region)] + address.offset;
   }
 };
+
+// The steps of the ordering contract (docs/transport.md) that a kernel takes by itself, around
+// its transport calls. A kernel asks `keeps(t, rule)` before each; every transport keeps them all
+// (the call is the constant true), except the emulator's, which the test module builds with a
+// protocol mutant that breaks one, so that its tests show the emulator catches it
+// (emulator/mutant.h). The mutants that a transport call alone breaks (a fence dropped, a
+// signal before its put's data, a source outside every region) are the emulator's own.
+enum class Rule : uint32_t {
+  kQuietBeforeReuse = 1,  // a send slot is restaged only after the quiet that covers its put
+  kQuietBeforeEnd = 2,    // a send half quiets its puts before it ends
+  kSignalAfterData = 3,   // a word that says "rows landed" is signalled after their puts
+};
+
+// Whether Transport may break a rule: it has a member `bool keeps(Rule) const`.
+template <typename Transport, typename = void>
+struct MayBreakRules : std::false_type {};
+template <typename Transport>
+struct MayBreakRules<Transport,
+                     std::void_t<decltype(std::declval<const Transport&>().keeps(Rule{}))>>
+    : std::true_type {};
+
+template <typename Transport>
+__device__ __forceinline__ bool keeps(const Transport& t, Rule rule) {
+  if constexpr (MayBreakRules<Transport>::value) {
+    return t.keeps(rule);
+  } else {
+    return true;
+  }
+}
 
 // Spins until this rank's signal word reaches `value` (shared by both transports: signals land
 // in local memory however they were written).

@@ -50,7 +50,7 @@ from jax_ep.system.records import (
     XlaMemorySettings,
 )
 
-# What the cuda kernels need of a GPU (csrc/kernels/common/sync.cuh, low_latency/common.cuh):
+# What the cuda kernels need of a GPU (csrc/common/sync.cuh, low_latency/common.cuh):
 # loads and stores with acquire/release semantics at system scope and fence.acq_rel.sys (PTX of
 # sm_70 and newer), and cooperative launches (every block of a low-latency kernel resident at
 # once; the driver's cudaDevAttrCooperativeLaunch, checked per GPU). Nothing newer: fp8 casts

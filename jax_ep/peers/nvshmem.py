@@ -1,4 +1,4 @@
-"""The NVSHMEM peer mapping of the CUDA backend (issue 8): ``JAX_EP_TRANSPORT=nvshmem``.
+"""The NVSHMEM peer mapping of the CUDA backend: ``JAX_EP_PEER_MAPPING=nvshmem``.
 
 With one process per GPU, a Buffer's workspaces can live on NVSHMEM's symmetric heap instead of
 ``cudaMalloc`` + CUDA IPC: every peer table entry is then ``nvshmem_ptr`` of the same symmetric
@@ -8,7 +8,7 @@ through ``jax.distributed``'s key-value store; every process is PE ``jax.process
 ``jax.process_count()``. Peers that NVSHMEM can only reach over the network (other hosts) need
 device-initiated puts, which the kernels do not have yet: creating such a Buffer raises.
 
-Settings: ``JAX_EP_TRANSPORT`` (``ipc``, the default, or ``nvshmem``), ``JAX_EP_NVSHMEM_LIB``
+Settings: ``JAX_EP_PEER_MAPPING`` (``ipc``, the default, or ``nvshmem``), ``JAX_EP_NVSHMEM_LIB``
 (the host library; default the nvidia-nvshmem wheel's ``libnvshmem_host.so.3``),
 ``NVSHMEM_SYMMETRIC_SIZE`` (the heap; when unset, jax_ep sets it to the first Buffer's workspace
 plus 1 GiB), ``NVSHMEM_REMOTE_TRANSPORT`` (jax_ep sets ``none`` when unset: no network transport
@@ -27,15 +27,16 @@ from jax_ep import settings
 from jax_ep.peers import ipc
 from jax_ep.system import probes
 
-# The setting of a Buffer's peer mapping (its name predates the word: "ipc" or "nvshmem").
-ENV_MAPPING = "JAX_EP_TRANSPORT"
+# The setting of a Buffer's peer mapping ("ipc" or "nvshmem").
+ENV_MAPPING = "JAX_EP_PEER_MAPPING"
 ENV_LIBRARY = "JAX_EP_NVSHMEM_LIB"
 _UNIQUE_ID_KEY = "jax_ep/nvshmem/unique_id"
 _HEAP_HEADROOM_BYTES = 1 << 30
 
 
 def requested_peer_mapping() -> str:
-    """``JAX_EP_TRANSPORT`` (default ``ipc``); ValueError naming the variable when unknown."""
+    """``JAX_EP_PEER_MAPPING`` (default ``ipc``); ValueError naming the variable when unknown,
+    or when the name it replaced (``JAX_EP_TRANSPORT``) is set."""
     return settings.value(ENV_MAPPING)
 
 
@@ -91,7 +92,7 @@ def load_device_transport(module) -> None:
         raise RuntimeError(f"JAX_EP_DEVICE_TRANSPORT=nvshmem: {PLUGIN} was not built (jax_ep "
                            f"builds it where the nvidia-nvshmem-cu13 wheel's headers and device "
                            f"library are found)")
-    module.nvshmem_plugin_load(PLUGIN)
+    module.transport_plugin_load(PLUGIN)
 
 
 def join(buf, module, workspace_bytes: int) -> None:

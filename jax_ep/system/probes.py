@@ -354,7 +354,7 @@ def probe_nvshmem() -> NvshmemInfo:
         return NvshmemInfo(package, dist.version, library, reason)
     return NvshmemInfo(
         None, None, None,
-        "not installed; needed only for JAX_EP_TRANSPORT=nvshmem "
+        "not installed; needed only for JAX_EP_PEER_MAPPING=nvshmem "
         "(pip install nvidia-nvshmem-cu13 to match jax's CUDA, or -cu12)",
     )
 

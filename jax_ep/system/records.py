@@ -162,7 +162,7 @@ class ExtensionInfo:
         e.g. "90"), None if unknown.
       path: the file it was loaded from.
       error: the import error, when not importable.
-      nvshmem_built: whether it was built with NVSHMEM's headers (JAX_EP_TRANSPORT=nvshmem),
+      nvshmem_built: whether it was built with NVSHMEM's headers (JAX_EP_PEER_MAPPING=nvshmem),
         None if unknown.
       cuda_runtime_version: CUDART_VERSION of the toolkit that built it, e.g. 13000 for 13.0
         (its CUDA runtime is linked in, so the driver must support it), None if unknown.
@@ -187,7 +187,7 @@ class ExtensionInfo:
 
 @dataclasses.dataclass(frozen=True)
 class NvshmemInfo:
-    """NVSHMEM (the JAX_EP_TRANSPORT=nvshmem peer mapping, jax_ep/peers/nvshmem.py).
+    """NVSHMEM (the JAX_EP_PEER_MAPPING=nvshmem peer mapping, jax_ep/peers/nvshmem.py).
 
     Attributes:
       package: the installed wheel, e.g. "nvidia-nvshmem-cu12", None if none is installed.

@@ -22,10 +22,10 @@
 
 #include "bindings.h"
 #include "probe.h"
-#include "transport/command_ring.h"
-#include "transport/host_memcpy_executor.h"
-#include "transport/host_proxy.h"
-#include "transport/proxy_thread.h"
+#include "transport/emulator/command_ring.h"
+#include "transport/emulator/host_memcpy_executor.h"
+#include "transport/emulator/host_proxy.h"
+#include "transport/emulator/proxy_thread.h"
 
 namespace nb = nanobind;
 

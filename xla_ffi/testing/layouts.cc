@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "bindings.h"
-#include "kernels/common/fast_divisor.h"
+#include "common/fast_divisor.h"
 #include "kernels/low_latency/layout.cuh"
 
 namespace nb = nanobind;

@@ -1,8 +1,9 @@
 // jax_ep._C_testing.LowLatencyTransportForTests: the low-latency dispatch and combine over a device
-// transport (kernels/low_latency/transport.h) with every rank of an EP group on the
+// transport (kernels/low_latency_put/put_protocol.h) with every rank of an EP group on the
 // current GPU in one launch, for tests/test_transport_gpu.py. Over the emulated transport each
-// rank has its own ring, host proxy, copy executor and proxy thread (transport/emulated_ranks.h).
-// Inputs and outputs are host bytes: the test compares them with jax_ep.testing's oracle.
+// rank has its own ring, host proxy, copy executor and proxy thread
+// (transport/emulator/emulated_ranks.h). Inputs and outputs are host bytes: the test compares them
+// with jax_ep.testing's oracle.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -19,8 +20,10 @@
 #include <vector>
 
 #include "bindings.h"
-#include "kernels/low_latency/transport.h"
-#include "transport/emulated_ranks.h"
+#include "emulated.h"
+#include "kernels/low_latency_put/put_protocol.h"
+#include "kernels/put_plugin.h"
+#include "transport/emulator/emulated_ranks.h"
 
 namespace nb = nanobind;
 
@@ -71,7 +74,7 @@ class LowLatencyTransportForTests {
     const LowLatencyTransportShape shape = checked_shape(
         num_ranks, num_experts, num_topk, max_tokens, hidden, warps_per_rank, combine_slots);
     const transport::Ordering order = transport::ordering_named(ordering);
-    launch_.mutant = transport::mutant_named(mutant);
+    const transport::Mutant broken = transport::mutant_named(mutant);
     if (launches != "one" && launches != "per_rank") {
       throw std::invalid_argument(
           "launches must be 'one' (every rank in one launch) or "
@@ -79,9 +82,13 @@ class LowLatencyTransportForTests {
     }
     per_rank_ = launches == "per_rank";
     if (transport_name == "mapped") {
-      kind_ = LowLatencyTransportKind::kMapped;
+      plugin_ = *mapped_put_plugin();
+      if (broken != transport::Mutant::kNone) {
+        throw std::invalid_argument("mutant: only the emulated transport carries one");
+      }
     } else if (transport_name == "emulated") {
-      kind_ = LowLatencyTransportKind::kEmulated;
+      plugin_ = emulated_put_kernels();
+      emulated_ = true;
     } else {
       throw std::invalid_argument("transport must be 'mapped' or 'emulated'");
     }
@@ -130,10 +137,11 @@ class LowLatencyTransportForTests {
       y_[r] = arena_.device_zeroed(received * hidden * 2);
       out_[r] = arena_.device_zeroed(tokens * hidden * 2);
     }
-    if (kind_ == LowLatencyTransportKind::kEmulated) {
+    if (emulated_) {
       for (int r = 0; r < num_ranks; ++r) {
-        launch_.rings[r] =
+        const transport::RingView ring =
             transport::make_ring(arena_, kRingCapacity, static_cast<uint32_t>(warps_per_rank));
+        launch_.queues[r] = transport::make_queue(arena_, ring, broken);
         transport::ProxyOptions options;
         options.ordering = order;
         options.seed = seed + static_cast<uint64_t>(r);
@@ -141,7 +149,7 @@ class LowLatencyTransportForTests {
         options.max_delay_steps = max_delay_steps;
         options.snapshot_sources = snapshot_sources;
         options.log_deliveries = false;
-        proxies_.push_back(std::make_unique<RankProxy>(r, options, launch_.rings[r], regions));
+        proxies_.push_back(std::make_unique<RankProxy>(r, options, ring, regions));
       }
     }
   }
@@ -166,7 +174,7 @@ class LowLatencyTransportForTests {
       op.recv_k[r] = recv_k_[r];
       launch_.topk_idx[r] = idx_[r];
     }
-    run(dispatch_words_, op, launch_low_latency_transport_dispatch, "dispatch");
+    run(dispatch_words_, op, &PutPlugin::low_latency_dispatch, "dispatch");
     const size_t received = static_cast<size_t>(s.num_local()) * s.num_ranks * s.max_tokens;
     nb::dict out;
     out["recv_x"] = download(recv_x_, received * s.hidden * (use_fp8 ? 1 : 2));
@@ -197,7 +205,7 @@ class LowLatencyTransportForTests {
       op.out[r] = out_[r];
       launch_.topk_idx[r] = idx_[r];
     }
-    run(combine_words_, op, launch_low_latency_transport_combine, "combine");
+    run(combine_words_, op, &PutPlugin::low_latency_combine, "combine");
     return download(out_, static_cast<size_t>(num_tokens) * s.hidden * 2);
   }
 
@@ -273,7 +281,7 @@ class LowLatencyTransportForTests {
       first(one.topk_weights);
       first(one.out);
     } else {  // LowLatencyTransportLaunch
-      first(one.rings);
+      first(one.queues);
       first(one.barrier);
       first(one.sequence);
       first(one.finished);
@@ -284,19 +292,24 @@ class LowLatencyTransportForTests {
     return one;
   }
 
-  // Launches the op (every rank at once, or a launch per rank on its own stream) and waits.
-  template <typename Op, typename Launcher>
-  void run(const OpWords& words, const Op& op, Launcher launcher, const char* what) {
+  // Launches the op (every rank at once, or a launch per rank on its own stream) through the
+  // transport's table, and waits.
+  template <typename Op>
+  void run(const OpWords& words, const Op& op,
+           int (*PutPlugin::*launcher)(const LowLatencyTransportLaunch*, const Op*, cudaStream_t),
+           const char* what) {
+    auto launch_on = [&](const LowLatencyTransportLaunch& l, const Op& o, cudaStream_t stream) {
+      return static_cast<cudaError_t>((plugin_.*launcher)(&l, &o, stream));
+    };
     LowLatencyTransportLaunch launch = launch_;
     std::copy(std::begin(words.sequence), std::end(words.sequence), std::begin(launch.sequence));
     std::copy(std::begin(words.finished), std::end(words.finished), std::begin(launch.finished));
     if (per_rank_) {
       for (int r = 0; r < launch.rank_count; ++r) {
-        check_cuda(launcher(kind_, rank_only(launch, r), rank_only(op, r), streams_[r]->stream),
-                   what);
+        check_cuda(launch_on(rank_only(launch, r), rank_only(op, r), streams_[r]->stream), what);
       }
     } else {
-      check_cuda(launcher(kind_, launch, op, streams_[0]->stream), what);
+      check_cuda(launch_on(launch, op, streams_[0]->stream), what);
     }
     nb::gil_scoped_release release;
     try {
@@ -313,7 +326,9 @@ class LowLatencyTransportForTests {
   bool per_rank_ = false;
   OpWords dispatch_words_;
   OpWords combine_words_;
-  LowLatencyTransportKind kind_ = LowLatencyTransportKind::kMapped;
+  PutPlugin plugin_;  // the transport's kernels: the mapped ones (as jax_ep._C builds them) or the
+                      // emulated ones
+  bool emulated_ = false;
   LowLatencyTransportLaunch launch_;
   void* x_[kTransportMaxRanksPerLaunch] = {};
   int32_t* idx_[kTransportMaxRanksPerLaunch] = {};

@@ -53,6 +53,6 @@ NB_MODULE(_C_testing, m) {
         "handler installed before (tests' child processes).");
   jax_ep::add_emulated_queue_functions(m);
   jax_ep::add_low_latency_transport_functions(m);
-  jax_ep::add_mutant_functions(m);
+  jax_ep::add_emulated_transport_functions(m);
   jax_ep::add_layout_functions(m);
 }

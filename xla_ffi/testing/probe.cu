@@ -9,11 +9,11 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/common/copy.cuh"
-#include "kernels/common/sync.cuh"
-#include "transport/emulated_ranks.h"
-#include "transport/emulated_transport.cuh"
-#include "transport/mapped_transport.cuh"
+#include "common/copy.cuh"
+#include "common/sync.cuh"
+#include "transport/emulator/emulated_ranks.h"
+#include "transport/emulator/emulated_transport.cuh"
+#include "transport/mapped/mapped_transport.cuh"
 
 namespace jax_ep {
 namespace transport {

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "transport/host_proxy.h"
-#include "transport/mutant.h"
+#include "transport/emulator/host_proxy.h"
+#include "transport/emulator/mutant.h"
 
 namespace jax_ep {
 namespace transport {

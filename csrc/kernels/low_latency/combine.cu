@@ -56,15 +56,14 @@
 
 #include <cstdint>
 
+#include "common/copy.cuh"
+#include "common/launch.h"
+#include "common/limits.h"
+#include "common/phase_timeline.cuh"
+#include "common/sync.cuh"
 #include "kernels/api.h"
-#include "kernels/common/copy.cuh"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
-#include "kernels/common/phase_timeline.cuh"
-#include "kernels/common/sync.cuh"
 #include "kernels/low_latency/common.cuh"
 #include "kernels/low_latency/layout.cuh"
-#include "kernels/low_latency/over_transport.h"
 #include "kernels/preload.h"
 
 namespace jax_ep {
@@ -560,8 +559,7 @@ cudaError_t launch_low_latency_combine(const RankContext& ctx,
                                        const LowLatencyCombineParams& params,
                                        LowLatencyHalves halves, cudaStream_t stream) {
   return launch_low_latency_op(
-      ctx, halves,
-      [&] { return launch_low_latency_combine_over_transport(ctx, params, halves, stream); },
+      ctx, halves, [&] { return launch_low_latency_combine_put(ctx, params, halves, stream); },
       [&](auto h) { return launch_combine_halves<decltype(h)::value>(ctx, params, stream); });
 }
 

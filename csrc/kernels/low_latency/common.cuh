@@ -19,11 +19,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/launch.h"
+#include "common/limits.h"
+#include "common/peer_field.cuh"
+#include "common/sync.cuh"
 #include "kernels/api.h"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
-#include "kernels/common/peer_field.cuh"
-#include "kernels/common/sync.cuh"
 #include "kernels/context.h"
 #include "kernels/low_latency/layout.cuh"
 
@@ -46,7 +46,7 @@ template <LowLatencyHalves kHalves>
 using HalvesConstant = std::integral_constant<LowLatencyHalves, kHalves>;
 
 // The launcher of one op (dispatch or combine): over a device transport, `over_transport()` (the
-// put-protocol kernels, over_transport.h); with stores, `launch(HalvesConstant<h>{})` for the
+// put-protocol kernels, low_latency_put/); with stores, `launch(HalvesConstant<h>{})` for the
 // phases `halves` (each kernel body is compiled once per LowLatencyHalves).
 template <typename OverTransport, typename Launch>
 cudaError_t launch_low_latency_op(const RankContext& ctx, LowLatencyHalves halves,

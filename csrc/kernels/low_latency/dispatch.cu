@@ -92,20 +92,18 @@
 
 #include <cstdint>
 
+#include "common/copy.cuh"
+#include "common/fast_divisor.h"
+#include "common/fp8_cast.cuh"
+#include "common/launch.h"
+#include "common/limits.h"
+#include "common/phase_timeline.cuh"
+#include "common/sync.cuh"
 #include "kernels/api.h"
-#include "kernels/common/copy.cuh"
-#include "kernels/common/fast_divisor.h"
-#include "kernels/common/fp8_cast.cuh"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
-#include "kernels/common/phase_timeline.cuh"
-#include "kernels/common/sync.cuh"
 #include "kernels/low_latency/common.cuh"
 #include "kernels/low_latency/dispatch_args.cuh"
 #include "kernels/low_latency/dispatch_send.cuh"
 #include "kernels/low_latency/layout.cuh"
-#include "kernels/low_latency/over_transport.h"
-#include "kernels/normal/workspace.h"
 #include "kernels/preload.h"
 
 namespace jax_ep::ll_dispatch {
@@ -600,16 +598,11 @@ size_t low_latency_workspace_bytes(const BufferConfig& config) {
                             : 0;
 }
 
-size_t low_latency_workspace_offset(const BufferConfig& config) {
-  return align_up(normal_workspace_bytes(config), kLowLatencyAlignBytes);
-}
-
 cudaError_t launch_low_latency_dispatch(const RankContext& ctx,
                                         const LowLatencyDispatchParams& params,
                                         LowLatencyHalves halves, cudaStream_t stream) {
   return launch_low_latency_op(
-      ctx, halves,
-      [&] { return launch_low_latency_dispatch_over_transport(ctx, params, halves, stream); },
+      ctx, halves, [&] { return launch_low_latency_dispatch_put(ctx, params, halves, stream); },
       [&](auto h) { return launch_dispatch_halves<decltype(h)::value>(ctx, params, stream); });
 }
 

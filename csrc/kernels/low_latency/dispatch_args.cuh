@@ -6,10 +6,10 @@
 
 #include <cstdint>
 
-#include "kernels/common/fast_divisor.h"
-#include "kernels/common/fp8_cast.cuh"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
+#include "common/fast_divisor.h"
+#include "common/fp8_cast.cuh"
+#include "common/launch.h"
+#include "common/limits.h"
 #include "kernels/low_latency/common.cuh"
 
 namespace jax_ep::ll_dispatch {

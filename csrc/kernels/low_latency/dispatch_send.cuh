@@ -14,12 +14,12 @@
 
 #include <cstdint>
 
-#include "kernels/common/copy.cuh"
-#include "kernels/common/fp8_cast.cuh"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
-#include "kernels/common/phase_timeline.cuh"
-#include "kernels/common/sync.cuh"
+#include "common/copy.cuh"
+#include "common/fp8_cast.cuh"
+#include "common/launch.h"
+#include "common/limits.h"
+#include "common/phase_timeline.cuh"
+#include "common/sync.cuh"
 #include "kernels/low_latency/common.cuh"
 #include "kernels/low_latency/dispatch_args.cuh"
 #include "kernels/low_latency/layout.cuh"

@@ -32,7 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/common/limits.h"
+#include "common/limits.h"
 #include "kernels/context.h"
 
 namespace jax_ep {
@@ -40,7 +40,7 @@ namespace jax_ep {
 // Alignment of every region (>= 16 for vector access; 256 keeps rows on DRAM-friendly starts).
 constexpr size_t kLowLatencyAlignBytes = 256;
 // Bytes of the low-latency regions in the workspace (both channels; 0 without low_latency), and
-// their offset (after the normal-mode area).
+// their offset (after the normal-mode area; kernels/api.cc places the areas).
 size_t low_latency_workspace_bytes(const BufferConfig& config);
 size_t low_latency_workspace_offset(const BufferConfig& config);
 

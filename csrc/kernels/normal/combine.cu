@@ -11,14 +11,13 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "common/launch.h"
+#include "common/limits.h"
 #include "kernels/api.h"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
 #include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/combine_transfer.cuh"
 #include "kernels/normal/launch.cuh"
-#include "kernels/normal/nvshmem.h"
-#include "kernels/normal/transport.cuh"
+#include "kernels/normal/put_path.cuh"
 #include "kernels/normal/workspace.h"
 #include "kernels/preload.h"
 
@@ -33,20 +32,17 @@ using normal_combine::CombinePlanArgs;
 using normal_combine::CombineTransferArgs;
 using normal_combine::kCombinePlanThreads;
 using normal_combine::kTransferThreads;
-using transport::EmulatedTransport;
-using transport::MappedTransport;
 
 // The plan kernel on the rank's path: stores, or a device transport.
 cudaError_t launch_plan(const RankContext& ctx, const CombinePlanArgs& plan, cudaStream_t stream) {
   const size_t shared_bytes = combine_plan_shared_bytes(plan.num_ranks);
   return launch_on_path(
       ctx,
-      [&](auto path) {
-        using Path = typename decltype(path)::type;
-        combine_plan_kernel<Path><<<1, kCombinePlanThreads, shared_bytes, stream>>>(plan);
+      [&] {
+        combine_plan_kernel<StoresPath><<<1, kCombinePlanThreads, shared_bytes, stream>>>(plan);
         return cudaGetLastError();
       },
-      [&] { return launch_combine_plan_nvshmem(shared_bytes, plan, stream); });
+      [&](const PutPlugin& put) { return put.combine_plan(shared_bytes, &plan, stream); });
 }
 
 // The transfer kernel of Element on the rank's path (the wide reduction above kNarrowRanks).
@@ -57,34 +53,33 @@ cudaError_t launch_transfer(const RankContext& ctx, const CombineTransferArgs& a
   const bool wide = args.num_ranks > kNarrowRanks;
   return launch_on_path(
       ctx,
-      [&](auto path) {
-        using Path = typename decltype(path)::type;
+      [&] {
         if (wide) {
-          combine_transfer_kernel<Element, Path, true>
+          combine_transfer_kernel<Element, StoresPath, true>
               <<<ctx.normal_blocks, kTransferThreads, shared_bytes, stream>>>(args);
         } else {
-          combine_transfer_kernel<Element, Path, false>
+          combine_transfer_kernel<Element, StoresPath, false>
               <<<ctx.normal_blocks, kTransferThreads, shared_bytes, stream>>>(args);
         }
         return cudaGetLastError();
       },
-      [&] {
-        return launch_combine_transfer_nvshmem(static_cast<int>(sizeof(Element)), ctx.normal_blocks,
-                                               shared_bytes, args, stream);
+      [&](const PutPlugin& put) {
+        return put.combine_transfer(static_cast<int>(sizeof(Element)), ctx.normal_blocks,
+                                    shared_bytes, &args, stream);
       });
 }
 
-template <typename Path>
-cudaError_t preload_combine_kernels_on() {
+cudaError_t preload_combine_kernels_on_stores() {
   cudaFuncAttributes attributes;
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<Path>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_plan_kernel<StoresPath>));
   CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, Path, false>));
+      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, StoresPath, false>));
   CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, Path, true>));
-  CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, Path, false>));
-  return cudaFuncGetAttributes(&attributes, combine_transfer_kernel<__nv_bfloat16, Path, true>);
+      cudaFuncGetAttributes(&attributes, combine_transfer_kernel<float, StoresPath, true>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+      &attributes, combine_transfer_kernel<__nv_bfloat16, StoresPath, false>));
+  return cudaFuncGetAttributes(&attributes,
+                               combine_transfer_kernel<__nv_bfloat16, StoresPath, true>);
 }
 
 }  // namespace
@@ -125,11 +120,6 @@ int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w) {
   return region_row_bytes(y_bytes_per_row, num_w);
 }
 
-cudaError_t preload_combine_kernels() { return preload_combine_kernels_on<StoresPath>(); }
-
-cudaError_t preload_combine_transport_kernels() {
-  CUDA_RETURN_IF_ERROR(preload_combine_kernels_on<TransportPath<MappedTransport>>());
-  return preload_combine_kernels_on<TransportPath<EmulatedTransport>>();
-}
+cudaError_t preload_combine_kernels() { return preload_combine_kernels_on_stores(); }
 
 }  // namespace jax_ep

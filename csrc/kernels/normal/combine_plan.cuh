@@ -1,5 +1,5 @@
 // The normal-mode combine's plan kernel (launcher: combine.cu), templated on the path by which it
-// crosses ranks (normal/transport.cuh). In a header so that the NVSHMEM plugin
+// crosses ranks (normal/put_path.cuh). In a header so that the NVSHMEM plugin
 // (plugins/nvshmem_transport_kernels.cu) instantiates it with its transport, as combine.cu does
 // with the others.
 #pragma once
@@ -8,10 +8,10 @@
 
 #include <cstdint>
 
-#include "kernels/common/limits.h"
-#include "kernels/common/peer_field.cuh"
-#include "kernels/common/sync.cuh"
-#include "kernels/normal/transport.cuh"
+#include "common/limits.h"
+#include "common/peer_field.cuh"
+#include "common/sync.cuh"
+#include "kernels/normal/put_path.cuh"
 #include "kernels/normal/workspace.h"
 
 namespace jax_ep {

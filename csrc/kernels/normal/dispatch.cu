@@ -17,15 +17,14 @@
 
 #include <algorithm>
 
+#include "common/fast_divisor.h"
+#include "common/launch.h"
+#include "common/limits.h"
 #include "kernels/api.h"
-#include "kernels/common/fast_divisor.h"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
 #include "kernels/normal/dispatch_plan.cuh"
 #include "kernels/normal/dispatch_transfer.cuh"
 #include "kernels/normal/launch.cuh"
-#include "kernels/normal/nvshmem.h"
-#include "kernels/normal/transport.cuh"
+#include "kernels/normal/put_path.cuh"
 #include "kernels/normal/workspace.h"
 #include "kernels/preload.h"
 
@@ -42,8 +41,6 @@ using normal_dispatch::kTransferThreads;
 using normal_dispatch::transfer_shared_bytes;
 using normal_dispatch::transfer_shared_experts;
 using normal_dispatch::wide_plan_shared_bytes;
-using transport::EmulatedTransport;
-using transport::MappedTransport;
 
 // Fields shared by the plan arguments of dispatch and cached dispatch.
 DispatchPlanArgs make_plan_args(const RankContext& ctx, const NormalLayout& layout, int num_tokens,
@@ -75,18 +72,17 @@ cudaError_t launch_plan_on_path(const RankContext& ctx, int num_blocks, cudaStre
   const size_t shared_bytes = kRankSlots == 0 ? wide_plan_shared_bytes(args.num_ranks) : 0;
   return launch_on_path(
       ctx,
-      [&](auto path) {
-        using Path = typename decltype(path)::type;
+      [&] {
         if constexpr (kRankSlots == 0) {
-          return launch_cooperative(dispatch_plan_wide_kernel<Path>, num_blocks, kPlanThreads,
+          return launch_cooperative(dispatch_plan_wide_kernel<StoresPath>, num_blocks, kPlanThreads,
                                     shared_bytes, stream, args);
         } else {
-          return launch_cooperative(dispatch_plan_kernel<kRankSlots, Path>, num_blocks,
+          return launch_cooperative(dispatch_plan_kernel<kRankSlots, StoresPath>, num_blocks,
                                     kPlanThreads, 0, stream, args);
         }
       },
-      [&] {
-        return launch_dispatch_plan_nvshmem(kRankSlots, num_blocks, shared_bytes, args, stream);
+      [&](const PutPlugin& put) {
+        return put.dispatch_plan(kRankSlots, num_blocks, shared_bytes, &args, stream);
       });
 }
 
@@ -134,23 +130,24 @@ cudaError_t launch_transfer(const RankContext& ctx, const DispatchTransferArgs& 
   const int grid = ctx.normal_blocks;
   return launch_on_path(
       ctx,
-      [&](auto path) {
-        using Path = typename decltype(path)::type;
-        dispatch_transfer_kernel<Path><<<grid, kTransferThreads, shared_bytes, stream>>>(args);
+      [&] {
+        dispatch_transfer_kernel<StoresPath>
+            <<<grid, kTransferThreads, shared_bytes, stream>>>(args);
         return cudaGetLastError();
       },
-      [&] { return launch_dispatch_transfer_nvshmem(grid, shared_bytes, args, stream); });
+      [&](const PutPlugin& put) {
+        return put.dispatch_transfer(grid, shared_bytes, &args, stream);
+      });
 }
 
-template <typename Path>
-cudaError_t preload_dispatch_kernels_on() {
+cudaError_t preload_dispatch_kernels_on_stores() {
   cudaFuncAttributes attributes;
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<1, Path>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<2, Path>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<4, Path>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<8, Path>));
-  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_wide_kernel<Path>));
-  return cudaFuncGetAttributes(&attributes, dispatch_transfer_kernel<Path>);
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<1, StoresPath>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<2, StoresPath>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<4, StoresPath>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_kernel<8, StoresPath>));
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_plan_wide_kernel<StoresPath>));
+  return cudaFuncGetAttributes(&attributes, dispatch_transfer_kernel<StoresPath>);
 }
 
 // Both dispatches: the plan kernel (arguments completed by `set_plan`, waits in `plan_phase`),
@@ -223,11 +220,6 @@ int64_t cached_dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales
   return region_row_bytes(x_bytes_per_row, num_scales + num_w);
 }
 
-cudaError_t preload_dispatch_kernels() { return preload_dispatch_kernels_on<StoresPath>(); }
-
-cudaError_t preload_dispatch_transport_kernels() {
-  CUDA_RETURN_IF_ERROR(preload_dispatch_kernels_on<TransportPath<MappedTransport>>());
-  return preload_dispatch_kernels_on<TransportPath<EmulatedTransport>>();
-}
+cudaError_t preload_dispatch_kernels() { return preload_dispatch_kernels_on_stores(); }
 
 }  // namespace jax_ep

@@ -1,6 +1,6 @@
 // The normal-mode dispatch's plan kernel (launcher: dispatch.cu): routing summary and count
 // exchange of a dispatch or cached dispatch, templated on the path by which it crosses ranks
-// (normal/transport.cuh). In a header so that the NVSHMEM plugin
+// (normal/put_path.cuh). In a header so that the NVSHMEM plugin
 // (plugins/nvshmem_transport_kernels.cu) instantiates it with its transport, as dispatch.cu does
 // with the others.
 #pragma once
@@ -9,11 +9,11 @@
 
 #include <cstdint>
 
-#include "kernels/common/fast_divisor.h"
-#include "kernels/common/limits.h"
-#include "kernels/common/peer_field.cuh"
-#include "kernels/common/sync.cuh"
-#include "kernels/normal/transport.cuh"
+#include "common/fast_divisor.h"
+#include "common/limits.h"
+#include "common/peer_field.cuh"
+#include "common/sync.cuh"
+#include "kernels/normal/put_path.cuh"
 #include "kernels/normal/workspace.h"
 
 namespace jax_ep {

@@ -1,41 +1,32 @@
 // What dispatch.cu and combine.cu share to launch their kernels: the fields every transfer
 // kernel's arguments hold, filled from the rank's context, and the one branch on the path by
-// which a kernel crosses ranks (normal/transport.cuh). Host code of .cu files.
+// which a kernel crosses ranks (normal/put_path.cuh). Host code of .cu files.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "kernels/common/peer_field.cuh"
-#include "kernels/common/sync.cuh"
+#include "common/peer_field.cuh"
+#include "common/sync.cuh"
 #include "kernels/context.h"
-#include "kernels/normal/transport.cuh"
+#include "kernels/normal/put_path.cuh"
 #include "kernels/normal/workspace.h"
+#include "kernels/put_plugin.h"
 
 namespace jax_ep {
 
-// The path type of a kernel's template (StoresPath or TransportPath<T>), as a value.
-template <typename Path>
-struct PathTag {
-  using type = Path;
-};
-
-// Launches a normal-mode kernel on the rank's path: `launch(PathTag<Path>{})` with the stores
-// path or the mapped or emulated transport's, or, over NVSHMEM's device API, `launch_nvshmem()`:
-// those kernels are the NVSHMEM plugin's instances (normal/nvshmem.h). Returns the launch status.
-template <typename Launch, typename LaunchNvshmem>
-cudaError_t launch_on_path(const RankContext& ctx, Launch launch, LaunchNvshmem launch_nvshmem) {
-  switch (ctx.config.device_transport) {
-    case DeviceTransport::kMapped:
-      return launch(PathTag<TransportPath<transport::MappedTransport>>{});
-    case DeviceTransport::kEmulated:
-      return launch(PathTag<TransportPath<transport::EmulatedTransport>>{});
-    case DeviceTransport::kNvshmem:
-      return launch_nvshmem();
-    default:
-      return launch(PathTag<StoresPath>{});
-  }
+// Launches a normal-mode kernel on the rank's path: `launch_stores()` with stores, or over a
+// device transport `launch_put(table)` with the table of its transport's put-protocol kernels
+// (kernels/put_plugin.h; cudaErrorNotSupported where that transport is not loaded, which
+// create_buffer refuses first). Returns the launch status.
+template <typename LaunchStores, typename LaunchPut>
+cudaError_t launch_on_path(const RankContext& ctx, LaunchStores launch_stores,
+                           LaunchPut launch_put) {
+  if (ctx.config.device_transport == DeviceTransport::kStores) return launch_stores();
+  const PutPlugin* plugin = put_plugin(ctx.config.device_transport);
+  if (plugin == nullptr) return cudaErrorNotSupported;
+  return static_cast<cudaError_t>(launch_put(*plugin));
 }
 
 // The bounded waits of `ctx`'s kernels in `phase`.

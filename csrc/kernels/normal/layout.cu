@@ -1,10 +1,10 @@
 // jax_ep_layout_v2: routing statistics of one rank's top-k ids (no communication).
 #include <cuda_runtime.h>
 
+#include "common/fast_divisor.h"
+#include "common/launch.h"
+#include "common/limits.h"
 #include "kernels/api.h"
-#include "kernels/common/fast_divisor.h"
-#include "kernels/common/launch.h"
-#include "kernels/common/limits.h"
 #include "kernels/preload.h"
 
 namespace jax_ep {

@@ -35,7 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/common/limits.h"
+#include "common/limits.h"
 #include "kernels/context.h"
 
 namespace jax_ep {
@@ -43,8 +43,8 @@ namespace jax_ep {
 // Bytes of the normal-mode area at the workspace's start (normal_layout(config).total_bytes).
 size_t normal_workspace_bytes(const BufferConfig& config);
 
-// The normal mode over a device transport (kernels/normal/transport.cuh): true for every
-// device transport (kNvshmem's kernels are the plugin's, normal/nvshmem.h). Its two regions in
+// The normal mode over a device transport (kernels/normal/put_path.cuh): true for every
+// device transport (its kernels: the transport's table, kernels/put_plugin.h). Its regions in
 // the ops' table (RankContext::transport_region_bases), after the low-latency kernels' two (over
 // kNvshmem both lie in the workspace, on the symmetric heap: this rank's addresses name the same
 // bytes on every PE):
