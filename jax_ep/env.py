@@ -5,6 +5,7 @@ on this machine, and why. The code lives in its layers; this module only re-expo
 
   - `jax_ep.system.records`: the facts, as frozen dataclasses;
   - `jax_ep.system.probes`, `jax_ep.system.compat`: the probes and what code runs where;
+  - `jax_ep.system.cluster`: the cross-host preflight (`--cluster`);
   - `jax_ep.backends.gate`: `auto_backend`, `check_cuda_backend`, `decide_backend`;
   - `jax_ep.tools.env_report`: `collect`, `format_report`, `report_to_dict`, `main` (its
     docstring holds the JSON schema of `--json`).
@@ -43,6 +44,7 @@ from jax_ep.system.records import (
     JaxInfo,
     NvshmemInfo,
     PeerLink,
+    PreflightCheck,
     Versions,
     WorkspaceEstimate,
     XlaMemorySettings,
@@ -60,7 +62,7 @@ from jax_ep.tools.env_report import (
 __all__ = [
     "DEFAULT_MEM_FRACTION", "MIN_COMPUTE_CAPABILITY", "SCHEMA_VERSION",
     "BackendDecision", "BufferSpec", "BuiltCode", "DeviceInfo", "DriverInfo", "EnvReport",
-    "ExtensionInfo", "GpuInfo", "JaxInfo", "NvshmemInfo", "PeerLink", "Versions",
+    "ExtensionInfo", "GpuInfo", "JaxInfo", "NvshmemInfo", "PeerLink", "PreflightCheck", "Versions",
     "WorkspaceEstimate", "XlaMemorySettings",
     "approximate_workspace_bytes", "arch_supports", "auto_backend", "check_cuda_backend",
     "code_for", "collect", "decide_backend", "describe_architectures", "driver_problem",

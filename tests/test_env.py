@@ -35,6 +35,7 @@ TOP_LEVEL_KEYS = {
     "xla_memory": dict,
     "workspace": dict,
     "backend": dict,
+    "cluster": (list, type(None)),
 }
 NONE = type(None)
 SECTION_KEYS = {
@@ -64,6 +65,7 @@ GPU_KEYS = {"ordinal": int, "name": str, "compute_capability": str,
 DEVICE_KEYS = {"id": int, "platform": str, "kind": str, "process_index": int,
                "addressable": bool, "local_ordinal": (int, NONE),
                "compute_capability": (str, NONE), "is_cuda": bool}
+PREFLIGHT_KEYS = {"name": str, "status": str, "found": str, "fix": str, "details": list}
 SPEC_KEYS = {"num_ranks": int, "num_experts": int, "hidden": int, "max_tokens_per_rank": int,
              "num_topk": int, "capacity": int, "dtype_bytes": int, "low_latency": bool}
 
@@ -175,6 +177,9 @@ def check_json_report(data):
     assert data["backend"]["backend"] in ("cuda", "xla")
     for link in data["peers"]:
         assert link["link"] in ("nvlink", "pcie", "none", "unknown")
+    for i, check in enumerate(data["cluster"] or ()):
+        check_keys(check, PREFLIGHT_KEYS, f"cluster[{i}]")
+        assert check["status"] in ("ok", "warn", "fail")
 
 
 def test_json_output_has_documented_keys_and_types(capsys):
@@ -229,6 +234,7 @@ def fake_report(num_gpus=2, cuda_driver="13.0", extension=EXT_DEFAULT):
         workspace=env.WorkspaceEstimate(spec, env.approximate_workspace_bytes(spec), False,
                                         "approximate formula"),
         backend=env.BackendDecision("cuda", ()),
+        cluster=(env.PreflightCheck("RDMA devices", "fail", "none", "install a NIC", ("x",)),),
     )
 
 
