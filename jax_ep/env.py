@@ -6,7 +6,8 @@ on this machine, and why. The code lives in its layers; this module only re-expo
   - `jax_ep.system.records`: the facts, as frozen dataclasses;
   - `jax_ep.system.probes`, `jax_ep.system.compat`: the probes and what code runs where;
   - `jax_ep.system.cluster`: the cross-host preflight (`--cluster`);
-  - `jax_ep.backends.gate`: `auto_backend`, `check_cuda_backend`, `decide_backend`;
+  - `jax_ep.backends.gate`: `auto_backend`, `check_cuda_backend`, `decide_backend`,
+    `cross_host_problem`;
   - `jax_ep.tools.env_report`: `collect`, `format_report`, `report_to_dict`, `main` (its
     docstring holds the JSON schema of `--json`).
 """
@@ -17,6 +18,7 @@ from jax_ep.backends.gate import (
     MIN_COMPUTE_CAPABILITY,
     auto_backend,
     check_cuda_backend,
+    cross_host_problem,
     decide_backend,
 )
 from jax_ep.system.compat import (
@@ -65,9 +67,9 @@ __all__ = [
     "ExtensionInfo", "GpuInfo", "JaxInfo", "NvshmemInfo", "PeerLink", "PreflightCheck", "Versions",
     "WorkspaceEstimate", "XlaMemorySettings",
     "approximate_workspace_bytes", "arch_supports", "auto_backend", "check_cuda_backend",
-    "code_for", "collect", "decide_backend", "describe_architectures", "driver_problem",
-    "format_report", "main", "parse_architectures", "probe_extension", "probe_nvshmem",
-    "report_to_dict", "workspace_estimate", "xla_memory_settings",
+    "code_for", "collect", "cross_host_problem", "decide_backend", "describe_architectures",
+    "driver_problem", "format_report", "main", "parse_architectures", "probe_extension",
+    "probe_nvshmem", "report_to_dict", "workspace_estimate", "xla_memory_settings",
 ]
 
 if __name__ == "__main__":

@@ -510,6 +510,29 @@ def test_check_cuda_backend_raises_with_every_reason():
                            extension=EXT_90, gpus=fake_gpu_infos(2), peers=full_peers(2))
 
 
+def test_groups_across_hosts_name_the_layout_to_use():
+    """One EP group over two hosts: refused for the cuda backend either way; when processes
+    drive several GPUs each, the reason names one process per GPU and how to start it."""
+    hosts = {0: "node-a", 1: "node-b", 2: "node-a", 3: "node-b"}
+    per_gpu = [[fake_gpu(0, process_index=0), fake_gpu(0, process_index=1)]]
+    reason = env.cross_host_problem(per_gpu, hosts)
+    assert reason.startswith("EP group 0 spans hosts ['node-a', 'node-b']: ")
+    assert "one process per GPU" not in reason
+    # Two processes (one a host) of two GPUs each, EP across the hosts, data within them.
+    several = [[fake_gpu(0, process_index=0), fake_gpu(0, process_index=1)],
+               [fake_gpu(1, process_index=0), fake_gpu(1, process_index=1)]]
+    reason = env.cross_host_problem(several, hosts)
+    assert "while processes [0, 1] drive up to 2 GPUs each" in reason
+    for part in ("cannot cross hosts", "one process per GPU", "srun --ntasks-per-node=<GPUs>",
+                 "mpirun --map-by ppr:<GPUs>:node", "python -m jax_ep.launch",
+                 "A job across hosts"):
+        assert part in reason
+    # Within each host (the EP axis on a host's GPUs), several GPUs per process are fine.
+    assert env.cross_host_problem([[fake_gpu(0, process_index=0), fake_gpu(1, process_index=0)],
+                                   [fake_gpu(0, process_index=1), fake_gpu(1, process_index=1)]],
+                                  hosts) == ""
+
+
 @pytest.mark.parametrize("archs,cc,expected", [
     ("90", (9, 0), True), ("90", (8, 0), False), ("90", (10, 0), True), ("90-real", (10, 0), False),
     ("90a", (9, 0), True), ("90a", (10, 0), False), ("80;90", (8, 6), True),
