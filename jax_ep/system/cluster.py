@@ -389,8 +389,8 @@ def check_nvlink_multicast(environ: Mapping[str, str] | None = None) -> Prefligh
         return PreflightCheck(name, OK, found, "")
     return PreflightCheck(name, WARN, found,
                           "export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 in every process "
-                          "(jax_ep uses no NVLink multicast; NVSHMEM and NCCL otherwise set up "
-                          "multicast objects at start-up)")
+                          "(jax_ep uses no NVLink multicast, which NVSHMEM and NCCL may "
+                          "otherwise set up where NVSwitches offer it)")
 
 
 def check_remote_transport(environ: Mapping[str, str] | None = None, root: str = "/"
