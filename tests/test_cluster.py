@@ -198,6 +198,11 @@ def test_nic_per_gpu_relations(host):
     gpus = (env.GpuInfo(0, "NVIDIA H200", "9.0", None, None, "00000000:83:00.0", None),)
     check = run(host, gpus=gpus)[name]  # CUDA's GPUs, named by ordinal (an NVML bus id)
     assert check.details == ("GPU 0 (0000:83:00.0) -> mlx5_1 (same switch)",)
+    gpus = (dataclasses.replace(gpus[0], pci_bus_id="0000:83:00.0"),
+            dataclasses.replace(gpus[0], ordinal=1, pci_bus_id="not-a-bus-id"))
+    check = run(host, gpus=gpus)[name]  # CUDA's form; a GPU this /sys does not show
+    assert check.status == "fail"
+    assert check.details[1] == "GPU 1 (not-a-bus-id) -> none (not on the PCI tree)"
     fake_port(root, "mlx5_1", state="1: DOWN")  # GPU 1's NIC is down: the up one, across
     check = run(host)[name]
     assert check.status == "warn"

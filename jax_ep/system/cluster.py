@@ -265,9 +265,11 @@ def check_ibgda(root: str = "/", environ: Mapping[str, str] | None = None) -> Pr
 
 def _normal_bus_id(bus_id: str) -> str:
     """"00000000:1B:00.0" (NVML) or "0000:1B:00.0" (CUDA) -> "0000:1b:00.0" (sysfs)."""
-    domain, _, rest = bus_id.strip().lower().rpartition(":")
-    domain, _, bus = domain.rpartition(":")
-    return f"{int(domain or '0', 16):04x}:{bus}:{rest}"
+    text = bus_id.strip().lower()
+    match = re.fullmatch(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}:[0-9a-f]{2}\.[0-7])", text)
+    if match is None:  # not a bus id: look it up as given
+        return text
+    return f"{int(match.group(1) or '0', 16):04x}:{match.group(2)}"
 
 
 def _pci_chain(path: str) -> list[str] | None:

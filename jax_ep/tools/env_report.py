@@ -67,7 +67,8 @@ JSON schema (`--json`; `schema_version` 1; keys are stable, `null` where unknown
 
 `--cluster` adds the cross-host preflight (`jax_ep.system.cluster`): whether this host has what
 an EP group across hosts needs (NVSHMEM and its network plugins, RDMA devices and their ports,
-GPUDirect RDMA, IBGDA, the NIC of each GPU, NVSHMEM's environment), each with the fix.
+GPUDirect RDMA, IBGDA, the NIC of each GPU, NVSHMEM's environment), each with the fix; the
+command then exits 1 when a check fails.
 
 `peers` has one entry per ordered pair of distinct local GPUs; `link` is "nvlink" when NVML says
 so (`link_source` "nvml") or, without NVML, when the pair supports native peer atomics, which
