@@ -122,6 +122,8 @@ def test_nvshmem_lookup_is_the_peer_mappings(host, monkeypatch):
     _, lib = host
     library = os.path.join(lib, "libnvshmem_host.so.3")
     assert cluster.check_nvshmem(environ={"JAX_EP_NVSHMEM_LIB": library}).status == "ok"
+    check = cluster.check_nvshmem(environ={"JAX_EP_NVSHMEM_LIB": library + ".9"})
+    assert check.status == "fail" and check.found.endswith("libnvshmem_host.so.3.9 does not exist")
     monkeypatch.setattr(cluster.probes, "probe_nvshmem",
                         lambda: env.NvshmemInfo(None, None, None, "not installed; ..."))
     check = cluster.check_nvshmem(environ={})

@@ -74,6 +74,8 @@ def check_nvshmem(lib_dir: str | None = None, environ: Mapping[str, str] | None 
             found = ("no nvidia-nvshmem wheel installed and JAX_EP_NVSHMEM_LIB unset"
                      if reason.startswith("not installed") else reason)
             return PreflightCheck(name, FAIL, found, _INSTALL_NVSHMEM)
+        if not os.path.isfile(library):
+            return PreflightCheck(name, FAIL, f"{library} does not exist", _INSTALL_NVSHMEM)
         lib_dir = os.path.dirname(library)
     hosts = sorted(glob.glob(_path(lib_dir, "libnvshmem_host.so*")))
     if not hosts:
