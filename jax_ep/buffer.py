@@ -218,16 +218,9 @@ class Buffer:
         return "ipc" if ipc.spans_processes(self.mesh.devices.flat) else "local"
 
     def _other_hosts(self):
-        """Why the EP groups cannot use CUDA IPC (a group spans hosts), or ""."""
-        hosts = ipc.hosts(self)
-        for g, group in enumerate(self._ep_group_devices()):
-            names = sorted({hosts[d.process_index] for d in group})
-            if len(names) > 1:
-                return (f"EP group {g} spans hosts {names}: the cuda backend reaches peers over "
-                        f"NVLink within one host (ranks on other hosts need device-initiated "
-                        f"NVSHMEM puts, not implemented yet; JAX_EP_PEER_MAPPING=nvshmem covers "
-                        f"the peers NVSHMEM maps peer-to-peer)")
-        return ""
+        """Why the EP groups cannot use CUDA IPC (a group spans hosts), or ""; it names the
+        layout to use when processes drive several GPUs each."""
+        return gate.cross_host_problem(self._ep_group_devices(), ipc.hosts(self))
 
     def _agree_across_processes(self, choice):
         """backend="auto" on a mesh of several processes: "cuda" only where every process

@@ -5,7 +5,9 @@ on this machine, and why. The code lives in its layers; this module only re-expo
 
   - `jax_ep.system.records`: the facts, as frozen dataclasses;
   - `jax_ep.system.probes`, `jax_ep.system.compat`: the probes and what code runs where;
-  - `jax_ep.backends.gate`: `auto_backend`, `check_cuda_backend`, `decide_backend`;
+  - `jax_ep.system.cluster`: the cross-host preflight (`--cluster`);
+  - `jax_ep.backends.gate`: `auto_backend`, `check_cuda_backend`, `decide_backend`,
+    `cross_host_problem`;
   - `jax_ep.tools.env_report`: `collect`, `format_report`, `report_to_dict`, `main` (its
     docstring holds the JSON schema of `--json`).
 """
@@ -16,6 +18,7 @@ from jax_ep.backends.gate import (
     MIN_COMPUTE_CAPABILITY,
     auto_backend,
     check_cuda_backend,
+    cross_host_problem,
     decide_backend,
 )
 from jax_ep.system.compat import (
@@ -43,6 +46,7 @@ from jax_ep.system.records import (
     JaxInfo,
     NvshmemInfo,
     PeerLink,
+    PreflightCheck,
     Versions,
     WorkspaceEstimate,
     XlaMemorySettings,
@@ -59,12 +63,12 @@ from jax_ep.tools.env_report import (
 __all__ = [
     "DEFAULT_MEM_FRACTION", "MIN_COMPUTE_CAPABILITY", "SCHEMA_VERSION",
     "BackendDecision", "BufferSpec", "BuiltCode", "DeviceInfo", "DriverInfo", "EnvReport",
-    "ExtensionInfo", "GpuInfo", "JaxInfo", "NvshmemInfo", "PeerLink", "Versions",
+    "ExtensionInfo", "GpuInfo", "JaxInfo", "NvshmemInfo", "PeerLink", "PreflightCheck", "Versions",
     "WorkspaceEstimate", "XlaMemorySettings",
     "arch_supports", "auto_backend", "check_cuda_backend",
-    "code_for", "collect", "decide_backend", "describe_architectures", "driver_problem",
-    "format_report", "main", "parse_architectures", "probe_extension", "probe_nvshmem",
-    "report_to_dict", "workspace_estimate", "xla_memory_settings",
+    "code_for", "collect", "cross_host_problem", "decide_backend", "describe_architectures",
+    "driver_problem", "format_report", "main", "parse_architectures", "probe_extension",
+    "probe_nvshmem", "report_to_dict", "workspace_estimate", "xla_memory_settings",
 ]
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ TOP_LEVEL_KEYS = {
     "xla_memory": dict,
     "workspace": dict,
     "backend": dict,
+    "cluster": (list, type(None)),
 }
 NONE = type(None)
 SECTION_KEYS = {
@@ -65,6 +66,7 @@ GPU_KEYS = {"ordinal": int, "name": str, "compute_capability": str,
 DEVICE_KEYS = {"id": int, "platform": str, "kind": str, "process_index": int,
                "addressable": bool, "local_ordinal": (int, NONE),
                "compute_capability": (str, NONE), "is_cuda": bool}
+PREFLIGHT_KEYS = {"name": str, "status": str, "found": str, "fix": str, "details": list}
 SPEC_KEYS = {"num_ranks": int, "num_experts": int, "hidden": int, "max_tokens_per_rank": int,
              "num_topk": int, "capacity": int, "dtype_bytes": int, "low_latency": bool}
 
@@ -181,6 +183,9 @@ def check_json_report(data):
     assert data["backend"]["backend"] in ("cuda", "reference")
     for link in data["peers"]:
         assert link["link"] in ("nvlink", "pcie", "none", "unknown")
+    for i, check in enumerate(data["cluster"] or ()):
+        check_keys(check, PREFLIGHT_KEYS, f"cluster[{i}]")
+        assert check["status"] in ("ok", "warn", "fail")
 
 
 def test_json_output_has_documented_keys_and_types(capsys):
@@ -234,6 +239,7 @@ def fake_report(num_gpus=2, cuda_driver="13.0", extension=EXT_DEFAULT):
         xla_memory=env.xla_memory_settings({}),
         workspace=env.WorkspaceEstimate(spec, 3 << 30, "jax_ep._C.workspace_bytes"),
         backend=env.BackendDecision("cuda", ()),
+        cluster=(env.PreflightCheck("RDMA devices", "fail", "none", "install a NIC", ("x",)),),
     )
 
 
@@ -517,6 +523,29 @@ def test_check_cuda_backend_raises_with_every_reason():
         assert part in message
     env.check_cuda_backend([fake_gpu(0), fake_gpu(1)], 1 << 30, default_backend="gpu",
                            extension=EXT_90, gpus=fake_gpu_infos(2), peers=full_peers(2))
+
+
+def test_groups_across_hosts_name_the_layout_to_use():
+    """One EP group over two hosts: refused for the cuda backend either way; when processes
+    drive several GPUs each, the reason names one process per GPU and how to start it."""
+    hosts = {0: "node-a", 1: "node-b", 2: "node-a", 3: "node-b"}
+    per_gpu = [[fake_gpu(0, process_index=0), fake_gpu(0, process_index=1)]]
+    reason = env.cross_host_problem(per_gpu, hosts)
+    assert reason.startswith("EP group 0 spans hosts ['node-a', 'node-b']: ")
+    assert "one process per GPU" not in reason
+    # Two processes (one a host) of two GPUs each, EP across the hosts, data within them.
+    several = [[fake_gpu(0, process_index=0), fake_gpu(0, process_index=1)],
+               [fake_gpu(1, process_index=0), fake_gpu(1, process_index=1)]]
+    reason = env.cross_host_problem(several, hosts)
+    assert "while processes [0, 1] drive up to 2 GPUs each" in reason
+    for part in ("cannot cross hosts", "one process per GPU", "srun --ntasks-per-node=<GPUs>",
+                 "mpirun --map-by ppr:<GPUs>:node", "python -m jax_ep.launch",
+                 "A job across hosts"):
+        assert part in reason
+    # Within each host (the EP axis on a host's GPUs), several GPUs per process are fine.
+    assert env.cross_host_problem([[fake_gpu(0, process_index=0), fake_gpu(1, process_index=0)],
+                                   [fake_gpu(0, process_index=1), fake_gpu(1, process_index=1)]],
+                                  hosts) == ""
 
 
 @pytest.mark.parametrize("archs,cc,expected", [

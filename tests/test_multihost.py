@@ -3,7 +3,8 @@
 On a cluster, one process per GPU on every host of the job, every process running the same
 command, e.g. under SLURM:
 
-    srun --ntasks-per-node=<GPUs per host> python -m pytest -m multihost tests/test_multihost.py
+    srun --ntasks-per-node=<GPUs per host> --gpus-per-task=1 --gpu-bind=none \
+         python -m pytest -m multihost tests/test_multihost.py
 
 (each process joins the job with ``jax.distributed.initialize()``, which reads it from SLURM or
 Open MPI; ``python -m jax_ep.launch`` starts the processes of one host only). On one machine the

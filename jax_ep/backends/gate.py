@@ -5,6 +5,9 @@
   - `check_cuda_backend(devices, workspace_bytes_needed)` raises `RuntimeError` listing every
     reason `Buffer(backend="cuda")` cannot run there.
   - `decide_backend(...)`: the same decision from facts already gathered (pure; tests).
+  - `cross_host_problem(ep_groups, hosts)`: why EP groups that span hosts cannot use the cuda
+    backend, naming the process layout to use (pure; the Buffer calls it once it knows every
+    process's host).
 
 Sharding model: a Buffer's mesh is cut into EP groups (the slices along the EP axis); the cuda
 backend needs peer access between every two GPUs of one group (they write into each other's
@@ -18,7 +21,8 @@ environment report (`jax_ep.tools.env_report`) builds on it, never the other way
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -260,6 +264,52 @@ def decide_backend(
             )
 
     return BackendDecision("reference", tuple(reasons)) if reasons else BackendDecision("cuda", ())
+
+
+# The layout a job across hosts takes: one process per GPU (docs/process_models.md).
+ONE_PROCESS_PER_GPU = (
+    "one process per GPU on every host (srun --ntasks-per-node=<GPUs> --gpus-per-task=1 "
+    "--gpu-bind=none, mpirun --map-by ppr:<GPUs>:node, or python -m jax_ep.launch -n <GPUs> on "
+    "each host; docs/process_models.md, \"A job across hosts\")"
+)
+
+
+def cross_host_problem(ep_groups: Sequence[Sequence[Any]], hosts: Mapping[int, str]) -> str:
+    """Why the cuda backend cannot run `ep_groups`, or "" when each lies within one host.
+
+    The cuda backend reaches an EP group's peers through peer mappings, which exist within one
+    host; ranks on other hosts need device-initiated NVSHMEM puts, which NVSHMEM binds to one GPU
+    per process (PE). So a group across hosts driven by processes of several GPUs each is in a
+    layout that cannot cross hosts at all, and the reason names the layout to use.
+
+    Args:
+      ep_groups: the devices of every EP group (jax.Device or DeviceInfo: `process_index` is
+        read), in rank order.
+      hosts: the host name of every process index of the mesh.
+
+    Returns:
+      "" or the reason, naming the first group that spans hosts, its hosts and the fix.
+    """
+    per_process = Counter(d.process_index for g in ep_groups for d in g)
+    for g, group in enumerate(ep_groups):
+        names = sorted({hosts[d.process_index] for d in group})
+        if len(names) < 2:
+            continue
+        several = sorted(p for p in {d.process_index for d in group} if per_process[p] > 1)
+        if several:
+            most = max(per_process[p] for p in several)
+            who = (f"process {several[0]} drives {most} GPUs" if len(several) == 1 else
+                   f"processes {several} drive up to {most} GPUs each")
+            return (f"EP group {g} spans hosts {names} while {who} of the mesh, a layout that "
+                    f"cannot cross hosts (NVSHMEM, which reaches other hosts, binds one process "
+                    f"to one GPU): start "
+                    f"{ONE_PROCESS_PER_GPU}; even then the cuda backend does not reach ranks on "
+                    f"other hosts yet (device-initiated NVSHMEM puts are not implemented)")
+        return (f"EP group {g} spans hosts {names}: the cuda backend reaches peers over NVLink "
+                f"within one host (ranks on other hosts need device-initiated NVSHMEM puts, not "
+                f"implemented yet; JAX_EP_PEER_MAPPING=nvshmem covers the peers NVSHMEM maps "
+                f"peer-to-peer)")
+    return ""
 
 
 def _gather_and_decide(

@@ -42,15 +42,12 @@ def requested_peer_mapping() -> str:
 
 def library_path() -> str:
     """The NVSHMEM host library: ``JAX_EP_NVSHMEM_LIB``, else the nvidia-nvshmem wheel's (found
-    as ``python -m jax_ep.env`` finds it)."""
-    explicit = settings.value(ENV_LIBRARY)
-    if explicit:
-        return explicit
-    found = probes.probe_nvshmem()
-    if found.host_library is None:
-        raise RuntimeError(f"{ENV_MAPPING}=nvshmem needs NVSHMEM's host library: {found.reason}; "
+    as ``python -m jax_ep.env`` finds it: `probes.nvshmem_host_library`)."""
+    path, reason = probes.nvshmem_host_library()
+    if path is None:
+        raise RuntimeError(f"{ENV_MAPPING}=nvshmem needs NVSHMEM's host library: {reason}; "
                            f"or set {ENV_LIBRARY}")
-    return found.host_library
+    return path
 
 
 def _local_devices(buf) -> list:

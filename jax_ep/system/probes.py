@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from jax_ep import settings
 from jax_ep.system import cuda_driver
 from jax_ep.system.records import (
     DeviceInfo,
@@ -357,6 +358,17 @@ def probe_nvshmem() -> NvshmemInfo:
         "not installed; needed only for JAX_EP_PEER_MAPPING=nvshmem "
         "(pip install nvidia-nvshmem-cu13 to match jax's CUDA, or -cu12)",
     )
+
+
+def nvshmem_host_library(environ=None) -> tuple[str | None, str | None]:
+    """(path of NVSHMEM's host library, None) or (None, why not): ``JAX_EP_NVSHMEM_LIB`` when
+    set in ``environ`` (default ``os.environ``), else the nvidia-nvshmem wheel's. Its folder holds
+    NVSHMEM's bootstrap and transport plugins."""
+    explicit = settings.value("JAX_EP_NVSHMEM_LIB", environ)
+    if explicit:
+        return explicit, None
+    found = probe_nvshmem()
+    return found.host_library, found.reason
 
 
 def xla_memory_settings(environ: dict[str, str] | None = None) -> XlaMemorySettings:

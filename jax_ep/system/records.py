@@ -288,6 +288,25 @@ class BackendDecision:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreflightCheck:
+    """One check of the cross-host preflight (`jax_ep.system.cluster`, `jax-ep-env --cluster`).
+
+    Attributes:
+      name: what is checked, e.g. "GPUDirect RDMA".
+      status: "ok", "warn" (works, or optional, but not as well as it could) or "fail".
+      found: what the check found on this host, one line.
+      fix: what to do about a "warn" or "fail"; "" when "ok".
+      details: one line per item behind `found` (ports, plugins, GPU -> NIC pairs).
+    """
+
+    name: str
+    status: str
+    found: str
+    fix: str
+    details: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class EnvReport:
     """Everything `python -m jax_ep.env` prints (see the module docstring for the JSON form)."""
 
@@ -301,6 +320,7 @@ class EnvReport:
     xla_memory: XlaMemorySettings
     workspace: WorkspaceEstimate
     backend: BackendDecision
+    cluster: tuple[PreflightCheck, ...] | None = None  # --cluster only
 
 
 # --------------------------------------------------------------------------------------------

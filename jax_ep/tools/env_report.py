@@ -60,8 +60,15 @@ JSON schema (`--json`; `schema_version` 2; keys are stable, `null` where unknown
                            "max_tokens_per_rank": int, "num_topk": int, "capacity": int,
                            "dtype_bytes": int, "low_latency": bool},
                   "bytes": int|null (null without jax_ep._C), "source": str},
-    "backend": {"backend": "cuda"|"reference", "reasons": [str]}
+    "backend": {"backend": "cuda"|"reference", "reasons": [str]},
+    "cluster": null (without --cluster) | [{"name": str, "status": "ok"|"warn"|"fail",
+                                           "found": str, "fix": str, "details": [str]}]
   }
+
+`--cluster` adds the cross-host preflight (`jax_ep.system.cluster`): whether this host has what
+an EP group across hosts needs (NVSHMEM and its network plugins, RDMA devices and their ports,
+GPUDirect RDMA, IBGDA, the NIC of each GPU, NVSHMEM's environment), each with the fix; the
+command then exits 1 when a check fails.
 
 `peers` has one entry per ordered pair of distinct local GPUs; `link` is "nvlink" when NVML says
 so (`link_source` "nvml") or, without NVML, when the pair supports native peer atomics, which
@@ -78,6 +85,7 @@ import math
 import platform
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +93,7 @@ import jax
 
 from jax_ep.backends import cuda
 from jax_ep.backends.gate import decide_backend
+from jax_ep.system import cluster as cluster_checks
 from jax_ep.system import config
 from jax_ep.system.compat import (
     code_for,
@@ -115,6 +124,7 @@ from jax_ep.system.records import (
     ExtensionInfo,
     GpuInfo,
     PeerLink,
+    PreflightCheck,
     Versions,
     WorkspaceEstimate,
 )
@@ -165,13 +175,15 @@ def _default_spec(num_devices: int) -> BufferSpec:
     return BufferSpec(num_ranks=ranks, num_experts=math.ceil(256 / ranks) * ranks)
 
 
-def collect(spec: BufferSpec | None = None, *, free_memory: bool = True) -> EnvReport:
+def collect(spec: BufferSpec | None = None, *, free_memory: bool = True,
+            cluster: bool = False) -> EnvReport:
     """Gathers the report (calls jax.devices(), which starts jax's default backend).
 
     Args:
       spec: the Buffer configuration to size and to check memory for; default DeepEP's normal
         shape (E=256, H=7168, T_max=4096, K=8, bfloat16) with R = every jax device.
       free_memory: measure free memory per GPU (retains each GPU's primary context for the query).
+      cluster: also run the cross-host preflight (`jax_ep.system.cluster.preflight`).
 
     Returns:
       The EnvReport. Never raises for a missing GPU, driver, extension or package.
@@ -208,8 +220,9 @@ def collect(spec: BufferSpec | None = None, *, free_memory: bool = True) -> EnvR
                 f"{len(infos)}: lower --num-ranks (the workspace above is sized for "
                 f"{spec.num_ranks})",
             ))
+    checks = cluster_checks.preflight(gpus=gpus) if cluster else None
     return EnvReport(versions, driver, jax_info, gpus, peers, extension, probe_nvshmem(),
-                     xla_memory, workspace, backend)
+                     xla_memory, workspace, backend, checks)
 
 
 def report_to_dict(report: EnvReport) -> dict[str, Any]:
@@ -285,6 +298,30 @@ def _driver_and_code_lines(report: EnvReport) -> list[str]:
         lines.append(f"[{g.ordinal}] {g.name} (compute capability {g.compute_capability}): "
                      f"{runs}")
     return lines
+
+
+_STATUS_CELLS = {"ok": "ok", "warn": "WARN", "fail": "FAIL"}
+_WIDTH = 100  # columns the fixes wrap at
+
+
+def format_cluster(checks: Sequence[PreflightCheck]) -> list[str]:
+    """The cross-host preflight as a table: status, check, what was found; the fix below each
+    check that is not ok, then the detail lines."""
+    counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "fail")}
+    out = [f"Cross-host preflight ({counts['ok']} ok, {counts['warn']} warn, {counts['fail']} "
+           f"fail)",
+           "  An EP group across hosts runs on the reference backend today; these are what the "
+           "CUDA path across hosts (NVSHMEM over RDMA) needs."]
+    width = max((len(c.name) for c in checks), default=0)
+    indent = " " * (width + 8)
+    for c in checks:
+        out.append(f"  {_STATUS_CELLS.get(c.status, c.status):<4}  {c.name:<{width}}  {c.found}")
+        if c.fix:
+            out.extend(textwrap.wrap(f"fix: {c.fix}", _WIDTH, initial_indent=indent,
+                                     subsequent_indent=indent + "     ",
+                                     break_on_hyphens=False))
+        out.extend(f"{indent}  {d}" for d in c.details)
+    return out
 
 
 def format_report(report: EnvReport) -> str:
@@ -393,16 +430,23 @@ def format_report(report: EnvReport) -> str:
     from jax_ep.moe import grouped_gemm  # the MoE layer's expert matmul choice (jax_ep.moe)
 
     out.append(f"MoE expert matmul (matmul=\"auto\") -> {grouped_gemm.selection_report()}")
+    if report.cluster is not None:
+        out.append("")
+        out.extend(format_cluster(report.cluster))
     return "\n".join(out) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m jax_ep.env [--json] [Buffer flags]`: prints the report; returns 0."""
+    """`python -m jax_ep.env [--json] [--cluster] [Buffer flags]`: prints the report; returns
+    0 (with --cluster: 1 when a preflight check fails)."""
     parser = argparse.ArgumentParser(
         prog="python -m jax_ep.env",
         description="What jax_ep will use on this machine, and why.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON (schema: module docstring)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="add the cross-host preflight: NVSHMEM, RDMA devices, GPUDirect "
+                             "RDMA, IBGDA, the NIC of each GPU (exit 1 when a check fails)")
     parser.add_argument("--num-experts", type=int, default=None,
                         help="global experts (default 256, rounded up to a multiple of R)")
     parser.add_argument("--hidden", type=int, default=7168)
@@ -437,12 +481,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as e:
         parser.error(f"{e} (flags use dashes: --num-experts, --num-ranks, ...)")
-    report = collect(spec, free_memory=not args.no_free_memory)
+    report = collect(spec, free_memory=not args.no_free_memory, cluster=args.cluster)
     if args.json:
         print(json.dumps(report_to_dict(report), indent=2))
     else:
         print(format_report(report), end="")
-    return 0
+    return int(any(c.status == "fail" for c in report.cluster or ()))
 
 
 if __name__ == "__main__":
