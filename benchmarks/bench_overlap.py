@@ -243,21 +243,15 @@ def mosaic_grid(num_ctas):
         plgpu.kernel = original
 
 
-@contextlib.contextmanager
 def unpinned(on):
     """While traced, an overlap Buffer's ops wait right after their starts: no op is left to
-    ``deferred.overlap``'s collector, so the stages run in order without its barriers."""
+    ``deferred.overlap``, so the stages run in order without its barriers
+    (``deferred.pins``)."""
     if not on:
-        yield
-        return
+        return contextlib.nullcontext()
     from jax_ep.backends import deferred
 
-    original = deferred.collector
-    deferred.collector = lambda: None
-    try:
-        yield
-    finally:
-        deferred.collector = original
+    return deferred.pins(waits_after_compute=False)
 
 
 def two_batch_segment(stages):
