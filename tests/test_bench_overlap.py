@@ -2,7 +2,6 @@
 overlap figures need; its peers' segment computes what jax_ep's does."""
 
 import json
-import sys
 
 import bench_scripts
 import jax
@@ -12,10 +11,8 @@ import numpy as np
 import jax_ep
 from jax_ep import testing
 
-sys.path.insert(0, bench_scripts.BENCH_DIR)
-import bench_common as bc  # noqa: E402
-import bench_overlap  # noqa: E402
-
+bm = bench_scripts.bm
+bench_overlap = bench_scripts.bench_module("bench_overlap")
 
 def test_quick_run_writes_the_overlap_records(tmp_path):
     out = bench_scripts.run_script("bench_overlap.py", tmp_path, "--cases",
@@ -44,13 +41,13 @@ def test_the_peers_segment_computes_the_jax_ep_segment():
     """The all_to_all peer's two micro-batches (XLA's own overlap) and jax_ep's two_batch stages
     compute one segment: the same forward bits and, for training, gradients within bfloat16
     roundings (the router's too: the weights travel as data)."""
-    mesh = bc.make_mesh(2)
+    mesh = bm.make_mesh(2)
     shape, ranks = bench_overlap.QUICK, 2
     params = jax.device_put(bench_overlap.make_params(shape, ranks, jax.random.key(0)),
-                            bc.sharded(mesh))
+                            bm.sharded(mesh))
     x = jax.device_put(jax.random.normal(jax.random.key(1), (ranks * shape["train"],
                                                             shape["hidden"])).astype(jnp.bfloat16),
-                       bc.sharded(mesh))
+                       bm.sharded(mesh))
     inputs = (params, x, *bench_overlap.routing_for(mesh, params, x, shape["topk"]))
     buf = jax_ep.Buffer(mesh, "ep", num_experts=shape["experts"], hidden=shape["hidden"],
                         max_tokens_per_rank=shape["train"] // 2, num_topk=shape["topk"])

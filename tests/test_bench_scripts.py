@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from bench_scripts import bc, jax_ep_importable, load_record, positive, run_script
+from bench_scripts import bm, jax_ep_importable, load_record, positive, run_script
 
 
 def test_first_call_quick(tmp_path):
@@ -49,13 +49,13 @@ def test_first_call_steps_run(mode, impl):
     import first_call  # benchmarks/ is on the path through bench_scripts
 
     args = first_call.parse_args(["--quick"])
-    mesh = bc.make_mesh()
+    mesh = bm.make_mesh()
     jax_ep, buf = None, None
     if impl == "jax_ep":
-        jax_ep, why = bc.import_jax_ep()
+        jax_ep, why = bm.import_jax_ep()
         if jax_ep is None:
             pytest.skip(f"jax_ep not importable: {why}")
-        buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+        buf = jax_ep.Buffer(mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                             max_tokens_per_rank=args.tokens, num_topk=args.topk,
                             backend="xla")
     step, step_args = first_call.build_step(args, mode, impl, mesh, jax_ep, buf)
