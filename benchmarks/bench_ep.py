@@ -20,7 +20,7 @@ the difference, ``bench_timing.noise_us``) is reported as "below noise (±x us)"
 Writes ``<out>/<machine>-<date>.json`` (or ``--out`` itself when it ends in ``.json``) and prints
 a table last. Without GPUs the script runs on 8 host CPU devices (unless ``XLA_FLAGS`` sets a
 count) and skips jax_ep's kernels and ragged_all_to_all, so the script itself can be tested
-there.
+there; its times (most below noise) say nothing about GPU speed, and ``nvlink_share`` is None.
 """
 
 from __future__ import annotations
@@ -402,7 +402,8 @@ def make_record(args, num_ranks, case, impl, time_us, inputs, extra):
     }
     if nbytes is not None and not noisy:
         rec["gbps"] = sig(nbytes / 1e9 / (time_us * 1e-6))
-        rec["nvlink_share"] = sig(remote / (time_us * 1e-6) / bi.NVLINK_BYTES_PER_S)
+        if bm.on_gpu():  # a share of NVLink's rate: nothing on CPU
+            rec["nvlink_share"] = sig(remote / (time_us * 1e-6) / bi.NVLINK_BYTES_PER_S)
     rec.update({k: sig(v) if isinstance(v, float) else v for k, v in extra.items()})
     return rec
 
@@ -610,8 +611,13 @@ def sort_key(r):
 
 def print_table(records, errors):
     rows = sorted(records + errors, key=sort_key)
+    on_gpu = bm.on_gpu()
+    nvl = f" {'NVL%':>6s}" if on_gpu else ""
     head = (f"{'op':25s} {'impl':28s} {'dtype':5s} {'tokens':>6s} {'time_us':>10s} "
-            f"{'GB/s':>8s} {'NVL%':>6s} {'x best peer':>11s}")
+            f"{'GB/s':>8s}{nvl} {'x best peer':>11s}")
+    if not on_gpu:
+        print("\n" + bm.cpu_note() + " Most of the reference backend's ops take milliseconds "
+              "and vary between runs by more than their time, so most rows are below noise.")
     print("\n" + head)
     print("-" * len(head))
     for r in rows:
@@ -623,11 +629,13 @@ def print_table(records, errors):
             print(f"{lead} {bt.noise_text(r):>10s}")
             continue
         share = r["nvlink_share"] * 100 if r["nvlink_share"] is not None else None
-        print(f"{lead} {r['time_us']:10.1f} {fmt(r['gbps'], '8.1f')} {fmt(share, '6.1f')} "
+        share = f" {fmt(share, '6.1f')}" if on_gpu else ""
+        print(f"{lead} {r['time_us']:10.1f} {fmt(r['gbps'], '8.1f')}{share} "
               f"{fmt(r['speedup_vs_best_peer'], '11.2f')}")
     print("x best peer = (fastest of reference, all_to_all, ragged_all_to_all[_decomposer]) "
-          "time / this time; NVL% = remote bytes/s over 283 GB/s; below noise (±x us): the "
-          "time was within x us of zero, x being twice its standard error.", flush=True)
+          "time / this time; " + ("NVL% = remote bytes/s over 283 GB/s; " if on_gpu else "")
+          + "below noise (±x us): the time was within x us of zero, x being twice its standard "
+          "error.", flush=True)
 
 
 def write_plots(records, out_prefix):

@@ -59,6 +59,15 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def cpu_note() -> str | None:
+    """The line a script prints before its times when it runs without a GPU (None on GPUs)."""
+    if on_gpu():
+        return None
+    return (f"{jax.device_count()} {jax.default_backend()} devices: jax_ep's reference backend "
+            "and XLA:CPU's collectives. These times check the script; they say nothing about "
+            "GPU speed.")
+
+
 def make_mesh(num_ranks: int | None = None) -> Mesh:
     devices = jax.devices()
     if num_ranks is not None:

@@ -32,10 +32,12 @@ so XLA runs each as one command buffer (CUDA graph), as it runs a model's many l
   profiler may change both);
 - ``enqueue_us``: the host time until the call returns (XLA enqueues the work): when it is
   larger than ``kernel_us`` the GPU waits for the host.
-Writes ``<out>/<machine>-<date>-step[-tag].json`` (one record per op, impl, dtype) and prints a
-table last. Runs at EP=1 on one GPU and on any number of GPUs (one process, or every process
-under ``python -m jax_ep.launch``); on CPU only the peers and the reference backend run
-(``--quick`` shapes for testing).
+Writes ``<out>/<machine>-<date>-step[-tag].json`` (one record per op, impl, dtype) and prints
+its row as each case ends, under one header. Runs at EP=1 on one GPU and on any number of GPUs
+(one process, or every process under ``python -m jax_ep.launch``). At EP=1 the peers are not run
+(XLA turns them into a local copy: no comparison); ``skipped`` says so. On CPU (8 host devices
+unless ``XLA_FLAGS`` sets a count) only ``all_to_all`` and the reference backend run, with
+``--quick`` shapes for testing: their times say nothing about GPU speed.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def parse_args(argv):
                         "the slope of their wall times' least-squares line)")
     p.add_argument("--quick", action="store_true", help="small shapes, for CPU tests")
     br.add_out_argument(p)
+    p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
     p.add_argument("--tag", help="appended to the file name: <machine>-<date>-step-<tag>.json")
     br.add_note_argument(p)
     args = p.parse_args(argv)
@@ -487,11 +490,16 @@ def _handler_counts(jax_ep):
 
 
 def main(argv=None):
+    bm.default_host_devices()  # before anything starts a backend: 8 ranks on CPU, as bench_ep
     args = parse_args(sys.argv[1:] if argv is None else argv)
     bm.join_processes()
     jax_ep, reason = bm.import_jax_ep()
-    mesh = bm.make_mesh()
-    records = []
+    mesh = bm.make_mesh(args.ranks)
+    records, skipped = [], {}
+    if bm.is_reporter():
+        if bm.cpu_note():
+            print(bm.cpu_note())
+        print(HEADER, flush=True)
     for op in args.ops:
         dtypes = args.dtypes if op == "decode_step" else ("bf16",)
         for dtype in dtypes:
@@ -500,7 +508,12 @@ def main(argv=None):
                     print(f"skip jax_ep: {reason}")
                     continue
                 if impl == "ragged_all_to_all" and not bm.on_gpu():
-                    continue  # XLA:CPU has no ragged_all_to_all
+                    skipped[impl] = "not run: XLA:CPU has no ragged_all_to_all"
+                    continue
+                if impl in bp.PEER_CLASSES and mesh.shape[bm.AXIS] == 1:
+                    skipped[impl] = ("not run: at EP=1 it moves nothing (XLA turns it into a "
+                                     "local copy)")
+                    continue
                 try:
                     rec = run_case(jax_ep, mesh, args, op, impl, dtype)
                 except Exception as e:  # noqa: BLE001 - one failing case must not end the run
@@ -514,11 +527,11 @@ def main(argv=None):
         path = os.path.join(args.out, name + ".json")
         br.write_json(path, {**br.result_header(sys.argv[1:] if argv is None else argv,
                                                       args.note, __file__),
-                             "method": __doc__.split("\n\n")[2].strip(), "records": records})
-        print(f"\nwrote {path}\n")
-        print(HEADER)
-        for rec in records:
-            print(format_row(rec))
+                             "method": __doc__.split("\n\n")[2].strip(), "records": records,
+                             "skipped": skipped})
+        for impl, why in skipped.items():
+            print(f"{impl}: {why}")
+        print(f"\nwrote {path}")
 
 
 HEADER = (f"{'op':<17} {'impl':<18} {'dtype':<5} {'R':>2} {'T':>5} {'time_us':>9} "
