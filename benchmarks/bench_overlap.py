@@ -34,7 +34,7 @@ The peers (``peers``: ``all_to_all``, ``ragged_all_to_all``; ``bench_peers``'): 
 segment, each micro-batch's layer written as its own dataflow, so that XLA's scheduler may
 overlap one's collectives with the other's compute by itself. Their rows have the same fields,
 of their collective kernels (NCCL's). At EP=1 they move nothing and their rows say so; XLA:CPU
-has no ``ragged_all_to_all``, so that row is an error there.
+has no ``ragged_all_to_all``, so that row says so there.
 
 ``--sm-curve``: each op's kernel time against its SM budget (``num_sms``), from a profiler
 trace. Records ``overlap-<mode>-<shape>.json`` and ``sm-curve.json`` under ``--out``.
@@ -428,6 +428,9 @@ def run_case(mesh, shape_name, mode, a):
     for impl in bp.PEER_CLASSES:
         if num_ranks == 1:
             peers[impl] = "not run: at EP=1 it moves nothing (XLA turns it into a local copy)"
+            continue
+        if impl == "ragged_all_to_all" and not on_gpu:
+            peers[impl] = "not run: XLA:CPU has no ragged_all_to_all"
             continue
         segment = peer_segment(impl, shape, a.matmul, num_ranks)
         peers[impl] = run_program(

@@ -531,6 +531,8 @@ def main(argv=None):
                              "skipped": skipped})
         for impl, why in skipped.items():
             print(f"{impl}: {why}")
+        print("us per step (the slope over the programs' layers); noise: a slope at or below "
+              "zero, drowned in timer noise; -: not measured here (no device trace)")
         print(f"\nwrote {path}")
 
 
@@ -543,7 +545,7 @@ def format_row(rec):
         return f"{rec['op']:<17} {rec['impl']:<18} {rec['dtype']:<5} error: {rec['error'][:80]}"
 
     def f(v):
-        return "-" if v is None else f"{v:.1f}"
+        return "-" if v is None else "noise" if v <= 0 else f"{v:.1f}"
 
     return (f"{rec['op']:<17} {rec['impl']:<18} {rec['dtype']:<5} {rec['ranks']:>2} "
             f"{rec['tokens']:>5} {f(rec['time_us']):>9} {f(rec['kernel_us']):>9} "

@@ -73,6 +73,8 @@ def test_bench_step_quick(tmp_path):
     assert "say nothing about GPU speed" in lines[0], lines
     assert lines[1].split()[:3] == ["op", "impl", "dtype"] and out.count("time_us") == 1, out
     assert sum(line.startswith(("decode_step", "normal_step")) for line in lines) == 4, out
+    assert not any(cell.startswith("-") and cell != "-" for line in lines[2:6]
+                   for cell in line.split()), out  # a negative slope reads "noise"
     files = glob.glob(os.path.join(str(tmp_path), "8xcpu-*-step.json"))
     assert len(files) == 1, files
     with open(files[0]) as f:
