@@ -1,6 +1,6 @@
 """Device-time benchmark of jax_ep against JAX's own collectives, in one run.
 
-    python benchmarks/bench_ep.py [--quick] [--sweep] [--tokens 4096] [--out benchmarks/results]
+    python benchmarks/bench_ep.py [--quick] [--sweep] [--tokens 4096] [--out DIR]
 
 Times, per op and per rank: jax_ep (backend "cuda"), its reference backend ("reference"),
 ``jax.lax.all_to_all`` with capacity padding, ``jax.lax.ragged_all_to_all`` with default XLA
@@ -16,11 +16,11 @@ chained to the previous one through an optimization barrier and fed a different 
 input; per-op GPU time = (median t(N_long) - median t(N_short)) / (N_long - N_short), so the
 host dispatch (~200 us for a 2-GPU call) cancels. Bytes are counted as DeepEP counts them
 (docs/api.md, "Measuring"). A time within its timer noise of zero (twice the standard error of
-the difference, ``bench_common.noise_us``) is reported as "below noise (±x us)", not as a figure.
+the difference, ``bench_timing.noise_us``) is reported as "below noise (±x us)", not as a figure.
 Writes ``<out>/<machine>-<date>.json`` (or ``--out`` itself when it ends in ``.json``) and prints
 a table last. Without GPUs the script runs on 8 host CPU devices (unless ``XLA_FLAGS`` sets a
 count) and skips jax_ep's kernels and ragged_all_to_all, so the script itself can be tested
-there.
+there; its times (most below noise) say nothing about GPU speed, and ``nvlink_share`` is None.
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ import tempfile
 import time
 import traceback
 
-import bench_common as bc
+import bench_inputs as bi
+import bench_mesh as bm
+import bench_peers as bp
+import bench_records as br
+import bench_timing as bt
 import jax
 import numpy as np
 
@@ -74,10 +78,8 @@ def parse_args(argv):
                         "for testing on CPU")
     p.add_argument("--sweep", action="store_true",
                    help="add normal mode for 256..8192 tokens per rank and write PNG plots")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
-                   help="a folder for <machine>-<date>[-<tag>].json (default "
-                        "benchmarks/results), or a file name ending in .json (the --sweep "
-                        "plots go beside it, named after it)")
+    br.add_out_argument(p, "a folder for <machine>-<date>[-<tag>].json, or a file name ending "
+                           "in .json (the --sweep plots go beside it, named after it)")
     p.add_argument("--tokens", type=int, help="normal-mode tokens per rank (default 4096)")
     p.add_argument("--hidden", type=int, help="default 7168")
     p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
@@ -101,7 +103,7 @@ def parse_args(argv):
                         "buffer for XLA to allocate and hand back)")
     p.add_argument("--warmup", type=int, help="untimed runs of each program first (default 3)")
     p.add_argument("--tag", help="appended to the result file name: <machine>-<date>-<tag>.json")
-    bc.add_note_argument(p)
+    br.add_note_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     p.add_argument("--max-minutes", type=float,
                    help="start no new case after this many minutes (the decomposer child gets "
@@ -153,21 +155,21 @@ class Inputs:
 
     One set per iteration of the long program (``--n-long``): every call of a timed program
     reads its own input, so XLA cannot merge two calls. All global arrays are
-    ``[R * rows, ...]`` sharded along "ep" (see bench_common).
+    ``[R * rows, ...]`` sharded along "ep" (see bench_mesh).
     """
 
     def __init__(self, mesh, args, tokens, jax_ep):
         self.mesh, self.args, self.tokens, self.jax_ep = mesh, args, tokens, jax_ep
-        self.num_ranks = mesh.shape[bc.AXIS]
+        self.num_ranks = mesh.shape[bm.AXIS]
         self.num_sets = args.n_long
         self._cache = {}
         seed = args.seed * 1_000_003 + tokens * 101
         self.routing = [
-            bc.random_routing(mesh, seed + i, tokens, args.experts, args.topk)
+            bi.random_routing(mesh, seed + i, tokens, args.experts, args.topk)
             for i in range(self.num_sets)
         ]
-        idx = [bc.to_host(r[0]) for r in self.routing]
-        stats = [bc.routing_stats(i, self.num_ranks, args.experts) for i in idx]
+        idx = [bm.to_host(r[0]) for r in self.routing]
+        stats = [bi.routing_stats(i, self.num_ranks, args.experts) for i in idx]
         # Dispatch-like ops use every routing; combine reuses the routing of set 0.
         self.stats_mean = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
         self.stats_first = stats[0]
@@ -180,11 +182,11 @@ class Inputs:
     def x(self, i):
         shape = (self.num_ranks * self.tokens, self.args.hidden)
         seed = self.args.seed * 1_000_003 + 7000 + i
-        return self._get(("x", i), lambda: bc.random_rows(self.mesh, seed, shape))
+        return self._get(("x", i), lambda: bi.random_rows(self.mesh, seed, shape))
 
     def x_fp8(self, i):
         def make():
-            cast = self.jax_ep.per_token_cast_to_fp8 if self.jax_ep else bc.cast_fp8
+            cast = self.jax_ep.per_token_cast_to_fp8 if self.jax_ep else bi.cast_fp8
             return jax.block_until_ready(jax.jit(cast)(self.x(i)))
 
         return self._get(("x_fp8", i), make)
@@ -193,13 +195,13 @@ class Inputs:
         """Normal-mode expert output ``[C = R*T, H]`` per rank."""
         shape = (self.num_ranks * self.num_ranks * self.tokens, self.args.hidden)
         seed = self.args.seed * 1_000_003 + 8000 + i
-        return self._get(("y", i), lambda: bc.random_rows(self.mesh, seed, shape))
+        return self._get(("y", i), lambda: bi.random_rows(self.mesh, seed, shape))
 
     def y_low_latency(self, i):
         """Low-latency expert output ``[E_loc, R*T_max, H]`` per rank."""
         shape = (self.args.experts, self.num_ranks * self.tokens, self.args.hidden)
         seed = self.args.seed * 1_000_003 + 9000 + i
-        return self._get(("y_ll", i), lambda: bc.random_rows(self.mesh, seed, shape))
+        return self._get(("y_ll", i), lambda: bi.random_rows(self.mesh, seed, shape))
 
 
 # ----------------------------------------------------------------------------- op builders
@@ -329,7 +331,7 @@ def peer_program(peer, case: Case, inputs: Inputs):
                 [(inputs.y(k),) for k in n])
     if case.op == "low_latency_dispatch":
         if case.dtype == "fp8":
-            return None, lambda ctx, x, i: peer.dispatch(list(bc.cast_fp8(x)), i), (), [
+            return None, lambda ctx, x, i: peer.dispatch(list(bi.cast_fp8(x)), i), (), [
                 (inputs.x(k), idx[k]) for k in n]
         return None, lambda ctx, x, i: peer.dispatch([x], i), (), [
             (inputs.x(k), idx[k]) for k in n]
@@ -345,12 +347,12 @@ def measure(mesh, args, program, pool):
     call_args = (tuple(fixed), tuple(tuple(s) for s in sets))
     start = time.perf_counter()
     lowered = [
-        bc.repeated_program(mesh, op, n, prologue, epilogue, args.outputs).lower(*call_args)
+        bt.repeated_program(mesh, op, n, prologue, epilogue, args.outputs).lower(*call_args)
         for n in (args.n_short, args.n_long)
     ]
     short, long = pool.map(lambda low: low.compile(), lowered)  # compiles run in parallel
     compile_s = time.perf_counter() - start
-    per_op_us, extra = bc.time_per_op_us(short, long, call_args, args.n_short, args.n_long,
+    per_op_us, extra = bt.time_per_op_us(short, long, call_args, args.n_short, args.n_long,
                                          args.repeats, args.warmup)
     return per_op_us, dict(extra, compile_s=round(compile_s, 2))
 
@@ -381,14 +383,14 @@ def split_time(mesh, args, jax_ep, buf, case, inputs, pool, time_us, extra, send
 
 def make_record(args, num_ranks, case, impl, time_us, inputs, extra):
     """The result record of one case. A time at or below its timer noise
-    (``bench_common.noise_us``) is no figure: ``time_us`` and the rates are None,
+    (``bench_timing.noise_us``) is no figure: ``time_us`` and the rates are None,
     ``below_noise`` is true and ``measured_us`` keeps the difference measured."""
     stats = inputs.stats_first if "combine" in case.op else inputs.stats_mean
     # A send half moves the op's bytes; a receive half's GB/s would mean nothing (None).
     op_name, half = SPLIT_OPS.get(case.op, (case.op, None))
-    nbytes, remote = bc.bytes_per_rank(op_name if half != "recv" else "", case.dtype,
-                                       args.hidden, stats, peer=impl in bc.PEER_CLASSES)
-    noisy = bc.below_noise(time_us, extra)
+    nbytes, remote = bi.bytes_per_rank(op_name if half != "recv" else "", case.dtype,
+                                       args.hidden, stats, peer=impl in bp.PEER_CLASSES)
+    noisy = bt.below_noise(time_us, extra)
     rec = {
         "op": case.op, "impl": impl, "dtype": case.dtype, "ranks": num_ranks,
         "tokens": case.tokens, "hidden": args.hidden, "topk": args.topk,
@@ -400,7 +402,8 @@ def make_record(args, num_ranks, case, impl, time_us, inputs, extra):
     }
     if nbytes is not None and not noisy:
         rec["gbps"] = sig(nbytes / 1e9 / (time_us * 1e-6))
-        rec["nvlink_share"] = sig(remote / (time_us * 1e-6) / bc.NVLINK_BYTES_PER_S)
+        if bm.on_gpu():  # a share of NVLink's rate: nothing on CPU
+            rec["nvlink_share"] = sig(remote / (time_us * 1e-6) / bi.NVLINK_BYTES_PER_S)
     rec.update({k: sig(v) if isinstance(v, float) else v for k, v in extra.items()})
     return rec
 
@@ -420,12 +423,12 @@ def run_all(args, impls, rename=None, deadline=None, checkpoint=None):
     ``checkpoint(records, errors, skipped)`` is called after every case (results survive a
     crash or a kill); no case starts after ``deadline`` (a ``time.perf_counter()`` value).
     """
-    mesh = bc.make_mesh(args.ranks)
-    num_ranks = mesh.shape[bc.AXIS]
+    mesh = bm.make_mesh(args.ranks)
+    num_ranks = mesh.shape[bm.AXIS]
     if args.experts % num_ranks:
         raise SystemExit(f"--experts {args.experts} is not a multiple of {num_ranks} ranks")
-    jax_ep, why = bc.import_jax_ep()
-    gpu = bc.on_gpu()
+    jax_ep, why = bm.import_jax_ep()
+    gpu = bm.on_gpu()
     skipped = {}
     if not gpu:
         for impl in ("jax_ep", "ragged_all_to_all"):
@@ -466,7 +469,7 @@ def run_all(args, impls, rename=None, deadline=None, checkpoint=None):
             try:
                 if impl in ("jax_ep", "reference"):
                     buf = jax_ep.Buffer(
-                        mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+                        mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                         max_tokens_per_rank=tokens, num_topk=args.topk,
                         low_latency=mode == "low_latency",
                         backend="cuda" if impl == "jax_ep" else "reference",
@@ -490,7 +493,7 @@ def run_all(args, impls, rename=None, deadline=None, checkpoint=None):
                     if buf is not None:
                         program = jax_ep_program(jax_ep, buf, case, inputs)
                     else:
-                        peer = bc.PEER_CLASSES[impl](num_ranks, args.experts, args.topk)
+                        peer = bp.PEER_CLASSES[impl](num_ranks, args.experts, args.topk)
                         program = peer_program(peer, case, inputs)
                     time_us, extra = measure(mesh, args, program, pool)
                     if case.op in SPLIT_OPS:
@@ -498,7 +501,7 @@ def run_all(args, impls, rename=None, deadline=None, checkpoint=None):
                                                     time_us, extra, send_us)
                     rec = make_record(args, num_ranks, case, name, time_us, inputs, extra)
                     records.append(rec)
-                    figure = (bc.noise_text(rec) if rec["below_noise"] else
+                    figure = (bt.noise_text(rec) if rec["below_noise"] else
                               f"{time_us:10.1f} us  {fmt(rec['gbps'], '8.1f')} GB/s")
                     log(f"  {case.op:25s} {name:28s} {case.dtype:4s} T={tokens:<5d} "
                         f"{figure}  (compile {extra['compile_s']:.1f} s, "
@@ -608,8 +611,13 @@ def sort_key(r):
 
 def print_table(records, errors):
     rows = sorted(records + errors, key=sort_key)
+    on_gpu = bm.on_gpu()
+    nvl = f" {'NVL%':>6s}" if on_gpu else ""
     head = (f"{'op':25s} {'impl':28s} {'dtype':5s} {'tokens':>6s} {'time_us':>10s} "
-            f"{'GB/s':>8s} {'NVL%':>6s} {'x best peer':>11s}")
+            f"{'GB/s':>8s}{nvl} {'x best peer':>11s}")
+    if not on_gpu:
+        print("\n" + bm.cpu_note() + " Most of the reference backend's ops take milliseconds "
+              "and vary between runs by more than their time, so most rows are below noise.")
     print("\n" + head)
     print("-" * len(head))
     for r in rows:
@@ -618,14 +626,16 @@ def print_table(records, errors):
             print(f"{lead} ERROR {r['error'][:160]}")
             continue
         if r["below_noise"]:
-            print(f"{lead} {bc.noise_text(r):>10s}")
+            print(f"{lead} {bt.noise_text(r):>10s}")
             continue
         share = r["nvlink_share"] * 100 if r["nvlink_share"] is not None else None
-        print(f"{lead} {r['time_us']:10.1f} {fmt(r['gbps'], '8.1f')} {fmt(share, '6.1f')} "
+        share = f" {fmt(share, '6.1f')}" if on_gpu else ""
+        print(f"{lead} {r['time_us']:10.1f} {fmt(r['gbps'], '8.1f')}{share} "
               f"{fmt(r['speedup_vs_best_peer'], '11.2f')}")
     print("x best peer = (fastest of reference, all_to_all, ragged_all_to_all[_decomposer]) "
-          "time / this time; NVL% = remote bytes/s over 283 GB/s; below noise (±x us): the "
-          "time was within x us of zero, x being twice its standard error.", flush=True)
+          "time / this time; " + ("NVL% = remote bytes/s over 283 GB/s; " if on_gpu else "")
+          + "below noise (±x us): the time was within x us of zero, x being twice its standard "
+          "error.", flush=True)
 
 
 def write_plots(records, out_prefix):
@@ -671,7 +681,7 @@ def write_plots(records, out_prefix):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    bc.default_host_devices()  # before anything starts a backend: 8 ranks on CPU
+    bm.default_host_devices()  # before anything starts a backend: 8 ranks on CPU
     args = parse_args(argv)
     deadline = (time.perf_counter() + 60 * args.max_minutes) if args.max_minutes else None
 
@@ -680,7 +690,7 @@ def main(argv=None):
             if "ragged_all_to_all" in skipped:
                 skipped = dict(skipped)
                 skipped[DECOMPOSER_IMPL] = skipped.pop("ragged_all_to_all")
-            bc.write_json(args.child_out,
+            br.write_json(args.child_out,
                           {"results": records, "errors": errors, "skipped": skipped})
 
         save(*run_all(args, ["ragged_all_to_all"], DECOMPOSER_IMPL, deadline, save))
@@ -688,7 +698,7 @@ def main(argv=None):
 
     child = ([], [], {})
     impls = [i for i in args.impls if i != DECOMPOSER_IMPL]
-    multiprocess = bc.join_processes()
+    multiprocess = bm.join_processes()
     if multiprocess and deadline is not None:
         # Processes must run the same cases (collectives): a per-process clock could split them.
         log("[bench] --max-minutes is ignored with several processes")
@@ -702,13 +712,13 @@ def main(argv=None):
             child = ([], [], {DECOMPOSER_IMPL: "no GPU: ragged_all_to_all does not run on "
                                                "XLA:CPU"})
             log(f"[skip] {DECOMPOSER_IMPL}: {child[2][DECOMPOSER_IMPL]}")
-    header = bc.result_header(argv, args.note, __file__)  # initialises JAX, after the child
-    path = bc.result_path(args.out, header, args.tag)
+    header = br.result_header(argv, args.note, __file__)  # initialises JAX, after the child
+    path = br.result_path(args.out, header, args.tag)
     prefix = path[: -len(".json")]
     out_dir = os.path.dirname(path)
     method = {"n_short": args.n_short, "n_long": args.n_long, "repeats": args.repeats,
               "warmup": args.warmup, "outputs": args.outputs,
-              "nvlink_bytes_per_s": bc.NVLINK_BYTES_PER_S}
+              "nvlink_bytes_per_s": bi.NVLINK_BYTES_PER_S}
 
     def merged(records, errors, skipped):
         records = sorted(records + child[0], key=sort_key)
@@ -717,12 +727,12 @@ def main(argv=None):
 
     def save_partial(records, errors, skipped):
         records, errors, skipped = merged(records, errors, skipped)
-        if bc.is_reporter():
-            bc.write_json(path, dict(header, partial=True, results=records, errors=errors,
+        if bm.is_reporter():
+            br.write_json(path, dict(header, partial=True, results=records, errors=errors,
                                      skipped=skipped, method=method))
 
     records, errors, skipped = merged(*run_all(args, impls, None, deadline, save_partial))
-    if not bc.is_reporter():
+    if not bm.is_reporter():
         return
     payload = dict(header, results=records, errors=errors, skipped=skipped, method=method)
     if args.sweep:
@@ -730,7 +740,7 @@ def main(argv=None):
             payload["plots"] = [os.path.relpath(p, out_dir) for p in write_plots(records, prefix)]
         except Exception as e:  # noqa: BLE001
             errors.append({"op": "plot", "impl": "-", "error": f"{type(e).__name__}: {e}"})
-    bc.write_json(path, payload)
+    br.write_json(path, payload)
     log(f"\n[bench] wrote {path}" + "".join(
         f"\n[bench] wrote {os.path.join(out_dir, p)}" for p in payload.get("plots", [])))
     print_table(records, errors)

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_moe_layer.py [--quick] [--matmul tiled,ragged_dot,tokamax,...]
         [--sections experts,gemms,products,layer] [--impls jax_ep,all_to_all,ragged_all_to_all]
-        [--max-minutes 2] [--out benchmarks/results]
+        [--max-minutes 2] [--out DIR]
 
 One expert-parallel SwiGLU MoE layer per rank, with the router's top-k given as input (uniform
 random scores, seeded) and the SAME local expert computation for every implementation:
@@ -36,9 +36,9 @@ with 1/2 steps, 2 repeats, and only in the sections and impls named by ``--ragge
 
 - ``jax_ep``: ``jax_ep.moe.moe_ffn`` with a ``Buffer(backend="cuda")`` on GPUs, the reference
   backend (``"reference"``) elsewhere (``report_errors=False``: no host callback in timed programs);
-- ``all_to_all``: ``bench_common.AllToAllPeer`` (capacity-padded ``jax.lax.all_to_all``; each rank
+- ``all_to_all``: ``bench_peers.AllToAllPeer`` (capacity-padded ``jax.lax.all_to_all``; each rank
   receives ``[R*T, H]`` rows, local ids -1 where not local);
-- ``ragged_all_to_all``: ``bench_common.RaggedAllToAllPeer`` (MaxText pattern; GPU only, skipped
+- ``ragged_all_to_all``: ``bench_peers.RaggedAllToAllPeer`` (MaxText pattern; GPU only, skipped
   with a message elsewhere: XLA:CPU has no ``ragged_all_to_all``).
 
 TFLOP/s count the useful expert-GEMM work only: ``18 * T * K * H * F`` per rank per step (three
@@ -47,7 +47,7 @@ matmul computes on top (padding rows, dense expansion); the products count ``2 *
 
 Timed layer step: ``jax.value_and_grad`` of ``loss = sum(out * cotangent)`` w.r.t. ``x [T, H]``
 and the rank's three expert weights ``[E_loc, H, F]``, ``[E_loc, H, F]``, ``[E_loc, F, H]`` (bf16,
-``E_loc = E / R``). GPU time per step with bench_common's unrolled N_short / N_long difference
+``E_loc = E / R``). GPU time per step with bench_timing's unrolled N_short / N_long difference
 (distinct inputs per iteration; see README.md). Before timing a layer (always with ``--quick``,
 else with ``--check``) its forward output is compared with the jax_ep reference backend's forward
 with the tiled matmul on the same inputs (bf16 tolerance), so every row computes the same
@@ -64,7 +64,11 @@ import sys
 import time
 import traceback
 
-import bench_common as bc
+import bench_inputs as bi
+import bench_mesh as bm
+import bench_peers as bp
+import bench_records as br
+import bench_timing as bt
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,9 +106,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes (T=64, H=256, F=128, E=16, top-2), few iterations, forward "
                         "check on: for CPU with 8 host devices")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
-                   help="folder of the result file (default benchmarks/results)")
-    bc.add_shape_arguments(p, DEFAULTS)
+    br.add_out_argument(p)
+    bi.add_shape_arguments(p, DEFAULTS)
     p.add_argument("--impls", type=_names, default=IMPLS,
                    help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument("--matmul", type=_names, default=None,
@@ -128,7 +131,7 @@ def parse_args(argv):
                    help="start no new measurement after this many minutes (default 2; none with "
                         "--quick); results so far are written and the table printed")
     p.add_argument("--tag", help="file name <machine>-<date>-moe_layer-<tag>.json")
-    bc.add_note_argument(p)
+    br.add_note_argument(p)
     p.add_argument("--sweep", action="store_true",
                    help="products section: try every tile config of SWEEP_CONFIGS per library "
                         "product and shape (records carry their config)")
@@ -137,9 +140,9 @@ def parse_args(argv):
                         "(fused, default: what the Flax example stores) or two (split)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     args = p.parse_args(argv)
-    bc.fill_defaults(args, DEFAULTS, QUICK)
+    bi.fill_defaults(args, DEFAULTS, QUICK)
     args.check = args.check or args.quick
-    jax_ep, _ = bc.import_jax_ep()
+    jax_ep, _ = bm.import_jax_ep()
     if jax_ep is not None and not hasattr(jax_ep.moe, "grouped_gemm"):
         p.error(f"{jax_ep.__file__} predates jax_ep.moe.grouped_gemm: reinstall jax_ep")
     known = (jax_ep.moe.MATMULS if jax_ep is not None else ("tiled", "ragged_dot"))
@@ -184,14 +187,14 @@ class Inputs:
     """
 
     def __init__(self, mesh, args):
-        num_ranks = mesh.shape[bc.AXIS]
+        num_ranks = mesh.shape[bm.AXIS]
         rows = num_ranks * args.tokens
         seed = args.seed * 1_000_003
         self.sets = []
         for i in range(args.n_long):
-            idx, w = bc.random_routing(mesh, seed + i, args.tokens, args.experts, args.topk)
-            x = bc.random_rows(mesh, seed + 1000 + i, (rows, args.hidden))
-            ct = bc.random_rows(mesh, seed + 2000 + i, (rows, args.hidden))
+            idx, w = bi.random_routing(mesh, seed + i, args.tokens, args.experts, args.topk)
+            x = bi.random_rows(mesh, seed + 1000 + i, (rows, args.hidden))
+            ct = bi.random_rows(mesh, seed + 2000 + i, (rows, args.hidden))
             self.sets.append((x, idx, w, ct))
         e, h, f = args.experts, args.hidden, args.ffn
 
@@ -202,7 +205,7 @@ class Inputs:
                                           (normal(k2, (e, h, f)) * h**-0.5).astype(jnp.bfloat16),
                                           (normal(k3, (e, f, h)) * f**-0.5).astype(jnp.bfloat16)))
 
-        shard = bc.sharded(mesh)
+        shard = bm.sharded(mesh)
         count = 2 if args.gate_up == "fused" else 3
         self.weights = jax.block_until_ready(
             jax.jit(make, out_shardings=(shard,) * count)(jax.random.key(seed + 3000)))
@@ -257,7 +260,7 @@ def make_layer(impl, num_ranks, experts, topk, buf=None, matmul=None):
             return moe.moe_ffn(buf, x, idx, w, *swiglu_weights(weights), matmul=matmul)
 
         return layer
-    peer = bc.PEER_CLASSES[impl](num_ranks, experts, topk)
+    peer = bp.PEER_CLASSES[impl](num_ranks, experts, topk)
 
     def layer(x, idx, w, *weights):
         recv_x, recv_idx, recv_w = peer.dispatch([x], idx, w)
@@ -287,7 +290,7 @@ def forward(mesh, layer, inputs, k=0):
     def fn(x, idx, w, *weights):
         return layer(x, idx, w, *weights)
 
-    out = bc.shard_mapped(mesh, fn, 3 + len(inputs.weights))(x, idx, w, *inputs.weights)
+    out = bt.shard_mapped(mesh, fn, 3 + len(inputs.weights))(x, idx, w, *inputs.weights)
     return np.asarray(out.astype(jnp.float32))
 
 
@@ -318,7 +321,7 @@ def unavailable(matmul):
     """Why ``matmul`` cannot run here, or None."""
     from jax_ep.moe import grouped_gemm
 
-    if matmul in XLA_VARIANTS and not bc.on_gpu():
+    if matmul in XLA_VARIANTS and not bm.on_gpu():
         return f"{matmul}: an XLA:GPU option, no GPU ({jax.default_backend()})"
     for library in library_kernels(matmul):
         ok, why = grouped_gemm.library_status(library)
@@ -471,7 +474,7 @@ def product_sets(inputs, shape, product, n_sets):
 
 def iterations(args, matmul):
     """``(n_short, n_long, repeats, warmup)``: bounded for ragged_dot variants on GPUs."""
-    if bc.on_gpu() and base_matmul(matmul) == "ragged_dot":
+    if bm.on_gpu() and base_matmul(matmul) == "ragged_dot":
         return SLOW["n_short"], SLOW["n_long"], SLOW["repeats"], SLOW["warmup"]
     return args.n_short, args.n_long, args.repeats, args.warmup
 
@@ -486,13 +489,13 @@ def measure(mesh, args, step, fixed, sets, pool, matmul):
 
     call_args = (tuple(fixed), tuple(tuple(s) for s in sets[:n_long]))
     start = time.perf_counter()
-    lowered = [bc.repeated_program(mesh, step, n, prologue).lower(*call_args)
+    lowered = [bt.repeated_program(mesh, step, n, prologue).lower(*call_args)
                for n in (n_short, n_long)]
     # The two compile in parallel.
     short, long = pool.map(lambda low: low.compile(options) if options else low.compile(),
                            lowered)
     compile_s = time.perf_counter() - start
-    per_step_us, extra = bc.time_per_op_us(short, long, call_args, n_short, n_long, repeats,
+    per_step_us, extra = bt.time_per_op_us(short, long, call_args, n_short, n_long, repeats,
                                            warmup)
     if per_step_us <= 0:
         raise RuntimeError(f"non-positive time {per_step_us:.3f} us (noise larger than the "
@@ -590,7 +593,7 @@ class Runner:
 
     def __init__(self, args, mesh, deadline, checkpoint):
         self.args, self.mesh, self.deadline, self.checkpoint = args, mesh, deadline, checkpoint
-        self.num_ranks = mesh.shape[bc.AXIS]
+        self.num_ranks = mesh.shape[bm.AXIS]
         self.records, self.errors, self.skipped, self.checks = [], [], {}, {}
         self.pool = concurrent.futures.ThreadPoolExecutor(2)
         self.t_start = time.perf_counter()
@@ -623,7 +626,7 @@ class Runner:
         self.checkpoint(self.records, self.errors, self.skipped, self.checks)
 
     def runs_in(self, matmul, section, impl=None):
-        if not (bc.on_gpu() and base_matmul(matmul) == "ragged_dot"):
+        if not (bm.on_gpu() and base_matmul(matmul) == "ragged_dot"):
             return True
         return section in self.args.ragged_dot_sections and (
             impl is None or impl in self.args.ragged_dot_impls)
@@ -639,7 +642,7 @@ def resolved_name(matmul):
 
 def run_experts(r, matmuls):
     args = r.args
-    one = bc.make_mesh(1)
+    one = bm.make_mesh(1)
     inputs = ExpertInputs(args, r.num_ranks, max(args.n_long, SLOW["n_long"]))
     for m in matmuls:
         if not r.runs_in(m, "experts"):
@@ -694,7 +697,7 @@ def run_gemms(r, matmuls, inputs):
     from jax_ep.moe import grouped_gemm
 
     args = r.args
-    one = bc.make_mesh(1)
+    one = bm.make_mesh(1)
     weights = held_as("fused", inputs.weights)
     sets = [(x, sizes, ct, width(x, args.ffn), width(ct, 2 * args.ffn))
             for x, sizes, ct in inputs.sets[:args.n_long]]
@@ -716,7 +719,7 @@ def run_gemms(r, matmuls, inputs):
 
 def run_products(r, matmuls, inputs):
     args = r.args
-    one = bc.make_mesh(1)
+    one = bm.make_mesh(1)
     libraries = sorted({lib for m in matmuls for lib in library_kernels(m)})
     from jax_ep.moe import grouped_gemm
 
@@ -752,11 +755,11 @@ def run_products(r, matmuls, inputs):
 
 def run_layers(r, matmuls, impls):
     args, mesh, num_ranks = r.args, r.mesh, r.num_ranks
-    jax_ep, _ = bc.import_jax_ep()
-    backend = "cuda" if bc.on_gpu() else "reference"
+    jax_ep, _ = bm.import_jax_ep()
+    backend = "cuda" if bm.on_gpu() else "reference"
 
     def buffer(kind):
-        return jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+        return jax_ep.Buffer(mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                              max_tokens_per_rank=args.tokens, num_topk=args.topk,
                              dtype=jnp.bfloat16, low_latency=False, backend=kind,
                              report_errors=False)
@@ -819,12 +822,12 @@ def run_layers(r, matmuls, impls):
 def run(args, mesh, deadline, checkpoint):
     """Returns ``(records, errors, skipped, checks)``; ``checkpoint`` is called after each run."""
     r = Runner(args, mesh, deadline, checkpoint)
-    jax_ep, why = bc.import_jax_ep()
+    jax_ep, why = bm.import_jax_ep()
     impls = list(args.impls)
     if jax_ep is None:
         r.skipped["jax_ep"] = f"import jax_ep failed: {why}"
         impls.remove("jax_ep") if "jax_ep" in impls else None
-    if not bc.on_gpu() and "ragged_all_to_all" in impls:
+    if not bm.on_gpu() and "ragged_all_to_all" in impls:
         r.skipped["ragged_all_to_all"] = (f"no GPU ({jax.default_backend()}): ragged_all_to_all "
                                           "does not run on XLA:CPU")
         impls.remove("ragged_all_to_all")
@@ -868,11 +871,11 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     deadline = (time.perf_counter() + 60 * args.max_minutes) if args.max_minutes else None
-    mesh = bc.make_mesh(args.ranks)
-    num_ranks = mesh.shape[bc.AXIS]
+    mesh = bm.make_mesh(args.ranks)
+    num_ranks = mesh.shape[bm.AXIS]
     if args.experts % num_ranks:
         raise SystemExit(f"--experts {args.experts} is not a multiple of {num_ranks} ranks")
-    header = bc.result_header(argv, args.note, __file__)
+    header = br.result_header(argv, args.note, __file__)
     name = f"{header['machine']}-{header['date']}-moe_layer" + (
         f"-{args.tag}" if args.tag else "")
     path = os.path.join(args.out, name + ".json")
@@ -895,11 +898,11 @@ def main(argv=None):
         return dict(out, partial=True) if partial else out
 
     def checkpoint(*state):
-        bc.write_json(path, payload(*state, partial=True))
+        br.write_json(path, payload(*state, partial=True))
 
     records, errors, skipped, checks = run(args, mesh, deadline, checkpoint)
     final = payload(records, errors, skipped, checks, partial=False)
-    bc.write_json(path, final)
+    br.write_json(path, final)
     log(f"\n[bench] wrote {path}")
     impls = [i for i in args.impls if i not in skipped]
     print_table(final["results"], errors, skipped, list(args.matmul), impls)

@@ -30,11 +30,11 @@ stream cost apart from the pinned schedule.
 Each program's row (under ``programs``) also has ``comm_kernels_us``, the communication
 kernels' GPU time per step, and ``largest_us``, its largest kernels summed per step.
 
-The peers (``peers``: ``all_to_all``, ``ragged_all_to_all``; ``bench_common``'s): the same
+The peers (``peers``: ``all_to_all``, ``ragged_all_to_all``; ``bench_peers``'): the same
 segment, each micro-batch's layer written as its own dataflow, so that XLA's scheduler may
 overlap one's collectives with the other's compute by itself. Their rows have the same fields,
 of their collective kernels (NCCL's). At EP=1 they move nothing and their rows say so; XLA:CPU
-has no ``ragged_all_to_all``, so that row is an error there.
+has no ``ragged_all_to_all``, so that row says so there.
 
 ``--sm-curve``: each op's kernel time against its SM budget (``num_sms``), from a profiler
 trace. Records ``overlap-<mode>-<shape>.json`` and ``sm-curve.json`` under ``--out``.
@@ -49,14 +49,16 @@ import statistics
 import sys
 import time
 
-import bench_common as bc
+import bench_mesh as bm
+import bench_peers as bp
+import bench_records as br
 import jax
 import jax.numpy as jnp
 import numpy as np
 import timeline
 from jax.sharding import PartitionSpec as P
 
-jax_ep, _IMPORT_ERROR = bc.import_jax_ep()
+jax_ep, _IMPORT_ERROR = bm.import_jax_ep()
 
 SHAPES = {  # hidden, ffn, experts, topk; train / decode tokens per rank
     "bench": dict(hidden=2048, ffn=1024, experts=64, topk=8, train=4096, decode=128),
@@ -87,8 +89,7 @@ def parse_args(argv):
     p.add_argument("--sm-curve", action="store_true",
                    help="also record each op's kernel time against its SM budget")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU: checks the script)")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
-                   help="folder of the JSON records")
+    br.add_out_argument(p, "folder of the JSON records")
     p.add_argument("--note", default="", help="free text stored in the records")
     return p.parse_args(argv)
 
@@ -243,21 +244,15 @@ def mosaic_grid(num_ctas):
         plgpu.kernel = original
 
 
-@contextlib.contextmanager
 def unpinned(on):
     """While traced, an overlap Buffer's ops wait right after their starts: no op is left to
-    ``deferred.overlap``'s collector, so the stages run in order without its barriers."""
+    ``deferred.overlap``, so the stages run in order without its barriers
+    (``deferred.pins``)."""
     if not on:
-        yield
-        return
+        return contextlib.nullcontext()
     from jax_ep.backends import deferred
 
-    original = deferred.collector
-    deferred.collector = lambda: None
-    try:
-        yield
-    finally:
-        deferred.collector = original
+    return deferred.pins(waits_after_compute=False)
 
 
 def two_batch_segment(stages):
@@ -274,14 +269,14 @@ def two_batch_segment(stages):
 
 
 def peer_segment(impl, shape, matmul, num_ranks):
-    """The same segment over a peer all-to-all (``bench_common.PEER_CLASSES``), each half's
+    """The same segment over a peer all-to-all (``bench_peers.PEER_CLASSES``), each half's
     layer written as its own dataflow: XLA's scheduler may run one half's collectives beside the
     other's compute (its own overlap). The routing is computed in the segment, as the stages do."""
     import bench_moe_layer
 
     from jax_ep import moe
 
-    peer = bc.PEER_CLASSES[impl](num_ranks, shape["experts"], shape["topk"])
+    peer = bp.PEER_CLASSES[impl](num_ranks, shape["experts"], shape["topk"])
 
     def layer(params, x):
         h = attention_standin(params["w1"], params["w2"], x)
@@ -307,7 +302,7 @@ def build_program(mesh, segment, inputs, mode, gemm_sms=0, pinned=True, check_vm
     topk_weights)`` (train: the grad of a loss w.r.t. the parameters it ``reads_params`` and x;
     the gradient of parameters it does not read would be zeros the step writes out);
     ``pinned=False``: see ``unpinned``; ``check_vma=False`` for the peers, as
-    ``bench_common.shard_mapped`` (jax types ``ragged_all_to_all``'s result as varying over no
+    ``bench_timing.shard_mapped`` (jax types ``ragged_all_to_all``'s result as varying over no
     axis)."""
     if mode == "train":
         def body(params, x, idx, w):
@@ -372,8 +367,9 @@ def run_program(label, build, inputs, args_ns, is_comm=is_ours):
     start = time.time()
     try:
         row = measure(build(), inputs, args_ns, is_comm)
-        log(f"  {label}: {row['wall_us']} us/step, communication kernels "
-            f"{row['comm_kernels_us']} us, hidden {row['hidden_fraction']}")
+        hidden = row["hidden_fraction"]
+        log(f"  {label}: {row['wall_us']:.1f} us/step" + ("" if hidden is None else
+            f", communication kernels {row['comm_kernels_us']:.1f} us, hidden {hidden:.2f}"))
     except Exception as e:  # noqa: BLE001
         row = failed_row(label, e)
     row["compile_and_run_s"] = round(time.time() - start, 1)
@@ -396,16 +392,16 @@ def run_case(mesh, shape_name, mode, a):
     shape = QUICK if a.quick else SHAPES[shape_name]
     num_ranks = mesh.shape["ep"]
     tokens = shape[mode]
-    params = jax.device_put(make_params(shape, num_ranks, jax.random.key(0)), bc.sharded(mesh))
+    params = jax.device_put(make_params(shape, num_ranks, jax.random.key(0)), bm.sharded(mesh))
     x = jax.device_put(
         (jax.random.normal(jax.random.key(1), (num_ranks * tokens, shape["hidden"]))
-         ).astype(jnp.bfloat16), bc.sharded(mesh))
+         ).astype(jnp.bfloat16), bm.sharded(mesh))
     inputs = (params, x, *routing_for(mesh, params, x, shape["topk"]))
     low_latency = mode == "decode"
     common = dict(num_experts=shape["experts"], hidden=shape["hidden"],
                   max_tokens_per_rank=tokens // 2, num_topk=shape["topk"],
                   low_latency=low_latency, report_errors=False)
-    on_gpu = bc.on_gpu()
+    on_gpu = bm.on_gpu()
     budgets = [int(b) for b in str(a.num_sms).split(",")]
     buffers = {"serial": jax_ep.Buffer(mesh, "ep", **common)}
     for budget in budgets:
@@ -429,9 +425,12 @@ def run_case(mesh, shape_name, mode, a):
     for buf in buffers.values():
         buf.close()
     peers = {}
-    for impl in bc.PEER_CLASSES:
+    for impl in bp.PEER_CLASSES:
         if num_ranks == 1:
             peers[impl] = "not run: at EP=1 it moves nothing (XLA turns it into a local copy)"
+            continue
+        if impl == "ragged_all_to_all" and not on_gpu:
+            peers[impl] = "not run: XLA:CPU has no ragged_all_to_all"
             continue
         segment = peer_segment(impl, shape, a.matmul, num_ranks)
         peers[impl] = run_program(
@@ -472,14 +471,14 @@ def sm_curve(mesh, a):
         idx = np.stack([rng.choice(shape["experts"], shape["topk"], replace=False)
                         for _ in range(num_ranks * t)]).astype(np.int32)
         w = rng.random((num_ranks * t, shape["topk"]), dtype=np.float32)
-        return jax.device_put(idx, bc.sharded(mesh)), jax.device_put(w, bc.sharded(mesh))
+        return jax.device_put(idx, bm.sharded(mesh)), jax.device_put(w, bm.sharded(mesh))
 
     x = jax.device_put(jnp.ones((num_ranks * tokens, shape["hidden"]), jnp.bfloat16) * 0.5,
-                       bc.sharded(mesh))
+                       bm.sharded(mesh))
     xl = x[:num_ranks * ll_tokens]
     idx, w = routing(tokens)
     il, wl = routing(ll_tokens)
-    budgets = [b for b in SM_BUDGETS if b < jax.devices()[0].core_count] + [None] if bc.on_gpu() \
+    budgets = [b for b in SM_BUDGETS if b < jax.devices()[0].core_count] + [None] if bm.on_gpu() \
         else [None]
     points = []
     for budget in budgets:
@@ -511,7 +510,7 @@ def sm_curve(mesh, a):
                 if is_ours(k.name):
                     name = f"{program}/{kernel_role(k.name)}"
                     per_op.setdefault(name, []).append(k.duration_ns / 1e3)
-        point = {"num_sms": budget or jax.devices()[0].core_count if bc.on_gpu() else None,
+        point = {"num_sms": budget or jax.devices()[0].core_count if bm.on_gpu() else None,
                  "kernel_us": {n: statistics.median(v) for n, v in sorted(per_op.items())}}
         points.append(point)
         log(f"  num_sms {point['num_sms']}: {point['kernel_us']}")
@@ -532,28 +531,33 @@ def kernel_role(name):
 
 
 def main(argv=None):
+    bm.default_host_devices()  # before anything starts a backend: 8 ranks on CPU
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     if jax_ep is None:
         raise SystemExit(f"jax_ep: {_IMPORT_ERROR}")
-    mesh = bc.make_mesh()
-    header = bc.result_header(argv, note=a.note)
+    mesh = bm.make_mesh()
+    header = br.result_header(argv, note=a.note)
     table = []
+    on_gpu = bm.on_gpu()
+    if not on_gpu:
+        log(bm.cpu_note() + " The reference backend runs the ops in order (no side stream, "
+            "no kernel trace): hidden and saved/comm are left out.")
     if a.sm_curve:
         record = {**header, **sm_curve(mesh, a)}
-        bc.write_json(os.path.join(a.out, f"{bc.machine_name()}-sm-curve.json"), record)
+        br.write_json(os.path.join(a.out, f"{br.machine_name()}-sm-curve.json"), record)
     for mode, shape_name in (c.split(":") for c in a.cases.split(",")):
         log(f"{mode} {shape_name}:")
         record = {**header, **run_case(mesh, shape_name, mode, a)}
-        path = os.path.join(a.out, f"{bc.machine_name()}-overlap-{mode}-{shape_name}.json")
-        bc.write_json(path, record)
+        path = os.path.join(a.out, f"{br.machine_name()}-overlap-{mode}-{shape_name}.json")
+        br.write_json(path, record)
         table.append(record)
     log("\nmode    shape     serial_us  overlapped_us  compute_us  comm_us  hidden  saved/comm")
     def cell(value, digits=1):
         return "-" if value is None else f"{value:.{digits}f}"
     for r in table:
         for budget, row in r["by_num_sms"].items():
-            ratio = (row["saved_us"] / r["comm_us"] if row["saved_us"] is not None
+            ratio = (row["saved_us"] / r["comm_us"] if on_gpu and row["saved_us"] is not None
                      and r["comm_us"] else None)
             log(f"{r['mode']:7s} {r['shape']:9s} {cell(r['serial_us']):>9} "
                 f"{cell(row['overlapped_us']):>14} {cell(r['compute_us']):>11} "
@@ -561,9 +565,14 @@ def main(argv=None):
                 f"{cell(ratio, 2):>10}  num_sms={budget or 'all'}")
         for impl, row in r["peers"].items():  # XLA's own overlap of the peer's collectives
             text = row if isinstance(row, str) else row.get("error") or (
-                f"{cell(row['wall_us']):>9} us/step, collectives "
-                f"{cell(row['comm_kernels_us'])} us, hidden {cell(row['hidden_fraction'], 3)}")
+                f"{cell(row['wall_us']):>9} us/step" + (
+                    f", collectives {cell(row['comm_kernels_us'])} us, hidden "
+                    f"{cell(row['hidden_fraction'], 3)}" if on_gpu else ""))
             log(f"{r['mode']:7s} {r['shape']:9s} {impl}: {text[:160]}")
+    log("us per step. hidden: the share of jax_ep's kernel time in the overlapped step during "
+        "which a compute kernel ran on another stream (profiler trace); saved/comm: (serial - "
+        "overlapped) / comm, the share of the communication-alone step the overlap saved (< 0: "
+        "the overlapped step is the slower).")
 
 
 if __name__ == "__main__":

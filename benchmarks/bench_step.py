@@ -1,7 +1,7 @@
 """What a JAX program pays per MoE step: jax_ep against its peers inside one jitted program.
 
     python benchmarks/bench_step.py [--ops decode_step,normal_step] [--impls jax_ep,all_to_all,...]
-                                    [--tokens 4096] [--ll-tokens 128] [--out benchmarks/results]
+                                    [--tokens 4096] [--ll-tokens 128] [--out DIR]
 
 A step is what a model layer does with the communication, its results consumed in the program:
 - ``decode_step``: low-latency dispatch (bf16 or fp8 rows) -> a stand-in expert (each local
@@ -10,7 +10,7 @@ A step is what a model layer does with the communication, its results consumed i
   rank; ``normal_train_step``: the same forward and backward (the gradients of a loss w.r.t.
   the tokens and the routing weights: a cached dispatch and a combine more per layer).
 The peers run the same step with ``jax.lax.all_to_all`` (capacity-padded) and
-``jax.lax.ragged_all_to_all`` (benchmarks/bench_common.py).
+``jax.lax.ragged_all_to_all`` (benchmarks/bench_peers.py).
 
 Each program chains ``N`` steps like the layers of a model (step i+1 takes step i's output as
 its tokens, each layer its own routing), and only the last output leaves the program. The
@@ -32,10 +32,12 @@ so XLA runs each as one command buffer (CUDA graph), as it runs a model's many l
   profiler may change both);
 - ``enqueue_us``: the host time until the call returns (XLA enqueues the work): when it is
   larger than ``kernel_us`` the GPU waits for the host.
-Writes ``<out>/<machine>-<date>-step[-tag].json`` (one record per op, impl, dtype) and prints a
-table last. Runs at EP=1 on one GPU and on any number of GPUs (one process, or every process
-under ``python -m jax_ep.launch``); on CPU only the peers and the reference backend run
-(``--quick`` shapes for testing).
+Writes ``<out>/<machine>-<date>-step[-tag].json`` (one record per op, impl, dtype) and prints
+its row as each case ends, under one header. Runs at EP=1 on one GPU and on any number of GPUs
+(one process, or every process under ``python -m jax_ep.launch``). At EP=1 the peers are not run
+(XLA turns them into a local copy: no comparison); ``skipped`` says so. On CPU (8 host devices
+unless ``XLA_FLAGS`` sets a count) only ``all_to_all`` and the reference backend run, with
+``--quick`` shapes for testing: their times say nothing about GPU speed.
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ import tempfile
 import time
 import traceback
 
-import bench_common as bc
+import bench_inputs as bi
+import bench_mesh as bm
+import bench_peers as bp
+import bench_records as br
+import bench_timing as bt
 import jax
 import jax.numpy as jnp
 
@@ -101,10 +107,10 @@ def parse_args(argv):
                    help="the programs' layer counts, ascending, e.g. 4,8,12,16 (each step is "
                         "the slope of their wall times' least-squares line)")
     p.add_argument("--quick", action="store_true", help="small shapes, for CPU tests")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
-                   help="folder of the result file (default benchmarks/results)")
+    br.add_out_argument(p)
+    p.add_argument("--ranks", type=int, help="number of devices to use (default all)")
     p.add_argument("--tag", help="appended to the file name: <machine>-<date>-step-<tag>.json")
-    bc.add_note_argument(p)
+    br.add_note_argument(p)
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -163,7 +169,7 @@ def jax_ep_decode(jax_ep, buf, use_fp8, bare=False):
         rows = d.recv_x.reshape(-1, H)[jnp.minimum(flat, E_loc * rows_per_expert - 1)]
         scales = d.recv_scales.reshape(E_loc * rows_per_expert, -1)[
             jnp.minimum(flat, E_loc * rows_per_expert - 1)]
-        rows = rows.astype(jnp.float32) * jnp.repeat(scales, bc.FP8_BLOCK, axis=1)
+        rows = rows.astype(jnp.float32) * jnp.repeat(scales, bi.FP8_BLOCK, axis=1)
         y = carry.reshape(-1, H).at[flat].set(
             (rows * scale[safe][:, None]).astype(jnp.bfloat16), mode="drop").reshape(carry.shape)
         return jax_ep.low_latency_combine(buf, y, idx, w, d.handle), y
@@ -179,9 +185,9 @@ def peer_decode(peer, use_fp8, bare=False):
     scales = local_expert_scales(E_loc)
 
     def step(x, idx, w, carry):
-        payload = [*bc.cast_fp8(x)] if use_fp8 else [x]
+        payload = [*bi.cast_fp8(x)] if use_fp8 else [x]
         got = peer.dispatch(payload, idx, w)
-        rows = (got[0].astype(jnp.float32) * jnp.repeat(got[1], bc.FP8_BLOCK, axis=1)
+        rows = (got[0].astype(jnp.float32) * jnp.repeat(got[1], bi.FP8_BLOCK, axis=1)
                 if use_fp8 else got[0])
         if bare:
             return peer.combine(rows.astype(jnp.bfloat16), peer.plan(idx)), carry
@@ -394,7 +400,7 @@ def measure(programs, args, repeats, trace):
 
 
 def build_programs(mesh, step, backward, make_carry, donate, residual, layers):
-    return {n: CarriedProgram(bc.shard_mapped(mesh, chained(step, n, backward, residual), 4,
+    return {n: CarriedProgram(bt.shard_mapped(mesh, chained(step, n, backward, residual), 4,
                                               donate=(3,) if donate else ()), make_carry())
             for n in layers}
 
@@ -404,9 +410,9 @@ def step_inputs(mesh, tokens, args, seed):
     K])``, each its own argument (sharded along the tokens like everything else): a routing
     is then a buffer of its own, as a model's router makes it, where slicing one stacked array
     cost two copy kernels per layer (~2 us each at T=4096 on an H200) that no model runs."""
-    R = mesh.shape[bc.AXIS]
-    x = bc.random_rows(mesh, seed, (R * tokens, args.hidden))
-    routings = [bc.random_routing(mesh, seed + 1 + i, tokens, args.experts, args.topk)
+    R = mesh.shape[bm.AXIS]
+    x = bi.random_rows(mesh, seed, (R * tokens, args.hidden))
+    routings = [bi.random_routing(mesh, seed + 1 + i, tokens, args.experts, args.topk)
                 for i in range(args.layers[-1])]
     idx = tuple(r[0] for r in routings)
     w = tuple(r[1] for r in routings)
@@ -414,20 +420,20 @@ def step_inputs(mesh, tokens, args, seed):
 
 
 def run_case(jax_ep, mesh, args, op, impl, dtype):
-    R = mesh.shape[bc.AXIS]
+    R = mesh.shape[bm.AXIS]
     decode = op == "decode_step"
     backward = op == "normal_train_step"
     tokens = args.ll_tokens if decode else args.tokens
     buf = None
     if impl == "jax_ep":
-        backend = "cuda" if bc.on_gpu() else "reference"
-        buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+        backend = "cuda" if bm.on_gpu() else "reference"
+        buf = jax_ep.Buffer(mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                             max_tokens_per_rank=tokens, num_topk=args.topk,
                             low_latency=decode, backend=backend)
         step = (jax_ep_decode(jax_ep, buf, dtype == "fp8", args.bare) if decode
                 else jax_ep_normal(jax_ep, buf, args.bare))
     else:
-        peer = bc.PEER_CLASSES[impl](R, args.experts, args.topk)
+        peer = bp.PEER_CLASSES[impl](R, args.experts, args.topk)
         step = (peer_decode(peer, dtype == "fp8", args.bare) if decode
                 else peer_normal(peer, args.bare))
 
@@ -435,16 +441,16 @@ def run_case(jax_ep, mesh, args, op, impl, dtype):
     carry_shape = ((args.experts, R * tokens, args.hidden) if decode and dtype == "fp8"
                    and impl == "jax_ep" else (R, 1))
     make_carry = jax.jit(lambda: jnp.zeros(carry_shape, jnp.bfloat16),
-                         out_shardings=bc.sharded(mesh))
+                         out_shardings=bm.sharded(mesh))
     # Called as a user calls a jitted step (its C++ fast path), compiled by the warm-up calls.
     programs = build_programs(mesh, step, backward, make_carry, args.carry == "donated",
                               residual=not args.bare, layers=args.layers)
     longest = args.layers[-1]
     call_args = step_inputs(mesh, tokens, args, seed=7)
-    counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bc.on_gpu() else None
+    counts_before = _handler_counts(jax_ep) if impl == "jax_ep" and bm.on_gpu() else None
     time_us, kernel_us, ep_kernel_us, span_us, enqueue_us, wall = measure(
-        programs, call_args, args.repeats, bc.on_gpu() and not args.no_kernel_trace)
-    if args.host_trace and impl == "jax_ep" and bc.on_gpu():
+        programs, call_args, args.repeats, bm.on_gpu() and not args.no_kernel_trace)
+    if args.host_trace and impl == "jax_ep" and bm.on_gpu():
         kernels, gaps = {}, {}
         device_busy_us(programs[longest], call_args, by_kernel=kernels, gaps=gaps)
         print(f"kernels of one {op} ({dtype}) program of {longest} steps, us per call:")
@@ -484,11 +490,16 @@ def _handler_counts(jax_ep):
 
 
 def main(argv=None):
+    bm.default_host_devices()  # before anything starts a backend: 8 ranks on CPU, as bench_ep
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    bc.join_processes()
-    jax_ep, reason = bc.import_jax_ep()
-    mesh = bc.make_mesh()
-    records = []
+    bm.join_processes()
+    jax_ep, reason = bm.import_jax_ep()
+    mesh = bm.make_mesh(args.ranks)
+    records, skipped = [], {}
+    if bm.is_reporter():
+        if bm.cpu_note():
+            print(bm.cpu_note())
+        print(HEADER, flush=True)
     for op in args.ops:
         dtypes = args.dtypes if op == "decode_step" else ("bf16",)
         for dtype in dtypes:
@@ -496,26 +507,33 @@ def main(argv=None):
                 if impl == "jax_ep" and jax_ep is None:
                     print(f"skip jax_ep: {reason}")
                     continue
-                if impl == "ragged_all_to_all" and not bc.on_gpu():
-                    continue  # XLA:CPU has no ragged_all_to_all
+                if impl == "ragged_all_to_all" and not bm.on_gpu():
+                    skipped[impl] = "not run: XLA:CPU has no ragged_all_to_all"
+                    continue
+                if impl in bp.PEER_CLASSES and mesh.shape[bm.AXIS] == 1:
+                    skipped[impl] = ("not run: at EP=1 it moves nothing (XLA turns it into a "
+                                     "local copy)")
+                    continue
                 try:
                     rec = run_case(jax_ep, mesh, args, op, impl, dtype)
                 except Exception as e:  # noqa: BLE001 - one failing case must not end the run
                     traceback.print_exc()
                     rec = {"op": op, "impl": impl, "dtype": dtype, "error": repr(e)[:500]}
                 records.append(rec)
-                if bc.is_reporter():
+                if bm.is_reporter():
                     print(format_row(rec), flush=True)
-    if bc.is_reporter():
-        name = f"{bc.machine_name()}-{bc.today()}-step" + (f"-{args.tag}" if args.tag else "")
+    if bm.is_reporter():
+        name = f"{br.machine_name()}-{br.today()}-step" + (f"-{args.tag}" if args.tag else "")
         path = os.path.join(args.out, name + ".json")
-        bc.write_json(path, {**bc.result_header(sys.argv[1:] if argv is None else argv,
+        br.write_json(path, {**br.result_header(sys.argv[1:] if argv is None else argv,
                                                       args.note, __file__),
-                             "method": __doc__.split("\n\n")[2].strip(), "records": records})
-        print(f"\nwrote {path}\n")
-        print(HEADER)
-        for rec in records:
-            print(format_row(rec))
+                             "method": __doc__.split("\n\n")[2].strip(), "records": records,
+                             "skipped": skipped})
+        for impl, why in skipped.items():
+            print(f"{impl}: {why}")
+        print("us per step (the slope over the programs' layers); noise: a slope at or below "
+              "zero, drowned in timer noise; -: not measured here (no device trace)")
+        print(f"\nwrote {path}")
 
 
 HEADER = (f"{'op':<17} {'impl':<18} {'dtype':<5} {'R':>2} {'T':>5} {'time_us':>9} "
@@ -527,7 +545,7 @@ def format_row(rec):
         return f"{rec['op']:<17} {rec['impl']:<18} {rec['dtype']:<5} error: {rec['error'][:80]}"
 
     def f(v):
-        return "-" if v is None else f"{v:.1f}"
+        return "-" if v is None else "noise" if v <= 0 else f"{v:.1f}"
 
     return (f"{rec['op']:<17} {rec['impl']:<18} {rec['dtype']:<5} {rec['ranks']:>2} "
             f"{rec['tokens']:>5} {f(rec['time_us']):>9} {f(rec['kernel_us']):>9} "

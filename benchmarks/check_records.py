@@ -68,8 +68,19 @@ def _source(path: str, commit: str | None) -> str | None:
     return _git("show", f"{commit}:{path}")
 
 
+@functools.cache
+def _benchmark_modules(commit: str | None) -> frozenset[str]:
+    """The modules of ``benchmarks/`` (``bench_records``, ...) at ``commit``, or in the working
+    tree for None: a record's script imported those of its own commit."""
+    if commit is None:
+        paths = glob.glob(os.path.join(REPO_ROOT, "benchmarks", "*.py"))
+        return frozenset(os.path.basename(p)[:-3] for p in paths)
+    listed = _git("ls-tree", "--name-only", f"{commit}:benchmarks") or ""
+    return frozenset(name[:-3] for name in listed.split() if name.endswith(".py"))
+
+
 def _names_in_python(text: str) -> tuple[set[str], set[str]]:
-    """(names a Python source writes as keys, benchmark modules it imports)."""
+    """(names a Python source writes as keys, modules it imports)."""
     names, imports = set(), set()
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -81,8 +92,7 @@ def _names_in_python(text: str) -> tuple[set[str], set[str]]:
             imports.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             imports.add(node.module)
-    return names, {m for m in imports if os.path.isfile(
-        os.path.join(REPO_ROOT, "benchmarks", m + ".py"))}
+    return names, imports
 
 
 @functools.cache
@@ -96,10 +106,10 @@ def _names_at(path: str, commit: str | None) -> frozenset[str]:
             names, imports = _names_in_python(text)
         except SyntaxError:
             return frozenset()
-    else:  # a shell script with Python inline: quoted names; bench_common if it imports it
+    else:  # a shell script with Python inline: quoted names, and the modules it imports
         names = set(QUOTED_NAME_RE.findall(text))
-        imports = {"bench_common"} if "bench_common" in text else set()
-    for module in imports:
+        imports = set(re.findall(r"\bimport (\w+)", text))
+    for module in imports & _benchmark_modules(commit):
         if f"benchmarks/{module}.py" != path:
             names |= _names_at(f"benchmarks/{module}.py", commit)
     return frozenset(names)

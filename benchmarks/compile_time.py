@@ -1,7 +1,7 @@
 """How long an MoE program takes to compile, and what its compiled program holds.
 
     python benchmarks/compile_time.py [--cases flax,moe_stack] [--layers 16] [--scan]
-        [--matmul auto] [--quick] [--out benchmarks/results]
+        [--matmul auto] [--quick] [--out DIR]
 
 Cases:
 
@@ -48,8 +48,10 @@ import sys
 import time
 from collections import Counter
 
-import bench_common as bc
+import bench_inputs as bi
+import bench_mesh as bm
 import bench_moe_layer as bml
+import bench_records as br
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 OP = "compile_time"
 CASES = ("flax", "moe_stack")
-EXAMPLE = os.path.join(bc.REPO_ROOT, "examples", "flax_moe", "train.py")
+EXAMPLE = os.path.join(br.REPO_ROOT, "examples", "flax_moe", "train.py")
 DEFAULTS = {"tokens": 4096, "hidden": 2048, "ffn": 1024, "experts": 64, "topk": 8, "layers": 16}
 QUICK = {"tokens": 32, "hidden": 128, "ffn": 64, "experts": 16, "topk": 2, "layers": 4}
 MOSAIC_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu")
@@ -73,7 +75,7 @@ def parse_args(argv):
     p.add_argument("--cases", type=lambda s: tuple(c for c in s.split(",") if c), default=CASES,
                    help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--layers", type=int, help="MoE layers in the stack (default 16)")
-    bc.add_shape_arguments(p, DEFAULTS)
+    bi.add_shape_arguments(p, DEFAULTS)
     p.add_argument("--matmul", default="auto",
                    help="the stack's expert matmul, a name of jax_ep.moe.MATMULS (default auto: "
                         "Mosaic GPU on Hopper, tiled elsewhere)")
@@ -85,13 +87,12 @@ def parse_args(argv):
                         "--hidden 512\" (default: its default configuration)")
     p.add_argument("--no-run", dest="run", action="store_false",
                    help="compile only: no first and second call")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
-                   help="a folder for <machine>-<date>-compile_time[-<tag>].json (default "
-                        "benchmarks/results), or a file name ending in .json")
+    br.add_out_argument(p, "a folder for <machine>-<date>-compile_time[-<tag>].json, or a file "
+                           "name ending in .json")
     p.add_argument("--tag", help="appended to the file name")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     args = p.parse_args(argv)
-    bc.fill_defaults(args, DEFAULTS, QUICK)
+    bi.fill_defaults(args, DEFAULTS, QUICK)
     bad = [c for c in args.cases if c not in CASES]
     if bad:
         p.error(f"unknown case {bad}: expected some of {','.join(CASES)}")
@@ -231,14 +232,14 @@ def stack_inputs(mesh, args):
     """Global inputs of the stack, sharded along "ep" (axis 1 of the per-layer stacks):
     ``x [R*T, H]`` and ``ct [R*T, H]`` bf16, ``idx [L, R*T, K]`` int32, ``w [L, R*T, K]`` f32,
     ``w_gate_up [L, E, H, 2F]`` and ``w_down [L, E, F, H]`` bf16 (scaled for O(1) outputs)."""
-    num_ranks = mesh.shape[bc.AXIS]
+    num_ranks = mesh.shape[bm.AXIS]
     rows = num_ranks * args.tokens
     seed = args.seed * 1_000_003
-    x = bc.random_rows(mesh, seed + 1, (rows, args.hidden))
-    ct = bc.random_rows(mesh, seed + 2, (rows, args.hidden))
-    routing = [bc.random_routing(mesh, seed + 10 + i, args.tokens, args.experts, args.topk)
+    x = bi.random_rows(mesh, seed + 1, (rows, args.hidden))
+    ct = bi.random_rows(mesh, seed + 2, (rows, args.hidden))
+    routing = [bi.random_routing(mesh, seed + 10 + i, args.tokens, args.experts, args.topk)
                for i in range(args.layers)]
-    stacked = NamedSharding(mesh, P(None, bc.AXIS))
+    stacked = NamedSharding(mesh, P(None, bm.AXIS))
     idx = jax.device_put(jnp.stack([r[0] for r in routing]), stacked)
     w = jax.device_put(jnp.stack([r[1] for r in routing]), stacked)
     e, h, f, n = args.experts, args.hidden, args.ffn, args.layers
@@ -279,16 +280,16 @@ def stack_step(layer, num_layers: int, scan: bool):
 
 
 def stack_case(args, mesh, jax_ep, scan: bool):
-    num_ranks = mesh.shape[bc.AXIS]
-    buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+    num_ranks = mesh.shape[bm.AXIS]
+    buf = jax_ep.Buffer(mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                         max_tokens_per_rank=args.tokens, num_topk=args.topk, dtype=jnp.bfloat16,
-                        backend="cuda" if bc.on_gpu() else "reference", report_errors=False)
+                        backend="cuda" if bm.on_gpu() else "reference", report_errors=False)
     layer = bml.make_layer("jax_ep", num_ranks, args.experts, args.topk, buf, args.matmul)
-    stacked = P(None, bc.AXIS)
+    stacked = P(None, bm.AXIS)
     step = jax.shard_map(
         stack_step(layer, args.layers, scan), mesh=mesh,
-        in_specs=(P(bc.AXIS), P(bc.AXIS), stacked, stacked, stacked, stacked),
-        out_specs=(P(bc.AXIS), P(bc.AXIS), stacked, stacked), check_vma=False)
+        in_specs=(P(bm.AXIS), P(bm.AXIS), stacked, stacked, stacked, stacked),
+        out_specs=(P(bm.AXIS), P(bm.AXIS), stacked, stacked), check_vma=False)
     fields = {"backend": buf.backend, "matmul": args.matmul,
               "resolved_matmul": jax_ep.moe.expert_matmul(
                   args.matmul, jnp.dtype(jnp.bfloat16), (args.hidden, 2 * args.ffn),
@@ -320,18 +321,18 @@ def print_table(records, errors):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    bc.default_host_devices()  # before anything starts a backend: 8 ranks on CPU
+    bm.default_host_devices()  # before anything starts a backend: 8 ranks on CPU
     args = parse_args(argv)
-    header = bc.result_header(argv)
-    path = bc.result_path(args.out, header, OP, args.tag)
-    jax_ep, why = bc.import_jax_ep()
+    header = br.result_header(argv)
+    path = br.result_path(args.out, header, OP, args.tag)
+    jax_ep, why = bm.import_jax_ep()
     if jax_ep is None:
         raise SystemExit(f"jax_ep does not import: {why}")
-    mesh = bc.make_mesh(args.ranks)
-    if args.experts % mesh.shape[bc.AXIS]:
+    mesh = bm.make_mesh(args.ranks)
+    if args.experts % mesh.shape[bm.AXIS]:
         raise SystemExit(f"--experts {args.experts} is not a multiple of "
-                         f"{mesh.shape[bc.AXIS]} ranks")
-    log(f"[compile] {mesh.shape[bc.AXIS]} x {jax.devices()[0].device_kind} "
+                         f"{mesh.shape[bm.AXIS]} ranks")
+    log(f"[compile] {mesh.shape[bm.AXIS]} x {jax.devices()[0].device_kind} "
         f"({jax.default_backend()}), cases {','.join(args.cases)}")
     plan = []
     if "flax" in args.cases:
@@ -361,11 +362,11 @@ def main(argv=None):
             if buf is not None:
                 buf.close()
             jitted = call_args = None  # this case's inputs go before the next case's come
-        if bc.is_reporter():
-            bc.write_json(path, dict(header, partial=True, results=records, errors=errors))
-    if not bc.is_reporter():
+        if bm.is_reporter():
+            br.write_json(path, dict(header, partial=True, results=records, errors=errors))
+    if not bm.is_reporter():
         return
-    bc.write_json(path, dict(header, results=records, errors=errors))
+    br.write_json(path, dict(header, results=records, errors=errors))
     log(f"\n[compile] wrote {path}")
     print_table(records, errors)
 

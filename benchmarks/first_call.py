@@ -1,6 +1,6 @@
 """First call against steady state, for normal and low-latency dispatch + combine.
 
-    python benchmarks/first_call.py [--quick] [--out benchmarks/results] [--tokens 4096]
+    python benchmarks/first_call.py [--quick] [--out DIR] [--tokens 4096]
 
 Each case runs in a fresh process (so nothing is warm from an earlier case):
 
@@ -31,7 +31,11 @@ import sys
 import tempfile
 import time
 
-import bench_common as bc
+import bench_inputs as bi
+import bench_mesh as bm
+import bench_peers as bp
+import bench_records as br
+import bench_timing as bt
 
 MODES = ("normal", "low_latency")
 CASES = ("cold", "aot", "warm")
@@ -42,8 +46,7 @@ QUICK = {"tokens": 64, "ll_tokens": 4, "hidden": 256, "experts": 32, "steady_cal
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes (CPU testing)")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
-                   help="folder of the result file (default benchmarks/results)")
+    br.add_out_argument(p)
     p.add_argument("--tokens", type=int, help="normal-mode tokens per rank (default 4096)")
     p.add_argument("--ll-tokens", type=int, help="low-latency tokens per rank (default 128)")
     p.add_argument("--hidden", type=int, help="default 7168")
@@ -60,13 +63,13 @@ def parse_args(argv):
     p.add_argument("--max-minutes", type=float,
                    help="start no new process after this many minutes (results so far are kept)")
     p.add_argument("--tag", help="appended to the file name: <machine>-<date>-first_call-<tag>")
-    bc.add_note_argument(p)
+    br.add_note_argument(p)
     p.add_argument("--child", help=argparse.SUPPRESS)  # "mode,case,impl" in a child process
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     defaults = {"tokens": 4096, "ll_tokens": 128, "hidden": 7168, "experts": 256,
                 "steady_calls": 20}
-    bc.fill_defaults(args, defaults, QUICK)
+    bi.fill_defaults(args, defaults, QUICK)
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown mode {bad}; choose from {MODES}")
@@ -89,26 +92,26 @@ def build_step(args, mode, impl, mesh, jax_ep, buf, seed=0):
     picks the inputs (another seed: same shapes, new values in new buffers)."""
     import jax.numpy as jnp
 
-    num_ranks = mesh.shape[bc.AXIS]
+    num_ranks = mesh.shape[bm.AXIS]
     tokens = args.tokens if mode == "normal" else args.ll_tokens
-    topk_idx, topk_weights = bc.random_routing(mesh, seed + 1, tokens, args.experts, args.topk)
-    x = bc.random_rows(mesh, seed + 2, (num_ranks * tokens, args.hidden))
+    topk_idx, topk_weights = bi.random_routing(mesh, seed + 1, tokens, args.experts, args.topk)
+    x = bi.random_rows(mesh, seed + 2, (num_ranks * tokens, args.hidden))
     if impl == "all_to_all":
-        peer = bc.AllToAllPeer(num_ranks, args.experts, args.topk)
+        peer = bp.AllToAllPeer(num_ranks, args.experts, args.topk)
 
         if mode == "normal":
             def step(x, idx, w):
                 recv_x, recv_idx, recv_w = peer.dispatch([x], idx, w)
                 return peer.combine(recv_x, peer.plan(idx)), recv_idx, recv_w
 
-            return bc.shard_mapped(mesh, step, 3), (x, topk_idx, topk_weights)
-        y = bc.random_rows(mesh, seed + 3, (num_ranks * num_ranks * tokens, args.hidden))
+            return bt.shard_mapped(mesh, step, 3), (x, topk_idx, topk_weights)
+        y = bi.random_rows(mesh, seed + 3, (num_ranks * num_ranks * tokens, args.hidden))
 
         def step(x, idx, w, y):
-            recv_x, recv_scales, recv_idx, _ = peer.dispatch(list(bc.cast_fp8(x)), idx)
+            recv_x, recv_scales, recv_idx, _ = peer.dispatch(list(bi.cast_fp8(x)), idx)
             return peer.combine(y, peer.plan(idx)), recv_x, recv_scales, recv_idx
 
-        return bc.shard_mapped(mesh, step, 4), (x, topk_idx, topk_weights, y)
+        return bt.shard_mapped(mesh, step, 4), (x, topk_idx, topk_weights, y)
 
     if mode == "normal":
         def step(x, idx, w):
@@ -116,8 +119,8 @@ def build_step(args, mode, impl, mesh, jax_ep, buf, seed=0):
             y, _ = jax_ep.combine(buf, d.recv_x, d.handle)
             return y, d.recv_topk_idx, d.recv_topk_weights, d.num_recv_tokens_per_expert
 
-        return bc.shard_mapped(mesh, step, 3), (x, topk_idx, topk_weights)
-    y = bc.random_rows(mesh, seed + 3, (args.experts, num_ranks * tokens, args.hidden),
+        return bt.shard_mapped(mesh, step, 3), (x, topk_idx, topk_weights)
+    y = bi.random_rows(mesh, seed + 3, (args.experts, num_ranks * tokens, args.hidden),
                        jnp.bfloat16)
 
     def step(x, idx, w, y):
@@ -125,24 +128,24 @@ def build_step(args, mode, impl, mesh, jax_ep, buf, seed=0):
         z = jax_ep.low_latency_combine(buf, y, idx, w, d.handle)
         return z, d.recv_x, d.recv_scales, d.recv_count
 
-    return bc.shard_mapped(mesh, step, 4), (x, topk_idx, topk_weights, y)
+    return bt.shard_mapped(mesh, step, 4), (x, topk_idx, topk_weights, y)
 
 
 def run_child(args):
     mode, case, impl = args.child.split(",")
     import jax
 
-    mesh = bc.make_mesh(args.ranks)
-    out = {"mode": mode, "case": case, "impl": impl, "machine": bc.machine_name(),
-           "ranks": mesh.shape[bc.AXIS], "platform": jax.default_backend()}
+    mesh = bm.make_mesh(args.ranks)
+    out = {"mode": mode, "case": case, "impl": impl, "machine": br.machine_name(),
+           "ranks": mesh.shape[bm.AXIS], "platform": jax.default_backend()}
     jax_ep, buf = None, None
     if impl != "all_to_all":
-        jax_ep, why = bc.import_jax_ep()
+        jax_ep, why = bm.import_jax_ep()
         if jax_ep is None:
             raise SystemExit(f"import jax_ep failed: {why}")
         start = time.perf_counter()
         buf = jax_ep.Buffer(
-            mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+            mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
             max_tokens_per_rank=args.tokens if mode == "normal" else args.ll_tokens,
             num_topk=args.topk, low_latency=mode == "low_latency", backend=args.backend)
         out["buffer_create_s"] = time.perf_counter() - start
@@ -184,7 +187,7 @@ def run_child(args):
     out["paused_us"] = statistics.median(paused)
     if buf is not None:
         buf.close()
-    bc.write_json(args.child_out, out)
+    br.write_json(args.child_out, out)
 
 
 # ----------------------------------------------------------------------------- parent
@@ -294,14 +297,14 @@ def main(argv=None):
                 records.append(make_record(args, mode, got))
                 if header is None:  # the machine is known once a child has run
                     machine = next(iter(got.values()))["machine"]
-                    header = {"machine": machine, "date": bc.today(),
-                              **bc.tree_header(argv, args.note, __file__),
+                    header = {"machine": machine, "date": br.today(),
+                              **br.tree_header(argv, args.note, __file__),
                               "platform": next(iter(got.values()))["platform"]}
                     name = f"{machine}-{header['date']}-first_call" + (
                         f"-{args.tag}" if args.tag else "")
                     path = os.path.join(args.out, name + ".json")
             if header is not None:  # written after every (mode, impl): survives a kill
-                bc.write_json(path, dict(header, results=records, errors=errors))
+                br.write_json(path, dict(header, results=records, errors=errors))
 
     if header is None:
         print("[first_call] every case failed; nothing to write", flush=True)

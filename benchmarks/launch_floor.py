@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 
-import bench_common as bc  # benchmarks/ is sys.path[0]
+import bench_records as br
+import bench_timing as bt  # benchmarks/ is sys.path[0]
 import jax
 import jax.numpy as jnp
 from bench_step import slope, slope_stderr
@@ -59,17 +60,16 @@ def chain(target, calls):
 
 def median_wall_us(fn, x, repeats):
     for _ in range(3):
-        bc.wall_us(fn, x)
-    return statistics.median(bc.wall_us(fn, x) for _ in range(repeats))
+        bt.wall_us(fn, x)
+    return statistics.median(bt.wall_us(fn, x) for _ in range(repeats))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=50,
                    help="timed calls of each program, whose median counts (default 50)")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
-                   help="folder of the result file (default benchmarks/results)")
-    bc.add_note_argument(p)
+    br.add_out_argument(p)
+    br.add_note_argument(p)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         lib = ctypes.cdll.LoadLibrary(build(workdir))
@@ -85,8 +85,8 @@ def main():
                      "wall_us": walls})
         print(f"{label:<32} {rows[-1]['per_call_us']:6.2f} +- "
               f"{rows[-1]['per_call_us_stderr']:4.2f} us per call", flush=True)
-    path = os.path.join(args.out, f"{bc.machine_name()}-{bc.today()}-launch_floor.json")
-    bc.write_json(path, {**bc.result_header(sys.argv[1:], args.note, __file__), "records": rows})
+    path = os.path.join(args.out, f"{br.machine_name()}-{br.today()}-launch_floor.json")
+    br.write_json(path, {**br.result_header(sys.argv[1:], args.note, __file__), "records": rows})
     print(f"wrote {path}")
 
 

@@ -30,7 +30,8 @@ LAUNCH_GAP_NS = 100_000  # more between two block starts: another launch
 
 
 def child(args):
-    import bench_common  # noqa: F401  (benchmarks/ is sys.path[0])
+    import bench_mesh  # benchmarks/ is sys.path[0]
+    import bench_timing
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -39,7 +40,7 @@ def child(args):
     import jax_ep
     from jax_ep import testing as oracle
 
-    mesh = bench_common.make_mesh()
+    mesh = bench_mesh.make_mesh()
     R, T, H, E, K = mesh.shape["ep"], args.ll_tokens, args.hidden, args.experts, args.topk
     buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K,
                         low_latency=True, backend="cuda")
@@ -49,7 +50,7 @@ def child(args):
     x = jax.device_put(rng.standard_normal((R * T, H)).astype(jax.numpy.bfloat16), sharding)
     idx = jax.device_put(idx.reshape(R * T, K), sharding)
     w = jax.device_put(w.reshape(R * T, K), sharding)
-    run = bench_common.shard_mapped
+    run = bench_timing.shard_mapped
 
     def dispatch(x, idx, use_fp8):
         if args.split:

@@ -31,8 +31,10 @@ import sys
 import tempfile
 import time
 
-import bench_common as bc
+import bench_mesh as bm
 import bench_moe_layer as bml
+import bench_records as br
+import bench_timing as bt
 import jax
 import jax.numpy as jnp
 import profile_ops
@@ -47,8 +49,7 @@ LOOP_STEPS = 20  # calls of the loop wall (loop_wall_ms)
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke test)")
-    p.add_argument("--out", default=os.path.join(bc.REPO_ROOT, "benchmarks", "results"),
-                   help="folder of the result file (default benchmarks/results)")
+    br.add_out_argument(p)
     p.add_argument("--matmul", default="auto", help="jax_ep.moe matmul (default auto)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {','.join(VARIANTS)} (the docstring says "
@@ -59,7 +60,7 @@ def parse_args(argv):
                    help="also trace bench_moe_layer's program of this many unrolled steps "
                         "(distinct inputs, every output kept): per step wall, span and kernels")
     p.add_argument("--tag", help="file name <machine>-<date>-moe_experts_profile-<tag>.json")
-    bc.add_note_argument(p)
+    br.add_note_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and inputs")
     args = p.parse_args(argv)
     args.variants = tuple(v for v in args.variants.split(",") if v)
@@ -113,11 +114,11 @@ def unrolled_profile(args, step, weights, sets, tflops):
     """bench_moe_layer's measured program, `--unrolled` steps: per step, the wall of one call
     and the GPU timeline's span and idle time."""
     n = args.unrolled
-    program = bc.repeated_program(bc.make_mesh(1), step, n, lambda *fixed: fixed)
+    program = bt.repeated_program(bm.make_mesh(1), step, n, lambda *fixed: fixed)
     call_args = (tuple(weights), tuple(tuple(s) for s in sets[:n]))
     compiled = program.lower(*call_args).compile()
     jax.block_until_ready(compiled(*call_args))
-    wall_ms = statistics.median(bc.wall_us(compiled, *call_args) for _ in range(5)) / 1e3 / n
+    wall_ms = statistics.median(bt.wall_us(compiled, *call_args) for _ in range(5)) / 1e3 / n
     kernels, span_ms, idle_ms = device_profile(compiled, call_args)
     return {"steps": n, "wall_ms": round(wall_ms, 4), "tflops_wall": tflops(wall_ms),
             "span_ms": span_ms and round(span_ms / n, 4),
@@ -147,7 +148,7 @@ def run_variant(args, variant, inputs, flops):
     loss = float(first) if first.ndim == 0 else None  # the gemms variant has no loss
     compile_s = time.perf_counter() - start
     jax.block_until_ready(fn(*fn_args))
-    walls = [bc.wall_us(fn, *fn_args) / 1e3 for _ in range(args.repeats)]
+    walls = [bt.wall_us(fn, *fn_args) / 1e3 for _ in range(args.repeats)]
     wall_ms = statistics.median(walls)
     loop_ms = statistics.median(loop_wall_ms(fn, fn_args, LOOP_STEPS) for _ in range(3))
     kernels, span_ms, idle_ms = device_profile(fn, fn_args)
@@ -166,7 +167,7 @@ def run_variant(args, variant, inputs, flops):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    jax_ep, why = bc.import_jax_ep()
+    jax_ep, why = bm.import_jax_ep()
     if jax_ep is None:
         raise SystemExit(f"jax_ep does not import: {why}")
     from jax_ep.moe import grouped_gemm
@@ -175,7 +176,7 @@ def main(argv=None):
     # One rank's block: T * K rows over E experts; a set per unrolled step.
     inputs = bml.ExpertInputs(args, 1, max(1, args.unrolled))
     flops = 18.0 * inputs.used * args.hidden * args.ffn
-    payload = dict(bc.result_header(argv, args.note, __file__),
+    payload = dict(br.result_header(argv, args.note, __file__),
                    shape={k: getattr(args, k) for k in DEFAULTS}, resolved=resolved,
                    flops_per_step=flops, results=[], errors=[])
     for variant in args.variants:
@@ -206,8 +207,8 @@ def main(argv=None):
             for name, us in u["kernels_us"].items():
                 print(f"    {us:9.1f} us  {name[:100]}")
     tag = f"-{args.tag}" if args.tag else ""
-    name = f"{bc.machine_name()}-{bc.today()}-moe_experts_profile{tag}.json"
-    bc.write_json(os.path.join(args.out, name), payload)
+    name = f"{br.machine_name()}-{br.today()}-moe_experts_profile{tag}.json"
+    br.write_json(os.path.join(args.out, name), payload)
     print(f"wrote {os.path.join(args.out, name)}")
 
 

@@ -9,7 +9,7 @@ it shows what the GPU spends and where the gaps are. The ``*_split`` ops run the
 ops as send + receive halves back to back: the two kernels' medians are the halves' device
 times (the receive's includes waiting for the peers' sends), the span is the pair's. Writes
 ``<machine>-<date>-profile_ops[-<tag>].json`` into ``--out``: the header of
-``bench_common.result_header`` and ``results`` (per op: the stats printed, per device).
+``bench_records.result_header`` and ``results`` (per op: the stats printed, per device).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import statistics
 import sys
 import tempfile
 
-import bench_common  # benchmarks/ is sys.path[0] when run as a script
+import bench_peers  # benchmarks/ is sys.path[0] when run as a script
+import bench_records
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,7 +105,7 @@ def _profile(fn, args, marker, family, iters, label, trace=True):
 
 def _program(mesh, buf, mode, op, num_inputs):
     """One jitted program running ``op`` once per input ``x`` (distinct inputs: no CSE)."""
-    peer = bench_common.AllToAllPeer(mesh.shape["ep"], buf.num_experts, buf.num_topk)
+    peer = bench_peers.AllToAllPeer(mesh.shape["ep"], buf.num_experts, buf.num_topk)
 
     def body(idx, w, *xs):
         outs = []
@@ -154,11 +155,9 @@ def main(argv=None):
     parser.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
     parser.add_argument("--iters", type=int, default=8,
                         help="calls of each op in its program, each on its own input (default 8)")
-    parser.add_argument("--out", default=os.path.join(bench_common.REPO_ROOT, "benchmarks",
-                                                      "results"),
-                        help="folder of the record (default benchmarks/results)")
+    bench_records.add_out_argument(parser, "folder of the record")
     parser.add_argument("--tag", help="file name <machine>-<date>-profile_ops-<tag>.json")
-    bench_common.add_note_argument(parser)
+    bench_records.add_note_argument(parser)
     parser.add_argument("--ops", type=lambda text: set(text.split(",")),
                         help="comma-separated subset of the ops (default: all)")
     parser.add_argument("--no-trace", action="store_true",
@@ -204,11 +203,11 @@ def main(argv=None):
                                    f"{op} T={T}", trace=not args.no_trace)
         buf.close()
     tag = f"-{args.tag}" if args.tag else ""
-    path = os.path.join(args.out, f"{bench_common.machine_name()}-{bench_common.today()}"
+    path = os.path.join(args.out, f"{bench_records.machine_name()}-{bench_records.today()}"
                                   f"-profile_ops{tag}.json")
-    header = bench_common.result_header(sys.argv[1:] if argv is None else argv, args.note,
+    header = bench_records.result_header(sys.argv[1:] if argv is None else argv, args.note,
                                         __file__)
-    bench_common.write_json(path, {**header, "results": results})
+    bench_records.write_json(path, {**header, "results": results})
     print(f"wrote {path}")
 
 

@@ -4,7 +4,7 @@
 
 prints ``JAX_EP_COMMIT=<commit>`` and ``JAX_EP_DIFF_SHA256=<sha256 of git diff HEAD, or clean>``.
 A copied tree may carry no ``.git`` or a stale one; with these two variables set, the records
-written there name the tree they ran (``bench_common.result_header``). Standard library only, so
+written there name the tree they ran (``bench_records.result_header``). Standard library only, so
 it runs before anything is installed.
 
 A record's ``commit`` is 7 to 40 hex digits or ``"unknown"`` (no git and no ``JAX_EP_COMMIT``);

@@ -3,9 +3,10 @@
 # expert GEMMs' shape, issue 21) against the cuBLAS of this Python environment (the
 # nvidia-cublas wheel that jax's CUDA plugin installs; else the CUDA toolkit's), on one GPU.
 # CUBLAS_ROOT: a folder with include/cublasLt.h and lib/libcublasLt.so* (default: found).
-# Output: stdout, ${OUT:-.}/cublaslt_probe.txt and ${OUT}/<machine>-<date>-cublaslt_grouped.json.
+# Output: stdout, $OUT/cublaslt_probe.txt and $OUT/<machine>-<date>-cublaslt_grouped.json (OUT:
+# default benchmarks/out/, which git ignores).
 set -uo pipefail
-R="$(cd "$(dirname "$0")/.." && pwd)"; OUT="${OUT:-$PWD}"; mkdir -p "$OUT"; export R
+R="$(cd "$(dirname "$0")/.." && pwd)"; OUT="${OUT:-$R/benchmarks/out}"; mkdir -p "$OUT"; export R
 PATH="/usr/local/cuda/bin:$PATH"
 root=${CUBLAS_ROOT:-$(python3 - <<'PY'
 import glob, os, site
@@ -26,16 +27,16 @@ timeout "${PROBE_S:-120}" /tmp/cublaslt_probe 2>&1 | tee -a "$OUT/cublaslt_probe
 PROBE_TEXT="$OUT/cublaslt_probe.txt" python3 - "$OUT" <<'PY'
 import os, re, sys
 sys.path.insert(0, os.path.join(os.environ.get("R", "."), "benchmarks"))
-import bench_common as bc  # noqa: E402
+import bench_records as br  # noqa: E402
 
 text = open(os.environ["PROBE_TEXT"]).read()
 rows = [{"product": m[1].strip(), "time_us": float(m[2]), "tflops": float(m[3]),
          "algorithms": int(m[4]), "worst_sampled_error": float(m[5])}
         for m in re.finditer(r"^(.{44}) +([\d.]+) us +([\d.]+) TFLOP/s \((\d+) algorithms, "
                              r"worst sampled error ([\d.e+-]+)\)$", text, re.M)]
-header = bc.result_header([])
+header = br.result_header([])
 header["command"] = "bash scripts/cublaslt_probe.sh"
-path = os.path.join(sys.argv[1], f"{bc.machine_name()}-{bc.today()}-cublaslt_grouped.json")
-bc.write_json(path, {**header, "output": text, "results": rows})
+path = os.path.join(sys.argv[1], f"{br.machine_name()}-{br.today()}-cublaslt_grouped.json")
+br.write_json(path, {**header, "output": text, "results": rows})
 print(f"wrote {path}")
 PY

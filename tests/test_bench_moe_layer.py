@@ -9,30 +9,25 @@ emulation of its documented semantics (the script itself skips that impl on CPU)
 import glob
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bench_scripts import load_record, run_script, timer_noise
+from bench_scripts import bench_module, bm, bp, bt, load_record, run_script, timer_noise
 from harness import emulated_ragged_all_to_all
 from jax.sharding import Mesh
 
 from jax_ep import testing as oracle
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_DIR = os.path.join(REPO, "benchmarks")
-sys.path.insert(0, BENCH_DIR)
-import bench_common as bc  # noqa: E402
-import bench_moe_layer as bml  # noqa: E402
+bml = bench_module("bench_moe_layer")
 
 RECORD_KEYS = {"op": str, "impl": str, "dtype": str, "ranks": int, "tokens": int, "hidden": int,
                "ffn": int, "topk": int, "experts": int, "time_us": float}
 
 
 def _jax_ep_importable():
-    module, _ = bc.import_jax_ep()
+    module, _ = bm.import_jax_ep()
     return module is not None
 
 
@@ -84,7 +79,7 @@ def _fixed_timing(monkeypatch):
         jax.block_until_ready((short(*args), long(*args)))
         return 1.0, {"t_short_us": 1.0, "t_long_us": 2.0}
 
-    monkeypatch.setattr(bc, "time_per_op_us", time_per_op_us)
+    monkeypatch.setattr(bt, "time_per_op_us", time_per_op_us)
 
 
 def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
@@ -128,7 +123,7 @@ def _setup(num_ranks=8, tokens=16, hidden=128, ffn=64, experts=16, topk=4, gate_
     args = bml.parse_args(["--quick", "--tokens", str(tokens), "--hidden", str(hidden),
                            "--ffn", str(ffn), "--experts", str(experts), "--topk", str(topk),
                            "--n-short", "1", "--n-long", "2", "--gate-up", gate_up])
-    mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), (bc.AXIS,))
+    mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), (bm.AXIS,))
     return args, mesh, bml.Inputs(mesh, args)
 
 
@@ -150,7 +145,7 @@ def _grads(mesh, layer, inputs):
         loss, grads = step(args[:count], *args[count:])
         return loss[None], *grads
 
-    out = bc.shard_mapped(mesh, fn, count + 4)(*inputs.weights, x, idx, w, ct)
+    out = bt.shard_mapped(mesh, fn, count + 4)(*inputs.weights, x, idx, w, ct)
     return [np.asarray(a.astype(jnp.float32)) for a in out]
 
 
@@ -158,12 +153,12 @@ def _grads(mesh, layer, inputs):
 @pytest.mark.parametrize("impl", ["all_to_all", "ragged_all_to_all"])
 def test_implementations_compute_the_same_layer(impl, monkeypatch):
     if impl == "ragged_all_to_all":
-        monkeypatch.setattr(bc.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+        monkeypatch.setattr(bp.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     import jax_ep
 
     args, mesh, inputs = _setup()
-    num_ranks = mesh.shape[bc.AXIS]
-    buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+    num_ranks = mesh.shape[bm.AXIS]
+    buf = jax_ep.Buffer(mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                         max_tokens_per_rank=args.tokens, num_topk=args.topk, backend="reference",
                         report_errors=False)
     ref = bml.make_layer("jax_ep", num_ranks, args.experts, args.topk, buf)
@@ -190,10 +185,10 @@ def test_gate_up_layouts_compute_the_same_layer():
     np.testing.assert_array_equal(np.asarray(fused.weights[0], np.float32), np.concatenate(
         [np.asarray(split.weights[0], np.float32), np.asarray(split.weights[1], np.float32)],
         axis=2))
-    buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+    buf = jax_ep.Buffer(mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                         max_tokens_per_rank=args.tokens, num_topk=args.topk, backend="reference",
                         report_errors=False)
-    layer = bml.make_layer("jax_ep", mesh.shape[bc.AXIS], args.experts, args.topk, buf)
+    layer = bml.make_layer("jax_ep", mesh.shape[bm.AXIS], args.experts, args.topk, buf)
     err, ok = bml.compare(bml.forward(mesh, layer, fused), bml.forward(mesh, layer, split))
     assert ok, err
     (_, dx, dw_gate_up, dw_down), (_, dx1, dw_gate, dw_up, dw_down1) = (

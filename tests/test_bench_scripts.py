@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from bench_scripts import bc, jax_ep_importable, load_record, positive, run_script
+from bench_scripts import bm, jax_ep_importable, load_record, positive, run_script
 
 
 def test_first_call_quick(tmp_path):
@@ -49,13 +49,13 @@ def test_first_call_steps_run(mode, impl):
     import first_call  # benchmarks/ is on the path through bench_scripts
 
     args = first_call.parse_args(["--quick"])
-    mesh = bc.make_mesh()
+    mesh = bm.make_mesh()
     jax_ep, buf = None, None
     if impl == "jax_ep":
-        jax_ep, why = bc.import_jax_ep()
+        jax_ep, why = bm.import_jax_ep()
         if jax_ep is None:
             pytest.skip(f"jax_ep not importable: {why}")
-        buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+        buf = jax_ep.Buffer(mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                             max_tokens_per_rank=args.tokens, num_topk=args.topk,
                             backend="reference")
     step, step_args = first_call.build_step(args, mode, impl, mesh, jax_ep, buf)
@@ -65,9 +65,16 @@ def test_first_call_steps_run(mode, impl):
 
 def test_bench_step_quick(tmp_path):
     """The step benchmark runs on CPU (reference backend, the padded all_to_all peer) and writes
-    one record per op, impl and dtype with the three measures."""
-    run_script("bench_step.py", tmp_path, "--ops", "decode_step,normal_step", "--dtypes", "bf16",
-         "--impls", "jax_ep,all_to_all", "--repeats", "2")
+    one record per op, impl and dtype with the three measures; it prints one table, under one
+    header, after a line that says what CPU times are worth."""
+    out = run_script("bench_step.py", tmp_path, "--ops", "decode_step,normal_step", "--dtypes",
+                     "bf16", "--impls", "jax_ep,all_to_all", "--repeats", "2")
+    lines = out.splitlines()
+    assert "say nothing about GPU speed" in lines[0], lines
+    assert lines[1].split()[:3] == ["op", "impl", "dtype"] and out.count("time_us") == 1, out
+    assert sum(line.startswith(("decode_step", "normal_step")) for line in lines) == 4, out
+    assert not any(cell.startswith("-") and cell != "-" for line in lines[2:6]
+                   for cell in line.split()), out  # a negative slope reads "noise"
     files = glob.glob(os.path.join(str(tmp_path), "8xcpu-*-step.json"))
     assert len(files) == 1, files
     with open(files[0]) as f:
@@ -82,6 +89,18 @@ def test_bench_step_quick(tmp_path):
         for key in ("dtype", "ranks", "tokens", "hidden", "time_us", "kernel_us", "enqueue_us"):
             assert key in r, (key, r)
         assert r["ranks"] == 8 and r["kernel_us"] is None  # no device trace on CPU
+
+
+def test_bench_step_runs_no_peer_at_ep1(tmp_path):
+    """At EP=1 a peer is a local copy, no comparison: the step benchmark does not run it and its
+    record says why."""
+    out = run_script("bench_step.py", tmp_path, "--ops", "decode_step", "--dtypes", "bf16",
+                     "--impls", "all_to_all", "--ranks", "1")
+    (path,) = glob.glob(os.path.join(str(tmp_path), "8xcpu-*-step.json"))
+    with open(path) as f:
+        payload = json.load(f)
+    assert payload["records"] == [] and "EP=1" in payload["skipped"]["all_to_all"], payload
+    assert "all_to_all: not run: at EP=1" in out
 
 
 def test_bench_step_bare_runs_the_op_pair(tmp_path):

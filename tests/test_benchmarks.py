@@ -9,21 +9,28 @@ against an all_gather emulation of the collective.
 
 import ast
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bench_scripts import jax_ep_importable, load_record, positive, run_script
+from bench_scripts import (
+    BENCH_DIR,
+    bench_module,
+    bi,
+    bm,
+    bp,
+    br,
+    bt,
+    jax_ep_importable,
+    load_record,
+    positive,
+    run_script,
+)
 from harness import emulated_ragged_all_to_all
 from jax.sharding import Mesh
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_DIR = os.path.join(REPO, "benchmarks")
-sys.path.insert(0, BENCH_DIR)
-import bench_common as bc  # noqa: E402
-import bench_ep  # noqa: E402
+bench_ep = bench_module("bench_ep")
 
 RECORD_KEYS = {"op": str, "impl": str, "dtype": str, "ranks": int, "tokens": int, "hidden": int,
                "topk": int, "experts": int, "measured_us": float, "noise_us": float,
@@ -60,7 +67,8 @@ def test_bench_ep_quick(tmp_path):
         if rec["op"] == "layout":
             assert rec["gbps"] is None, rec
         else:
-            assert positive(rec["gbps"]) and positive(rec["nvlink_share"]), rec
+            # NVLink's share is a GPU figure: none on CPU.
+            assert positive(rec["gbps"]) and rec["nvlink_share"] is None, rec
     # No GPU: jax_ep's kernels and ragged_all_to_all are skipped, saying why.
     assert "jax_ep" in payload["skipped"] and "ragged_all_to_all" in payload["skipped"]
     assert any(r["impl"] == "all_to_all" and r["op"] == "dispatch" for r in results), results
@@ -78,12 +86,13 @@ def test_bench_ep_quick(tmp_path):
     # Same shape, same routing -> the same byte count for jax_ep's backends, and for the peers.
     by_case = {}
     for r in results:
-        key = (r["op"], r["dtype"], r["tokens"], r["impl"] in bc.PEER_CLASSES)
+        key = (r["op"], r["dtype"], r["tokens"], r["impl"] in bp.PEER_CLASSES)
         by_case.setdefault(key, set()).add(r["bytes_per_rank"])
     assert all(len(v) == 1 for v in by_case.values()), by_case
     # The table is printed last: a row per record, each with a figure or words.
     lines = stdout.strip().splitlines()
-    assert "x best peer" in lines[-1]
+    assert "x best peer" in lines[-1] and "NVL%" not in stdout
+    assert "say nothing about GPU speed" in stdout
     rows = lines[lines.index(next(x for x in lines if x.startswith("op "))) + 2:-1]
     assert len(rows) == len(results) and not any("ERROR" in row for row in rows), rows
     assert sum("below noise (±" in row for row in rows) == sum(
@@ -111,11 +120,11 @@ def test_bench_ep_sweep_writes_plots(tmp_path):
 def test_bench_ep_out_is_a_folder_or_a_json_file(tmp_path):
     header = {"machine": "8xcpu", "date": "2026-12-04"}
     folder = tmp_path / "results"
-    assert bc.result_path(str(folder), header) == str(folder / "8xcpu-2026-12-04.json")
-    assert bc.result_path(str(folder), header, "t") == str(folder / "8xcpu-2026-12-04-t.json")
+    assert br.result_path(str(folder), header) == str(folder / "8xcpu-2026-12-04.json")
+    assert br.result_path(str(folder), header, "t") == str(folder / "8xcpu-2026-12-04-t.json")
     assert folder.is_dir()
     named = tmp_path / "new" / "x.json"
-    assert bc.result_path(str(named), header, "ignored") == str(named)
+    assert br.result_path(str(named), header, "ignored") == str(named)
     assert named.parent.is_dir() and not named.exists()
 
 
@@ -123,17 +132,17 @@ def test_noise_decides_what_is_a_figure():
     """The noise of a per-op time is twice the standard error of the medians' difference (from
     the samples' median absolute deviation), per call; a time at or below it is no figure."""
     steady = [100.0, 100.0, 100.0]
-    assert bc.noise_us(steady, [130.0] * 3, 3) == 0.0
+    assert bt.noise_us(steady, [130.0] * 3, 3) == 0.0
     short, long = [100.0, 110.0, 90.0], [130.0, 140.0, 120.0]  # MAD 10 each
     stderr = 1.2533 * 1.4826 * 10 / 3 ** 0.5
-    assert bc.noise_us(short, long, 2) == pytest.approx(2 * (2 * stderr**2) ** 0.5 / 2)
+    assert bt.noise_us(short, long, 2) == pytest.approx(2 * (2 * stderr**2) ** 0.5 / 2)
     # One slow call moves neither the medians nor the noise much.
-    assert bc.noise_us([100.0, 110.0, 90.0, 5000.0], long, 2) < 2 * bc.noise_us(short, long, 2)
+    assert bt.noise_us([100.0, 110.0, 90.0, 5000.0], long, 2) < 2 * bt.noise_us(short, long, 2)
     extra = {"noise_us": 3.25}
-    assert bc.below_noise(3.25, extra) and bc.below_noise(-1.0, extra)
-    assert not bc.below_noise(3.3, extra)
-    assert bc.noise_text(extra) == "below noise (±3.25 us)"
-    assert bc.noise_text({"noise_us": 15700.0}) == "below noise (±15.7 ms)"
+    assert bt.below_noise(3.25, extra) and bt.below_noise(-1.0, extra)
+    assert not bt.below_noise(3.3, extra)
+    assert bt.noise_text(extra) == "below noise (±3.25 us)"
+    assert bt.noise_text({"noise_us": 15700.0}) == "below noise (±15.7 ms)"
 
 
 def test_every_benchmark_option_has_help():
@@ -161,19 +170,19 @@ def test_peers_match_routing(peer_name, monkeypatch):
     """Each peer delivers exactly the rows docs/api.md routes ("Row order": by source rank,
     ascending tokens), with local expert ids and weights, and combine sums them back."""
     if peer_name == "ragged_all_to_all":
-        monkeypatch.setattr(bc.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+        monkeypatch.setattr(bp.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     devices = jax.devices("cpu")[:8]
     num_ranks, tokens, hidden, experts, topk = len(devices), 16, 256, 32, 4
-    mesh = Mesh(np.array(devices), (bc.AXIS,))
-    idx, w = bc.random_routing(mesh, 3, tokens, experts, topk)
-    x = bc.random_rows(mesh, 4, (num_ranks * tokens, hidden))
-    peer = bc.PEER_CLASSES[peer_name](num_ranks, experts, topk)
+    mesh = Mesh(np.array(devices), (bm.AXIS,))
+    idx, w = bi.random_routing(mesh, 3, tokens, experts, topk)
+    x = bi.random_rows(mesh, 4, (num_ranks * tokens, hidden))
+    peer = bp.PEER_CLASSES[peer_name](num_ranks, experts, topk)
 
     def step(x, idx, w):
         recv_x, recv_idx, recv_w = peer.dispatch([x], idx, w)
         return recv_x, recv_idx, recv_w, peer.combine(recv_x, peer.plan(idx))
 
-    recv_x, recv_idx, recv_w, combined = bc.shard_mapped(mesh, step, 3)(x, idx, w)
+    recv_x, recv_idx, recv_w, combined = bt.shard_mapped(mesh, step, 3)(x, idx, w)
     xs = np.asarray(x.astype(jnp.float32)).reshape(num_ranks, tokens, hidden)
     ids = np.asarray(idx).reshape(num_ranks, tokens, topk)
     ws = np.asarray(w).reshape(num_ranks, tokens, topk)
@@ -206,12 +215,12 @@ def test_peers_match_routing(peer_name, monkeypatch):
 def test_split_halves_programs_run(op):
     """The programs that time the low-latency halves (GPU only in the benchmark) build and run
     on the reference backend: sends chained with one receive after the last, or pairs."""
-    jax_ep, why = bc.import_jax_ep()
+    jax_ep, why = bm.import_jax_ep()
     if jax_ep is None:
         pytest.skip(why)
     args = bench_ep.parse_args(["--quick"])
-    mesh = bc.make_mesh()
-    buf = jax_ep.Buffer(mesh, bc.AXIS, num_experts=args.experts, hidden=args.hidden,
+    mesh = bm.make_mesh()
+    buf = jax_ep.Buffer(mesh, bm.AXIS, num_experts=args.experts, hidden=args.hidden,
                         max_tokens_per_rank=8, num_topk=args.topk, low_latency=True,
                         backend="reference", report_errors=False)
     inputs = bench_ep.Inputs(mesh, args, 8, jax_ep)
@@ -220,11 +229,11 @@ def test_split_halves_programs_run(op):
     prologue, body, fixed, sets, *epilogue = program
     assert len(epilogue) == (1 if op.endswith("_send") else 0)
     call_args = (tuple(fixed), tuple(tuple(s) for s in sets))
-    run = bc.repeated_program(mesh, body, 2, prologue, *epilogue)
+    run = bt.repeated_program(mesh, body, 2, prologue, *epilogue)
     outputs = jax.block_until_ready(run(*call_args))
     assert outputs
     # Only the last call's outputs (and the epilogue's): the same values, fewer of them.
-    last = bc.repeated_program(mesh, body, 2, prologue, *epilogue, outputs="last")
+    last = bt.repeated_program(mesh, body, 2, prologue, *epilogue, outputs="last")
     kept = jax.block_until_ready(last(*call_args))
     assert 0 < len(kept) < len(outputs)
     for got, want in zip(kept, outputs[len(outputs) - len(kept):], strict=True):
@@ -237,24 +246,24 @@ def test_byte_counts_follow_deepep():
     # 2 ranks, 2 experts each, 2 tokens per rank, top-2.
     idx = np.array([[0, 1], [0, 2],      # rank 0: t0 -> rank 0 only, t1 -> ranks 0 and 1
                     [3, -1], [2, 3]])    # rank 1: t0 -> rank 1, t1 -> rank 1
-    stats = bc.routing_stats(idx, 2, 4)
+    stats = bi.routing_stats(idx, 2, 4)
     # received rows: rank 0 gets 2 (both from itself), rank 1 gets 3 (1 remote).
     assert stats["recv_rows"] == 2.5 and stats["remote_recv_rows"] == 0.5
     # selections: rank 0 has 4 (1 remote), rank 1 has 3 (0 remote).
     assert stats["selections"] == 3.5 and stats["remote_selections"] == 0.5
     hidden = 1024
-    assert bc.bytes_per_rank("dispatch", "bf16", hidden, stats) == (2.5 * 2048, 0.5 * 2048)
-    assert bc.bytes_per_rank("dispatch", "fp8", hidden, stats)[0] == 2.5 * (1024 + 32)
-    assert bc.bytes_per_rank("combine", "bf16", hidden, stats)[0] == 2.5 * 2048
-    assert bc.bytes_per_rank("low_latency_dispatch", "fp8", hidden, stats)[0] == 3.5 * (
+    assert bi.bytes_per_rank("dispatch", "bf16", hidden, stats) == (2.5 * 2048, 0.5 * 2048)
+    assert bi.bytes_per_rank("dispatch", "fp8", hidden, stats)[0] == 2.5 * (1024 + 32)
+    assert bi.bytes_per_rank("combine", "bf16", hidden, stats)[0] == 2.5 * 2048
+    assert bi.bytes_per_rank("low_latency_dispatch", "fp8", hidden, stats)[0] == 3.5 * (
         1024 + 32 + 16)
-    assert bc.bytes_per_rank("low_latency_dispatch", "bf16", hidden, stats)[0] == 3.5 * 2048
-    assert bc.bytes_per_rank("low_latency_combine", "bf16", hidden, stats)[0] == 3.5 * 2048
-    assert bc.bytes_per_rank("layout", "bf16", hidden, stats) == (None, None)
+    assert bi.bytes_per_rank("low_latency_dispatch", "bf16", hidden, stats)[0] == 3.5 * 2048
+    assert bi.bytes_per_rank("low_latency_combine", "bf16", hidden, stats)[0] == 3.5 * 2048
+    assert bi.bytes_per_rank("layout", "bf16", hidden, stats) == (None, None)
     # Peers move a token once per destination rank in low-latency mode too.
     for op in ("low_latency_dispatch", "low_latency_combine"):
-        assert bc.bytes_per_rank(op, "bf16", hidden, stats, peer=True) == (2.5 * 2048, 0.5 * 2048)
-    assert bc.bytes_per_rank("low_latency_dispatch", "fp8", hidden, stats,
+        assert bi.bytes_per_rank(op, "bf16", hidden, stats, peer=True) == (2.5 * 2048, 0.5 * 2048)
+    assert bi.bytes_per_rank("low_latency_dispatch", "fp8", hidden, stats,
                              peer=True)[0] == 2.5 * (1024 + 32)
 
 

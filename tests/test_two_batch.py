@@ -251,8 +251,9 @@ def test_overlap_pins_compute_between_start_and_wait():
 def test_a_missing_dependence_is_caught(monkeypatch, mutant):
     """Each dependence the schedule relies on, removed in turn, is reported."""
     require_extension()  # the suite's rule for a missing _C
+    pins = {}
     if mutant == "no_barrier":
-        monkeypatch.setattr(deferred.jax.lax, "optimization_barrier", lambda values: values)
+        pins = {"compute_after_starts": False}
     elif mutant == "aliased_tie":  # the tie also aliased: a copy before the wait would read it
         real = cuda.CudaBackend.wait
         monkeypatch.setattr(cuda.CudaBackend, "wait",
@@ -266,8 +267,19 @@ def test_a_missing_dependence_is_caught(monkeypatch, mutant):
     else:
         monkeypatch.setattr(cuda.CudaBackend, "wait",
                             lambda self, raw, operands, after=(), unaliased=(): raw)
-    assert _dependence_problems(_lowered_overlap()) != []
-    assert _dependence_problems(_exported_overlap()) != []
+    with deferred.pins(**pins):
+        assert _dependence_problems(_lowered_overlap()) != []
+        assert _dependence_problems(_exported_overlap()) != []
+
+
+def test_unpinned_waits_follow_their_starts():
+    """``deferred.pins(waits_after_compute=False)`` (bench_overlap's --unpinned): each op waits
+    right after its start, so the matmul neither follows the start nor precedes the wait."""
+    with deferred.pins(waits_after_compute=False):
+        problems = _dependence_problems(_lowered_overlap())
+    assert "the matmul does not depend on the async start" in problems, problems
+    assert "the wait does not depend on the matmul" in problems, problems
+    assert _dependence_problems(_lowered_overlap()) == []  # the pins hold again after it
 
 
 def test_an_exported_overlap_step_keeps_its_dependences():

@@ -17,6 +17,10 @@ until the kernels have read them.
 rearranged: anything else it computes from an op's result would read it before the wait. The
 reference backend and ``Buffer(overlap=False)`` have nothing to hold open: there ``overlap``
 runs ``comm`` then ``compute``, and XLA orders them by their data alone.
+
+``pins(...)`` drops either pin while it is open, to measure what the pins buy
+(``benchmarks/bench_overlap.py --unpinned``) and to check that a lowered program missing one is
+caught (``tests/test_two_batch.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,32 @@ class _Started:
 
 
 @contextlib.contextmanager
+def pins(*, compute_after_starts: bool = True, waits_after_compute: bool = True):
+    """Which of ``overlap``'s pins hold for the ops traced while this is open (both by default).
+
+    Args:
+      compute_after_starts: False: no optimization barrier ties the compute's arguments to the
+        first start, so XLA may run the compute before the starts.
+      waits_after_compute: False: no op is left to ``overlap``; each op of an overlap Buffer
+        waits right after its start (the async calls and the side stream without the
+        two-micro-batch schedule), and ``overlap`` runs ``comm`` then ``compute``.
+
+    Trace-time only (it changes the program traced, not a compiled one); not for models: a
+    step traced with a pin dropped computes the same values, without the overlap.
+    """
+    previous = getattr(_local, "pins", (True, True))
+    _local.pins = (bool(compute_after_starts), bool(waits_after_compute))
+    try:
+        yield
+    finally:
+        _local.pins = previous
+
+
+def _pins() -> tuple[bool, bool]:
+    return getattr(_local, "pins", (True, True))
+
+
+@contextlib.contextmanager
 def collect():
     """While open, an overlap Buffer's op leaves its wait to the collector."""
     stack = _local.__dict__.setdefault("stack", [])
@@ -57,7 +87,7 @@ def collector():
     traced deeper (inside a ``custom_vjp``, an inner ``jit``) waits for itself, since its
     results cannot leave that trace unwaited."""
     stack = getattr(_local, "stack", None)
-    if not stack or stack[-1].trace != get_opaque_trace_state():
+    if not stack or not _pins()[1] or stack[-1].trace != get_opaque_trace_state():
         return None
     return stack[-1]
 
@@ -82,13 +112,17 @@ def overlap(comm: Callable, compute: Callable, *compute_args, pinned: Callable =
     # wrote it); the wait copies it after joining instead, a few bytes.
     first = started.ops[0][1]
     tie = min(range(len(first)), key=lambda i: first[i].size * first[i].dtype.itemsize)
-    compute_args, token = jax.lax.optimization_barrier((compute_args, first[tie]))
+    tied = _pins()[0]
+    if tied:
+        compute_args, token = jax.lax.optimization_barrier((compute_args, first[tie]))
     compute_out = compute(*compute_args)
     after = [leaf for leaf in jax.tree.leaves(pinned(compute_out)) if isinstance(leaf, jax.Array)]
+    if tied:
+        after.append(token)
     waited = {}
     for n, (backend, raw, operands) in enumerate(started.ops):
         results = jax.lax.optimization_barrier(backend.wait(
-            raw, operands, (*after, token), unaliased=(tie,) if n == 0 else ()))
+            raw, operands, tuple(after), unaliased=(tie,) if n == 0 and tied else ()))
         waited.update({id(r): w for r, w in zip(raw, results, strict=True)})
     leaves, treedef = jax.tree.flatten(comm_out)
     return jax.tree.unflatten(treedef, [waited.get(id(leaf), leaf) for leaf in leaves]), compute_out
