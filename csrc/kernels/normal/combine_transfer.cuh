@@ -101,6 +101,20 @@ struct VectorMath<float> {
   }
 };
 
+// The row that rank r holds of `token` for its sum: y's row own_pos for this rank, the data
+// region row [r][token] for the others.
+struct SourceRows {
+  const CombineTransferArgs& args;
+  int token;
+  int own_pos;
+
+  __device__ __forceinline__ const char* operator()(int r) const {
+    return r == args.rank ? args.y + static_cast<int64_t>(own_pos) * args.y_bytes_per_row
+                          : args.rows + (static_cast<int64_t>(r) * args.num_tokens + token) *
+                                            args.region_bytes_per_row;
+  }
+};
+
 // combined[token] = sum over ranks r (ascending) with 0 <= send_pos[token, r] < C of that
 // rank's row: y itself for this rank, the data region row [r][token] for the others (lane r
 // first acquires its row flag). One warp, float32, rounded once. Groups of at most kNarrowRanks
@@ -122,12 +136,7 @@ __device__ __forceinline__ void reduce_token(const CombineTransferArgs& args, in
   const int own_pos = __shfl_sync(0xffffffffu, pos, rank);
   __syncwarp();  // orders each lane's acquire before every lane's loads of that source's row
 
-  const char* own_row = args.y + static_cast<int64_t>(max(own_pos, 0)) * args.y_bytes_per_row;
-  auto source_row = [&](int r) -> const char* {
-    return r == rank ? own_row
-                     : args.rows + (static_cast<int64_t>(r) * args.num_tokens + token) *
-                                       args.region_bytes_per_row;
-  };
+  const SourceRows source_row{args, token, max(own_pos, 0)};
 
   const int64_t num_vectors = args.y_bytes_per_row / kBytesPerVector;
   int4* out = reinterpret_cast<int4*>(args.combined + token * args.y_bytes_per_row);
@@ -206,12 +215,7 @@ __device__ __forceinline__ void reduce_token_wide(const CombineTransferArgs& arg
   __syncwarp();  // orders each lane's acquire before every lane's loads of that source's row
 
   const int own_pos = max(__ldg(send_pos + rank), 0);
-  const char* own_row = args.y + static_cast<int64_t>(own_pos) * args.y_bytes_per_row;
-  auto source_row = [&](int r) -> const char* {
-    return r == rank ? own_row
-                     : args.rows + (static_cast<int64_t>(r) * args.num_tokens + token) *
-                                       args.region_bytes_per_row;
-  };
+  const SourceRows source_row{args, token, own_pos};
   const int64_t num_vectors = args.y_bytes_per_row / kBytesPerVector;
   int4* out = reinterpret_cast<int4*>(args.combined + token * args.y_bytes_per_row);
   for (int64_t idx = lane; idx < num_vectors; idx += kWarpSize) {

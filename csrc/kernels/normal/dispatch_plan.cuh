@@ -127,6 +127,38 @@ __device__ __forceinline__ void publish_num_recv(const DispatchPlanArgs& args,
   }
 }
 
+// The last block's publication of this rank's totals (`total(dst)`: rows to rank dst) as entry
+// [rank][dst] of every rank's count matrix of the tag's parity: on the stores path the block's
+// threads release-store the R x R words; over a transport warp 0 signals them (kSet, the same
+// tagged word), its own row never (this rank never reads it back).
+template <typename Path, typename Total>
+__device__ __forceinline__ void publish_count_row(const Path& path, const DispatchPlanArgs& args,
+                                                  uint64_t tag, Total total) {
+  const int num_ranks = args.num_ranks;
+  const int rank = args.rank;
+  const int64_t parity_offset = static_cast<int64_t>(tag & 1) * count_matrix_stride(num_ranks);
+  if constexpr (is_stores_path<Path>) {
+    for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
+      const int peer = i / num_ranks;
+      const int dst = i % num_ranks;
+      st_release_sys(args.peer_count_matrix[peer] + parity_offset + rank * num_ranks + dst,
+                     pack_tagged_count(tag, static_cast<uint32_t>(total(dst))));
+    }
+  } else if (threadIdx.x < kWarpSize) {
+    const int lane = threadIdx.x;
+    auto t = make_normal_transport(path, rank, 0, args.wait);
+    for (int i = 0; i < num_ranks * num_ranks; ++i) {
+      const int peer = i / num_ranks;
+      const int dst = i % num_ranks;
+      if (peer == rank) continue;
+      const int64_t word = parity_offset + rank * num_ranks + dst;
+      t.signal(peer, in_normal_area(path.args.layout.count_matrix + word * sizeof(uint64_t)),
+               pack_tagged_count(tag, static_cast<uint32_t>(total(dst))), transport::SignalOp::kSet,
+               lane);
+    }
+  }
+}
+
 __device__ __forceinline__ int warp_sum(int value) {
 #pragma unroll
   for (int delta = kWarpSize / 2; delta > 0; delta >>= 1) {
@@ -270,25 +302,8 @@ __global__ void __launch_bounds__(kPlanThreads) dispatch_plan_kernel(const Dispa
 
   // The last block publishes this rank's totals: entry [rank][dst] of every rank's matrix.
   const int64_t parity_offset = static_cast<int64_t>(tag & 1) * count_matrix_stride(num_ranks);
-  if constexpr (is_stores_path<Path>) {
-    if (last_block && tid < num_ranks * num_ranks) {
-      const int peer = tid / num_ranks;
-      const int dst = tid % num_ranks;
-      st_release_sys(
-          args.peer_count_matrix[peer] + parity_offset + rank * num_ranks + dst,
-          pack_tagged_count(tag, static_cast<uint32_t>(block_base[dst] + own_count[dst])));
-    }
-  } else if (last_block && warp == 0) {
-    auto t = make_normal_transport(path, rank, 0, args.wait);
-    for (int i = 0; i < num_ranks * num_ranks; ++i) {
-      const int peer = i / num_ranks;
-      const int dst = i % num_ranks;
-      if (peer == rank) continue;
-      const int64_t word = parity_offset + rank * num_ranks + dst;
-      t.signal(peer, in_normal_area(path.args.layout.count_matrix + word * sizeof(uint64_t)),
-               pack_tagged_count(tag, static_cast<uint32_t>(block_base[dst] + own_count[dst])),
-               transport::SignalOp::kSet, lane);
-    }
+  if (last_block) {
+    publish_count_row(path, args, tag, [&](int dst) { return block_base[dst] + own_count[dst]; });
   }
 
   // 3. The rows of the count matrix this block needs (the last block knows its own row: it
@@ -496,27 +511,7 @@ __global__ void __launch_bounds__(kPlanThreads)
   // The last block publishes this rank's totals: entry [rank][dst] of every rank's matrix.
   const int64_t parity_offset = static_cast<int64_t>(tag & 1) * count_matrix_stride(num_ranks);
   auto total_to = [&](int dst) { return block_base[dst] + own_count[dst]; };
-  if constexpr (is_stores_path<Path>) {
-    if (last_block) {
-      for (int i = tid; i < num_ranks * num_ranks; i += kPlanThreads) {
-        const int peer = i / num_ranks;
-        const int dst = i % num_ranks;
-        st_release_sys(args.peer_count_matrix[peer] + parity_offset + rank * num_ranks + dst,
-                       pack_tagged_count(tag, static_cast<uint32_t>(total_to(dst))));
-      }
-    }
-  } else if (last_block && warp == 0) {
-    auto t = make_normal_transport(path, rank, 0, args.wait);
-    for (int i = 0; i < num_ranks * num_ranks; ++i) {
-      const int peer = i / num_ranks;
-      const int dst = i % num_ranks;
-      if (peer == rank) continue;
-      const int64_t word = parity_offset + rank * num_ranks + dst;
-      t.signal(peer, in_normal_area(path.args.layout.count_matrix + word * sizeof(uint64_t)),
-               pack_tagged_count(tag, static_cast<uint32_t>(total_to(dst))),
-               transport::SignalOp::kSet, lane);
-    }
-  }
+  if (last_block) publish_count_row(path, args, tag, total_to);
 
   // 3. The count-matrix entries this block needs: [src < rank][dst] for dest_base; the last
   // block also [src][rank] for what each source sends here (its own row it knows).
