@@ -134,3 +134,24 @@ def test_release_never_waits_for_a_dead_process(monkeypatch):
     with pytest.warns(RuntimeWarning, match="stays allocated"):
         _nvshmem.release(types.SimpleNamespace(buffer_id=7), module)
     assert module.destroyed == []  # nvshmem_free would block on the missing PE
+
+
+@pytest.mark.parametrize(("text", "want"), [("1073741824", 1 << 30), ("2G", 2 << 30),
+                                            ("512M", 512 << 20), ("1.5g", 3 << 29),
+                                            ("64KB", 64 << 10)])
+def test_symmetric_size_reads_nvshmems_units(text, want):
+    assert _nvshmem.symmetric_size_bytes(text) == want
+
+
+def test_a_heap_set_too_small_names_both_numbers():
+    """The symmetric heap is sized from the first Buffer; a size the user set that cannot hold
+    its workspace is refused before NVSHMEM starts, naming the size and the workspace."""
+    workspace = 3 << 30
+    assert _nvshmem.heap_bytes(workspace, {}) == workspace + (1 << 30)
+    assert _nvshmem.heap_bytes(workspace, {"NVSHMEM_SYMMETRIC_SIZE": "8G"}) == 8 << 30
+    with pytest.raises(ValueError, match=rf"NVSHMEM_SYMMETRIC_SIZE=2G \({2 << 30} bytes\) "
+                                         rf"cannot hold .*\({workspace} bytes.*at least "
+                                         rf"{workspace + (1 << 30)}"):
+        _nvshmem.heap_bytes(workspace, {"NVSHMEM_SYMMETRIC_SIZE": "2G"})
+    with pytest.raises(ValueError, match="NVSHMEM_SYMMETRIC_SIZE='lots' is not a size"):
+        _nvshmem.heap_bytes(workspace, {"NVSHMEM_SYMMETRIC_SIZE": "lots"})

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <set>
 #include <string>
@@ -141,9 +142,13 @@ std::string nvshmem_allocate(size_t bytes, void** ptr) {
   if (!api.initialized) return "jax_ep: NVSHMEM is not initialised in this process";
   *ptr = api.malloc(bytes);
   if (*ptr == nullptr) {
+    const char* heap = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
     return "jax_ep: nvshmem_malloc(" + std::to_string(bytes) +
-           ") failed: the symmetric heap is too small (raise NVSHMEM_SYMMETRIC_SIZE) or the GPU "
-           "is full (lower XLA_PYTHON_CLIENT_MEM_FRACTION)";
+           ") failed: the symmetric heap (NVSHMEM_SYMMETRIC_SIZE=" +
+           (heap != nullptr ? std::string(heap) : std::string("NVSHMEM's default")) +
+           ", set when the first Buffer joined) is too small for this Buffer's workspace beside "
+           "the Buffers already on it (raise NVSHMEM_SYMMETRIC_SIZE before the first Buffer), or "
+           "the GPU is full (lower XLA_PYTHON_CLIENT_MEM_FRACTION)";
   }
   return "";
 }

@@ -11,7 +11,7 @@ device-initiated puts, which the kernels do not have yet: creating such a Buffer
 Settings: ``JAX_EP_PEER_MAPPING`` (``ipc``, the default, or ``nvshmem``), ``JAX_EP_NVSHMEM_LIB``
 (the host library; default the nvidia-nvshmem wheel's ``libnvshmem_host.so.3``),
 ``NVSHMEM_SYMMETRIC_SIZE`` (the heap; when unset, jax_ep sets it to the first Buffer's workspace
-plus 1 GiB), ``NVSHMEM_REMOTE_TRANSPORT`` (jax_ep sets ``none`` when unset: no network transport
+plus 1 GiB; a size set too small for that workspace is refused, naming both numbers), ``NVSHMEM_REMOTE_TRANSPORT`` (jax_ep sets ``none`` when unset: no network transport
 is used yet). Start the processes with ``python -m jax_ep.launch --share-gpus`` so that each
 sees the peers' GPUs.
 """
@@ -92,6 +92,40 @@ def load_device_transport(module) -> None:
     module.transport_plugin_load(PLUGIN)
 
 
+# NVSHMEM_SYMMETRIC_SIZE's units: a number of bytes, optionally with one of these suffixes.
+_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def symmetric_size_bytes(text: str) -> int:
+    """``NVSHMEM_SYMMETRIC_SIZE``'s value in bytes (``"1073741824"``, ``"2G"``, ``"512M"``, ...);
+    ValueError naming the variable for anything else."""
+    raw = text.strip().upper().removesuffix("B")
+    number, suffix = (raw[:-1], raw[-1]) if raw[-1:] in _SIZE_SUFFIXES else (raw, "")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"NVSHMEM_SYMMETRIC_SIZE={text!r} is not a size (bytes, or a number "
+                         f"with K, M, G or T)") from None
+    return int(value * _SIZE_SUFFIXES[suffix])
+
+
+def heap_bytes(workspace_bytes: int, environ=os.environ) -> int:
+    """The symmetric heap NVSHMEM will reserve for a job whose first Buffer needs
+    ``workspace_bytes``: ``NVSHMEM_SYMMETRIC_SIZE`` when set, else that workspace plus 1 GiB
+    (what ``join`` sets). ValueError naming both numbers when a set size cannot hold it."""
+    text = environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    if text is None:
+        return workspace_bytes + _HEAP_HEADROOM_BYTES
+    size = symmetric_size_bytes(text)
+    if size < workspace_bytes:
+        raise ValueError(
+            f"NVSHMEM_SYMMETRIC_SIZE={text} ({size} bytes) cannot hold this Buffer's workspace "
+            f"({workspace_bytes} bytes, Buffer.workspace_bytes): set it to at least "
+            f"{workspace_bytes + _HEAP_HEADROOM_BYTES} (the workspace plus 1 GiB for NVSHMEM's "
+            f"own objects), or unset it and jax_ep sizes the heap from the first Buffer")
+    return size
+
+
 def join(buf, module, workspace_bytes: int) -> None:
     """Joins NVSHMEM in this process (once; collective over every process of the job)."""
     if module.nvshmem_initialized():
@@ -99,8 +133,9 @@ def join(buf, module, workspace_bytes: int) -> None:
     if not module.nvshmem_built():
         raise RuntimeError(f"{ENV_MAPPING}=nvshmem: jax_ep was built without NVSHMEM's headers "
                            f"(install nvidia-nvshmem-cu13, then rebuild jax_ep)")
+    size = heap_bytes(workspace_bytes)  # a size set too small fails here, naming both numbers
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(size))
     module.nvshmem_load(library_path())
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(workspace_bytes + _HEAP_HEADROOM_BYTES))
     # Only NVSHMEM's peer-to-peer transport is used (peers it cannot map are refused), so do not
     # let it bring up a network transport (InfiniBand) that nothing would use.
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
