@@ -1,7 +1,9 @@
-"""Prints the tables of docs/scaling.md: memory and traffic of jax_ep at 2..256 ranks.
+"""Prints the tables of docs/scaling.md: memory and traffic of jax_ep at 2..256 ranks, and the
+traffic by host (same host, cross host) of the flat and hierarchical schemes at 2..32 hosts of 8.
 
-Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
-csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh transcribed to Python.
+Runs on a CPU (no GPU, no JAX needed; NumPy for the node-limited Monte Carlo). Our workspace
+sizes are the formulas of csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh
+transcribed to Python.
 tests/test_scaling_numbers.py checks the transcription against `jax_ep._C.workspace_bytes` for
 every R of the tables (exact equality); so does this script where `jax_ep._C` imports.
 DeepEP's sizes are its V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended

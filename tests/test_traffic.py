@@ -8,10 +8,11 @@ from jax_ep import testing
 
 MODES, SCHEMES = ("normal", "low_latency"), ("flat", "hierarchical")
 ROUTINGS, HOSTS = ("uniform", "node_limited"), (2, 4, 8, 32)
-# The routing count is a mean over R * T tokens (16 * 4096 at 2 x 8, normal mode): one standard
-# error is 0.2% of the flat cross-host figure, 0.5% in low-latency mode (16 * 128 tokens, 8
-# selections each). 2% is four standard errors or more.
-TOLERANCE = 0.02
+# A routing count is a mean over R * T tokens, 16 * 4096 at 2 x 8 in the normal mode: one
+# standard error is about 0.15% of the flat figures there, so 2% is over ten. In the low-latency
+# mode (16 * 128 tokens, 8 selections each) one standard error is about 0.8% of the flat
+# cross-host and 0.9% of the same-host figure: 4% is over four.
+TOLERANCE = {"normal": 0.02, "low_latency": 0.04}
 
 
 def test_traffic_quick(tmp_path):
@@ -35,7 +36,7 @@ def test_traffic_quick(tmp_path):
     for case, r in routing.items():
         want = formula[case]
         for field in ("cross_host_bytes_per_rank", "same_host_bytes_per_rank"):
-            assert abs(r[field] / want[field] - 1) <= TOLERANCE, (case, field, r, want)
+            assert abs(r[field] / want[field] - 1) <= TOLERANCE[case[0]], (case, field, r, want)
     # The bar: at 2 x 8, uniform top-8 of 256, T = 4096, the hierarchical scheme sends at most a
     # third of the flat scheme's bytes across hosts.
     for mode in MODES:
