@@ -1,6 +1,8 @@
 """benchmarks/traffic.py on CPU: its formula records (docs/scaling_numbers.py) for every case,
 and its routing counts (NumPy, from sampled routings) against the formula."""
 
+import json
+
 import numpy as np
 from bench_scripts import bench_module, load_record, run_script
 
@@ -65,3 +67,27 @@ def test_node_limited_routing_keeps_at_most_four_hosts():
                                             num_hosts=2, max_hosts=4)
     counts = np.bincount(idx.ravel(), minlength=256)
     assert counts.min() > 0.6 * counts.mean() and counts.max() < 1.4 * counts.mean()
+
+
+def test_a_counts_file_becomes_counted_records(tmp_path):
+    """A transport's counts (the emulated proxy's traffic() rows of every rank), written as
+    --counts takes them, fold into per-rank bytes beside the formula."""
+    traffic = bench_module("traffic")
+    sn = traffic.load_formula()
+    rows = traffic.routing_rows(sn, "normal", "hierarchical", 2, "uniform",
+                                np.random.default_rng(3), tokens=256)
+    row_bytes = sum(sn.traffic_row_bytes("normal"))
+    counts = [{"src": s, "dst": d, "puts": int(rows[s, d]), "bytes": int(rows[s, d]) * row_bytes,
+               "signals": 0} for s in range(16) for d in range(16) if rows[s, d]]
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps({"runs": [
+        {"mode": "normal", "scheme": "hierarchical", "hosts": 2, "ranks_per_host": 8,
+         "routing": "uniform", "tokens": 256, "traffic": counts}]}))
+    (record,) = traffic.counted_records(sn, str(path))
+    same, cross = testing.fold_traffic(rows, 16, 8)
+    assert record["source"] == "counted" and record["tokens"] == 256
+    assert record["cross_host_bytes_per_rank"] == cross.mean() * row_bytes > 0
+    assert record["same_host_bytes_per_rank"] == same.mean() * row_bytes > 0
+    want = sn.traffic_bytes("normal", "hierarchical", 2, "uniform", 8, 256)[1]
+    assert record["formula_cross_host_bytes_per_rank"] == want
+    assert abs(record["cross_host_bytes_per_rank"] / want - 1) < 0.05  # 16 * 256 tokens
