@@ -1,7 +1,9 @@
-"""Prints the tables of docs/scaling.md: memory and traffic of jax_ep at 2..256 ranks.
+"""Prints the tables of docs/scaling.md: memory and traffic of jax_ep at 2..256 ranks, and the
+traffic by host (same host, cross host) of the flat and hierarchical schemes at 2..32 hosts of 8.
 
-Runs on a CPU (no GPU, no JAX needed). Our workspace sizes are the formulas of
-csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh transcribed to Python.
+Runs on a CPU (no GPU, no JAX needed; NumPy for the node-limited Monte Carlo). Our workspace
+sizes are the formulas of csrc/kernels/normal/workspace.h and csrc/kernels/low_latency/layout.cuh
+transcribed to Python.
 tests/test_scaling_numbers.py checks the transcription against `jax_ep._C.workspace_bytes` for
 every R of the tables (exact equality); so does this script where `jax_ep._C` imports.
 DeepEP's sizes are its V1 size-hint formulas (csrc/config.hpp) transcribed, with its recommended
@@ -13,6 +15,7 @@ to use the installed, compiled package).
 
 from __future__ import annotations
 
+from functools import cache
 from math import comb
 
 # ------------------------------------------------------- shapes (docs/api.md, "Measuring")
@@ -157,6 +160,116 @@ def routing(num_ranks):
     }
 
 
+# ------------------------------------------------------------ traffic by host (counted traffic)
+# Per rank per call: one dispatch and one combine, split into bytes to the other ranks of the
+# rank's host (same host) and to other hosts (cross host). R = hosts x G, e = E/R experts a rank.
+TRAFFIC_HOSTS = (2, 4, 8, 32)
+TRAFFIC_MODES = ("normal", "low_latency")
+TRAFFIC_SCHEMES = ("flat", "hierarchical")
+TRAFFIC_ROUTINGS = ("uniform", "node_limited")
+NODE_LIMITED_MAX_HOSTS = 4   # DeepSeek-V3: a token's experts lie on at most 4 groups (hosts)
+NODE_LIMITED_GROUP_TOP = 2   # DeepSeek-V3: a group scores the sum of its 2 best expert scores
+MC_TOKENS = 1 << 16          # node-limited expectations: Monte Carlo sample (tokens), seed 0
+MC_SEED = 0
+
+
+def traffic_tokens(mode):
+    return T_NORMAL if mode == "normal" else T_LL
+
+
+def traffic_row_bytes(mode):
+    """(dispatch, combine) bytes of one row on the wire: normal bf16 dispatch rows (payload, K
+    ids, K weights, source index) and 2H combine rows; low-latency fp8 rows with one f32 scale
+    per 128 channels and 2H combine rows."""
+    if mode == "normal":
+        return dispatch_row_bytes(2 * H, 0), 2 * H
+    return H + 4 * (H // CHANNELS_PER_SCALE), 2 * H
+
+
+def uniform_destinations(hosts, ranks_per_host=GPUS_PER_NODE):
+    """Per token under uniform top-K: expected distinct destination ranks and hosts, the
+    token's own rank and host included: R (1 - miss(E/R)), n (1 - miss(E/n))."""
+    num_ranks = hosts * ranks_per_host
+    return (num_ranks * (1 - p_group_missed(E // num_ranks)),
+            hosts * (1 - p_group_missed(E // hosts)))
+
+
+def node_limited_sample(hosts, ranks_per_host=GPUS_PER_NODE, tokens=MC_TOKENS, seed=MC_SEED):
+    """DeepSeek-V3's node-limited routing over iid uniform(0, 1) scores: a host's experts form one
+    group, a group scores the sum of its NODE_LIMITED_GROUP_TOP best scores, a token keeps its
+    NODE_LIMITED_MAX_HOSTS best groups and picks its top-K experts among theirs. Returns
+    (distinct ranks [tokens], distinct hosts [tokens]) of `tokens` sampled tokens."""
+    import numpy as np  # noqa: PLC0415 - the Monte Carlo only; the rest is standard library
+
+    num_ranks = hosts * ranks_per_host
+    group = E // hosts
+    scores = np.random.default_rng(seed).random((tokens, hosts, group))
+    top = NODE_LIMITED_GROUP_TOP
+    group_score = np.partition(scores, group - top, axis=-1)[..., group - top:].sum(-1)
+    kept = np.argpartition(-group_score, NODE_LIMITED_MAX_HOSTS - 1, axis=-1)
+    keep = np.zeros((tokens, hosts), bool)
+    np.put_along_axis(keep, kept[:, :NODE_LIMITED_MAX_HOSTS], True, axis=1)
+    scores[~keep] = -1.0                                 # dropped groups: never picked
+    experts = np.argpartition(-scores.reshape(tokens, E), K - 1, axis=-1)[:, :K]
+    ranks = np.sort(experts // (E // num_ranks), axis=-1)
+    host_ids = np.sort(experts // group, axis=-1)
+    return (1 + (np.diff(ranks, axis=-1) != 0).sum(-1),
+            1 + (np.diff(host_ids, axis=-1) != 0).sum(-1))
+
+
+@cache
+def node_limited_destinations(hosts, ranks_per_host=GPUS_PER_NODE):
+    """(distinct ranks, distinct hosts, standard error of each) per token under node-limited
+    routing. With hosts <= NODE_LIMITED_MAX_HOSTS every host is kept: uniform, exact (error 0).
+    Else the mean of node_limited_sample (MC_TOKENS tokens, seed MC_SEED)."""
+    if hosts <= NODE_LIMITED_MAX_HOSTS:
+        return (*uniform_destinations(hosts, ranks_per_host), 0.0, 0.0)
+    d_rank, d_host = node_limited_sample(hosts, ranks_per_host)
+    return (d_rank.mean(), d_host.mean(), d_rank.std() / len(d_rank) ** 0.5,
+            d_host.std() / len(d_host) ** 0.5)
+
+
+def destinations(routing_name, hosts, ranks_per_host=GPUS_PER_NODE):
+    if routing_name == "uniform":
+        return uniform_destinations(hosts, ranks_per_host)
+    return node_limited_destinations(hosts, ranks_per_host)[:2]
+
+
+def traffic_rows(mode, scheme, hosts, d_rank, d_host, ranks_per_host=GPUS_PER_NODE, tokens=None):
+    """(same-host rows, cross-host rows) one rank sends per dispatch (as many come back in the
+    combine), from the per-token distinct ranks d_rank and hosts d_host (own included).
+
+    The routing does not depend on the source and treats experts alike, so each of the other
+    R - 1 ranks is a destination of a token with probability d_rank / R, each other host with
+    d_host / n, and each selection lies on a given rank with probability 1 / R.
+      normal, flat: a row per (token, destination rank);
+      low latency, flat: a row per (token, selection), not deduplicated;
+      hierarchical (DeepEP's): a row per (token, destination host) crosses the network, to the
+        GPU with the source's local index there, which forwards it over NVLink to the other
+        destinations on its host (normal: the distinct ranks; low latency: the selections);
+        its own host's destinations get their rows directly. A forwarding GPU is itself the
+        destination of a given row with probability 1/G, so the forwarded rows are (G - 1)/G of
+        the flat cross-host rows.
+    """
+    g = ranks_per_host
+    num_ranks = hosts * g
+    t = traffic_tokens(mode) if tokens is None else tokens
+    per_dest = d_rank if mode == "normal" else K   # rows a token sends to all R ranks
+    same = t * per_dest * (g - 1) / num_ranks
+    cross = t * per_dest * (num_ranks - g) / num_ranks
+    if scheme == "flat":
+        return same, cross
+    return same + cross * (g - 1) / g, t * d_host * (hosts - 1) / hosts
+
+
+def traffic_bytes(mode, scheme, hosts, routing_name, ranks_per_host=GPUS_PER_NODE, tokens=None):
+    """(same-host bytes, cross-host bytes) per rank for one dispatch and one combine."""
+    d_rank, d_host = destinations(routing_name, hosts, ranks_per_host)
+    same, cross = traffic_rows(mode, scheme, hosts, d_rank, d_host, ranks_per_host, tokens)
+    row = sum(traffic_row_bytes(mode))
+    return same * row, cross * row
+
+
 # ------------------------------------------------------------------ DeepEP V1 (config.hpp)
 DEEPEP_NUM_SMS = 20      # deep_ep.Buffer.num_sms default; channels = SMs / 2
 DEEPEP_DISPATCH = {2: (24, 256, 6, 128), 8: (6, 256, 6, 128), 16: (16, 288, 20, 128),
@@ -282,6 +395,30 @@ def main():
            "GB off-node bf16", "floor us disp bf16", "floor us disp fp8", "floor us comb",
            "(b) RDMA rows", "(b) NVLink rows", "(b) GB RDMA bf16", "(b) floor us disp bf16",
            "(b) floor us comb"], rows)
+
+    print("## Traffic by host per rank per call: one dispatch + one combine (GB = 1e9 bytes)\n")
+    for h in TRAFFIC_HOSTS:
+        if h > NODE_LIMITED_MAX_HOSTS:
+            d_rank, d_host, se_rank, se_host = node_limited_destinations(h)
+            print(f"node-limited, {h} x {GPUS_PER_NODE}: {d_rank:.4f} +- {se_rank:.4f} distinct "
+                  f"ranks, {d_host:.4f} +- {se_host:.4f} distinct hosts per token "
+                  f"(Monte Carlo, {MC_TOKENS} tokens, seed {MC_SEED}; +- one standard error)")
+    print()
+    rows = []
+    for mode in TRAFFIC_MODES:
+        for routing_name in TRAFFIC_ROUTINGS:
+            for h in TRAFFIC_HOSTS:
+                d_rank, d_host = destinations(routing_name, h)
+                flat_same, flat_cross = traffic_bytes(mode, "flat", h, routing_name)
+                hier_same, hier_cross = traffic_bytes(mode, "hierarchical", h, routing_name)
+                rows.append([mode, routing_name, f"{h} x {GPUS_PER_NODE}", traffic_tokens(mode),
+                             f"{d_rank:.3f}", f"{d_host:.3f}",
+                             f"{flat_cross / 1e9:.4f}", f"{flat_same / 1e9:.4f}",
+                             f"{hier_cross / 1e9:.4f}", f"{hier_same / 1e9:.4f}",
+                             f"{flat_cross / hier_cross:.2f}"])
+    table(["mode", "routing", "hosts x G", "T", "distinct ranks / token",
+           "distinct hosts / token", "flat GB cross-host", "flat GB same-host",
+           "hier. GB cross-host", "hier. GB same-host", "flat / hier. cross-host"], rows)
 
     print("## Normal mode messages per rank per call (ours, flat)\n")
     rows = []

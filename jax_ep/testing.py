@@ -37,6 +37,69 @@ def make_routing(kind, rng, num_ranks, num_tokens, num_experts, num_topk):
     return idx, weights
 
 
+def make_node_limited_routing(rng, num_ranks, num_tokens, num_experts, num_topk, num_hosts,
+                              max_hosts, group_top=2):
+    """``topk_idx [R, T, K] int32`` of DeepSeek-V3's node-limited routing over iid uniform scores.
+
+    The experts are split into ``num_hosts`` equal groups, one a host (expert ``x`` lives on host
+    ``x // (E / num_hosts)``). A group scores the sum of its ``group_top`` best expert scores; a
+    token keeps its ``max_hosts`` best groups and picks its top-K experts among theirs. With
+    ``max_hosts >= num_hosts`` this is uniform top-K (every host kept). Ids of a token are
+    distinct. Rank by rank, so that ``[R, T, E]`` scores are never held at once.
+    """
+    R, T, E, K = num_ranks, num_tokens, num_experts, num_topk
+    if E % num_hosts or K > max_hosts * (E // num_hosts) or E // num_hosts < group_top:
+        raise ValueError(f"num_experts={E} must split into num_hosts={num_hosts} groups of at "
+                         f"least group_top={group_top}, with num_topk={K} <= "
+                         f"max_hosts={max_hosts} x group size")
+    out = np.empty((R, T, K), np.int32)
+    for r in range(R):
+        scores = rng.random((T, E))
+        if max_hosts < num_hosts:
+            groups = scores.reshape(T, num_hosts, E // num_hosts)
+            group_score = np.partition(groups, -group_top, axis=-1)[..., -group_top:].sum(-1)
+            kept = np.argpartition(-group_score, max_hosts - 1, axis=-1)[:, :max_hosts]
+            keep = np.zeros((T, num_hosts), bool)
+            np.put_along_axis(keep, kept, True, axis=1)
+            groups[~keep] = -1.0  # below every score: never picked
+        out[r] = np.argpartition(-scores, K - 1, axis=-1)[:, :K]
+    return out
+
+
+def fold_traffic(traffic, num_ranks, ranks_per_host, field="bytes"):
+    """Per source rank, what it sent to other ranks of its host and to other hosts.
+
+    Args:
+      traffic: the transport's counts, an iterable of dicts with ``src``, ``dst`` and ``field``
+        (the emulated proxy's ``traffic()`` rows, of every rank's proxy), or a ``[R, R]`` array
+        indexed ``[src, dst]``.
+      num_ranks: R; ranks ``r`` and ``r'`` share a host iff ``r // ranks_per_host ==
+        r' // ranks_per_host``.
+      field: ``"bytes"``, ``"puts"`` or ``"signals"`` (dict rows only).
+
+    Returns:
+      ``(same_host [R], cross_host [R])`` float64: what each rank sent to the other ranks of its
+      host, and to ranks of other hosts. What a rank sends to itself is a local copy and counts
+      in neither.
+    """
+    if isinstance(traffic, np.ndarray):
+        matrix = np.array(traffic, np.float64)  # a copy: the diagonal is cleared below
+        if matrix.shape != (num_ranks, num_ranks):
+            raise ValueError(f"traffic matrix shape {matrix.shape}, expected "
+                             f"({num_ranks}, {num_ranks})")
+    else:
+        matrix = np.zeros((num_ranks, num_ranks), np.float64)
+        for row in traffic:
+            matrix[row["src"], row["dst"]] += row[field]
+    if num_ranks % ranks_per_host:
+        raise ValueError(f"num_ranks={num_ranks} is not a multiple of "
+                         f"ranks_per_host={ranks_per_host}")
+    host = np.arange(num_ranks) // ranks_per_host
+    same = host[:, None] == host[None, :]
+    np.fill_diagonal(matrix, 0.0)
+    return (matrix * same).sum(1), (matrix * ~same).sum(1)
+
+
 # ----------------------------------------------------------------------------------- normal
 def _experts_rank(topk_idx, num_experts, num_ranks):
     valid = (topk_idx >= 0) & (topk_idx < num_experts)

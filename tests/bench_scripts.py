@@ -2,10 +2,10 @@
 (``--quick``) and reads the records they write (tests/test_benchmarks.py,
 tests/test_bench_scripts.py).
 
-The scripts run from a copy of the tree (``TREE``: benchmarks/ without its records, examples/,
-.gitignore, committed to a git repository of its own), with their default ``--out``; after each
-run its ``git status`` must still be clean: a script writes into the tracked tree only when
-asked (``--out benchmarks/results``).
+The scripts run from a copy of the tree (``TREE``: benchmarks/ without its records, docs/,
+examples/, .gitignore, committed to a git repository of its own), with their default
+``--out``; after each run its ``git status`` must still be clean: a script writes into the
+tracked tree only when asked (``--out benchmarks/results``).
 """
 
 import atexit
@@ -34,7 +34,7 @@ def _tree_copy():
     root = tempfile.mkdtemp(prefix="jax_ep-bench-tree-")
     atexit.register(shutil.rmtree, root, True)
     skip = shutil.ignore_patterns("__pycache__", "results", "out")
-    for folder in ("benchmarks", "examples"):
+    for folder in ("benchmarks", "docs", "examples"):  # docs: traffic.py's formula
         shutil.copytree(os.path.join(REPO, folder), os.path.join(root, folder), ignore=skip)
     shutil.copy(os.path.join(REPO, ".gitignore"), root)
     _git(root, "init", "-q")

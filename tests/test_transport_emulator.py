@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from jax_ep import testing
 from jax_ep.backends import cuda
 
 # None where the extension is missing: the `extension` fixture (conftest's rule) then fails each
@@ -231,10 +232,63 @@ def test_out_of_region_command_is_reported_and_writes_nothing(command, kind):
     assert not any(d[0] in ("data", "signal") for d in world.queue.deliveries())
     assert not any(world.data[p].any() or world.signals[p].any() for p in (1, 2))
     assert world.guards_untouched()
+    assert world.queue.traffic() == []  # a rejected command counts nothing
     # A quiet after a rejected command still returns (the kernel then fails on the error).
     quiet = world.queue.quiet(0)
     world.queue.run()
     assert world.queue.quiet_done(0, quiet)
+
+
+def test_traffic_counts_rows_bytes_and_signals_per_destination():
+    """Counted as delivered, whatever the tearing and order: a put-with-signal is a put and a
+    signal, bytes are summed over chunks, a rejected command and a quiet count nothing."""
+    for seed in range(4):
+        world = World(seed=seed, num_warps=2, chunk_bytes=48, max_delay_steps=3)
+        world.queue.put(0, 1, DATA, 0, SEND, 0, 1008)                             # 21 chunks
+        world.queue.put(1, 1, DATA, 1024, SEND, 0, 64)
+        world.queue.put_signal(0, 1, DATA, 2048, SEND, 0, 96, SIGNALS, 0, 1)
+        world.queue.put_signal(1, 2, DATA, 0, SEND, 0, 32, SIGNALS, 8, 1)
+        world.queue.signal(0, 2, SIGNALS, 16, 5, add=False)
+        world.queue.signal(1, 2, SIGNALS, 24, 1)
+        world.queue.put(0, 2, DATA, 4096, SEND, 0, 64)                            # rejected
+        world.queue.signal(1, 1, SIGNALS, 64, 1)                                  # rejected
+        world.queue.quiet(0)
+        world.queue.run()
+        assert len(world.queue.errors()) == 2, seed
+        assert world.queue.traffic() == [
+            {"src": 0, "dst": 1, "puts": 3, "bytes": 1008 + 64 + 96, "signals": 1},
+            {"src": 0, "dst": 2, "puts": 1, "bytes": 32, "signals": 3},
+        ], seed
+        world.queue.reset_traffic()
+        assert world.queue.traffic() == []
+        world.queue.put(0, 2, DATA, 128, SEND, 0, 16)
+        world.queue.run()
+        assert world.queue.traffic() == [{"src": 0, "dst": 2, "puts": 1, "bytes": 16,
+                                          "signals": 0}]
+
+
+def test_traffic_is_counted_only_once_delivered():
+    world = World(seed=0, chunk_bytes=16)
+    world.queue.put_signal(0, 1, DATA, 0, SEND, 0, 64, SIGNALS, 0, 1)
+    world.queue.poll()
+    assert world.queue.traffic() == []
+    world.queue.step()  # one chunk of four
+    assert world.queue.traffic() == [{"src": 0, "dst": 1, "puts": 0, "bytes": 16, "signals": 0}]
+    world.queue.run()
+    assert world.queue.traffic() == [{"src": 0, "dst": 1, "puts": 1, "bytes": 64, "signals": 1}]
+
+
+def test_fold_traffic_splits_by_host():
+    rows = [{"src": 0, "dst": 1, "bytes": 10}, {"src": 0, "dst": 2, "bytes": 100},
+            {"src": 0, "dst": 0, "bytes": 7}, {"src": 3, "dst": 2, "bytes": 1},
+            {"src": 3, "dst": 0, "bytes": 1000}, {"src": 0, "dst": 1, "bytes": 5}]
+    same, cross = testing.fold_traffic(rows, num_ranks=4, ranks_per_host=2)
+    assert same.tolist() == [15, 0, 0, 1] and cross.tolist() == [100, 0, 0, 1000]
+    matrix = np.arange(16.0).reshape(4, 4)
+    same, cross = testing.fold_traffic(matrix, num_ranks=4, ranks_per_host=2)
+    assert same.tolist() == [1, 4, 11, 14] and cross.tolist() == [5, 13, 17, 25]
+    with pytest.raises(ValueError, match="multiple of ranks_per_host"):
+        testing.fold_traffic(rows, num_ranks=4, ranks_per_host=3)
 
 
 def test_a_rejected_command_does_not_stop_the_valid_ones():

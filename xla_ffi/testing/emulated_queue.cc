@@ -160,6 +160,23 @@ class EmulatedQueueForTests {
     return out;
   }
 
+  // One dict per destination rank the proxy delivered to since the last reset: src (this
+  // rank), dst, puts (rows), bytes, signals (HostProxy::traffic()).
+  nb::list traffic() {
+    nb::list out;
+    for (const auto& [dst, count] : stepping()->traffic()) {
+      nb::dict row;
+      row["src"] = rank_;
+      row["dst"] = dst;
+      row["puts"] = count.puts;
+      row["bytes"] = count.bytes;
+      row["signals"] = count.signals;
+      out.append(row);
+    }
+    return out;
+  }
+  void reset_traffic() { stepping()->reset_traffic(); }
+
   // (kind, queue, position, message).
   std::vector<std::tuple<std::string, int, uint64_t, std::string>> errors() {
     return error_rows(stepping()->errors());
@@ -356,6 +373,11 @@ void add_emulated_queue_functions(nb::module_& m) {
            "What the proxy holds: commands drained per queue, pending (the oldest named).")
       .def("deliveries", &EmulatedQueueForTests::deliveries)
       .def("errors", &EmulatedQueueForTests::errors)
+      .def("traffic", &EmulatedQueueForTests::traffic,
+           "What was delivered since the last reset, one dict per destination rank: src, dst, "
+           "puts (rows; a put-with-signal counts one), bytes, signals. Rejected commands count "
+           "nothing.")
+      .def("reset_traffic", &EmulatedQueueForTests::reset_traffic)
       .def("start_thread", &EmulatedQueueForTests::start_thread,
            "Runs the proxy on its own thread (as next to the kernels) until stop_thread().")
       .def("stop_thread", &EmulatedQueueForTests::stop_thread,

@@ -205,6 +205,9 @@ void HostProxy::deliver_chunk(Pending& p, size_t chunk_index) {
   // Read late: whatever the source holds now is what lands.
   executor_->copy(p.dst + offset, p.src + offset, bytes);
   p.chunks_left.erase(p.chunks_left.begin() + static_cast<std::ptrdiff_t>(chunk_index));
+  TrafficCount& count = traffic_[p.command.peer];
+  count.bytes += bytes;
+  if (p.chunks_left.empty()) ++count.puts;
   if (options_.log_deliveries) {
     deliveries_.push_back(Delivery{Delivery::kData, p.queue, p.position, p.command.warp,
                                    p.command.peer, offset, bytes, 0});
@@ -225,6 +228,7 @@ void HostProxy::deliver_signal(Pending& p) {
   it->second = add ? it->second + p.command.signal_value : p.command.signal_value;
   executor_->write_signal(p.signal, it->second);
   p.signal_left = false;
+  ++traffic_[p.command.peer].signals;
   if (options_.log_deliveries) {
     deliveries_.push_back(Delivery{Delivery::kSignal, p.queue, p.position, p.command.warp,
                                    p.command.peer, 0, 0, it->second});

@@ -17,6 +17,7 @@
 //  - a quiet waits for the calling warp's commands only;
 //  - each command waits a random number of steps (0..max_delay_steps) before it may be delivered.
 // All choices come from one std::mt19937_64 seeded by `seed`: one seed, one delivery order.
+// It counts what it delivers, per destination rank (traffic()): the network traffic of a run.
 //
 // Not thread-safe: one thread polls and steps (run_until_idle, or the caller's own loop).
 #pragma once
@@ -70,6 +71,15 @@ struct ProxyError {
   std::string message;
 };
 
+// What the proxy delivered from its rank to one destination rank. A put counts once its last
+// chunk lands (a put-with-signal counts a put and a signal; a zero-byte put moves no row and
+// counts none); bytes count chunk by chunk; a rejected command counts nothing.
+struct TrafficCount {
+  uint64_t puts = 0;     // rows: one per put or put-with-signal
+  uint64_t bytes = 0;    // bytes put
+  uint64_t signals = 0;  // signal words written (signal, put-with-signal)
+};
+
 // One thing the proxy did, in the order it did it.
 struct Delivery {
   enum Kind { kData = 0, kSignal = 1, kQuietAck = 2 };
@@ -109,6 +119,10 @@ class HostProxy {
 
   const std::vector<ProxyError>& errors() const { return errors_; }
   const std::vector<Delivery>& deliveries() const { return deliveries_; }
+  int rank() const { return rank_; }
+  // Per destination rank, what was delivered since construction or reset_traffic().
+  const std::map<int32_t, TrafficCount>& traffic() const { return traffic_; }
+  void reset_traffic() { traffic_.clear(); }
 
  private:
   struct Region {
@@ -166,6 +180,7 @@ class HostProxy {
   std::map<WarpKey, std::vector<Unquieted>> unquieted_;
   std::vector<ProxyError> errors_;
   std::vector<Delivery> deliveries_;
+  std::map<int32_t, TrafficCount> traffic_;  // by destination rank
 };
 
 }  // namespace transport
