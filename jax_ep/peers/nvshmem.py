@@ -11,9 +11,10 @@ device-initiated puts, which the kernels do not have yet: creating such a Buffer
 Settings: ``JAX_EP_PEER_MAPPING`` (``ipc``, the default, or ``nvshmem``), ``JAX_EP_NVSHMEM_LIB``
 (the host library; default the nvidia-nvshmem wheel's ``libnvshmem_host.so.3``),
 ``NVSHMEM_SYMMETRIC_SIZE`` (the heap; when unset, jax_ep sets it to the first Buffer's workspace
-plus 1 GiB; a size set too small for that workspace is refused, naming both numbers), ``NVSHMEM_REMOTE_TRANSPORT`` (jax_ep sets ``none`` when unset: no network transport
-is used yet). Start the processes with ``python -m jax_ep.launch --share-gpus`` so that each
-sees the peers' GPUs.
+plus 1 GiB; a size set too small for that workspace is refused, naming both numbers),
+``NVSHMEM_REMOTE_TRANSPORT`` (jax_ep sets ``none`` when unset: no network transport is used yet).
+Start the processes with ``python -m jax_ep.launch --share-gpus`` so that each sees the peers'
+GPUs.
 """
 
 from __future__ import annotations
