@@ -36,6 +36,22 @@ DEVICE_TRANSPORTS = ("stores", "mapped", "emulated", "nvshmem")
 _buffer_ids = itertools.count(1)
 
 
+
+def describe_timeout(record, host_of_rank=None) -> str:
+    """A wait that outlasted its bound, from its timeout record (``_C.read_timeouts``): the rank
+    and device that waited, the rank it waited for and the phase; with ``host_of_rank`` (rank ->
+    host name) the hosts of both."""
+    phase = cuda.wait_phase_names().get(record["timeout_phase"], record["timeout_phase"])
+
+    def on_host(rank):
+        host = host_of_rank(rank) if host_of_rank is not None else None
+        return f" on host {host}" if host else ""
+
+    return (f"rank {record['rank']}{on_host(record['rank'])} (device {record['device']}) waited "
+            f"for rank {record['timeout_peer']}{on_host(record['timeout_peer'])} in {phase} "
+            f"(call {record['seq']}) longer than the timeout; the GPU context of that device is "
+            f"lost: restart the process")
+
 class Buffer:
     """Communication memory and configuration for dispatch/combine over one mesh axis.
 
@@ -219,8 +235,10 @@ class Buffer:
 
     def _other_hosts(self):
         """Why the EP groups cannot use CUDA IPC (a group spans hosts), or ""; it names the
-        layout to use when processes drive several GPUs each."""
-        return gate.cross_host_problem(self._ep_group_devices(), ipc.hosts(self))
+        layout to use when processes drive several GPUs each. Keeps every process's host, so
+        that a timeout later names the hosts without another collective."""
+        self._process_hosts = ipc.hosts(self)
+        return gate.cross_host_problem(self._ep_group_devices(), self._process_hosts)
 
     def _agree_across_processes(self, choice):
         """backend="auto" on a mesh of several processes: "cuda" only where every process
@@ -391,7 +409,8 @@ class Buffer:
             stuck = [r for r in module.read_timeouts(self.buffer_id) if r["timed_out"]]
             if stuck:
                 return dict(dict.fromkeys(ERROR_COUNTERS, 0), transport=transport,
-                            timeouts=[self._describe_timeout(r) for r in stuck])
+                            timeouts=[describe_timeout(r, self._host_of_rank(r["device"]))
+                                      for r in stuck])
             records = module.read_errors(self.buffer_id)
             counts = {name: sum(r[name] for r in records) for name in ERROR_COUNTERS}
         else:
@@ -408,12 +427,18 @@ class Buffer:
             counts = ipc.sum_over_processes(self, f"errors{self._error_sums}", counts)
         return dict(counts, timeouts=[], transport=transport)
 
-    @staticmethod
-    def _describe_timeout(record):
-        phase = cuda.wait_phase_names().get(record["timeout_phase"], record["timeout_phase"])
-        return (f"rank {record['rank']} (device {record['device']}) waited for rank "
-                f"{record['timeout_peer']} in {phase} (call {record['seq']}) longer than the "
-                f"timeout; the GPU context of that device is lost: restart the process")
+    def _host_of_rank(self, ordinal):
+        """``rank -> host`` of the EP group of this process's CUDA device ``ordinal``, from the
+        hosts gathered at creation (none when the mesh has one process: all ranks are here)."""
+        hosts = getattr(self, "_process_hosts", None)
+        if hosts is None:
+            return None
+        for group in self._ep_group_devices():
+            if any(d.process_index == jax.process_index() and d.local_hardware_id == ordinal
+                   for d in group):
+                return lambda rank, group=group: (
+                    hosts.get(group[rank].process_index) if 0 <= rank < len(group) else None)
+        return None
 
     def check(self) -> None:
         """Raises RuntimeError if any call so far met bad input or a timeout, then resets.

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jax_ep import Buffer, buffer, env, fp8
 from jax_ep.backends import cuda
+from jax_ep.buffer import describe_timeout
 from jax_ep.system import config
 
 # None where the extension is missing: the `extension` fixture (conftest's rule) then fails each
@@ -64,7 +65,16 @@ def test_wait_phase_names_cover_every_phase_once():
     assert sorted(names) == list(range(len(names))) and len(names) >= 7
     assert len(set(names.values())) == len(names) and "unknown" not in names.values()
     record = dict(rank=0, device=0, timeout_peer=1, seq=3, timeout_phase=1)
-    assert names[1] in Buffer._describe_timeout(record)
+    assert names[1] in describe_timeout(record)
+
+
+def test_a_timeout_names_the_hosts_of_both_ranks():
+    """Across hosts a wait that outlasted its bound names the host, rank and phase of both ends
+    (the hosts gathered when the Buffer was made: no collective after a peer died)."""
+    record = dict(rank=0, device=0, timeout_peer=9, seq=3, timeout_phase=1)
+    text = describe_timeout(record, {0: "node-a", 9: "node-b"}.get)
+    assert text.startswith("rank 0 on host node-a (device 0) waited for rank 9 on host node-b in "
+                           f"{_C.wait_phase_names()[1]} (call 3)"), text
 
 
 def test_the_probe_reports_the_kernels_rank_limit():
