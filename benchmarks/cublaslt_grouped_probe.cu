@@ -1,5 +1,5 @@
 // Probe of cuBLASLt's grouped matmul (CUBLASLT_BATCH_MODE_GROUPED, experimental in cuBLAS 13)
-// as a candidate for the MoE expert GEMMs (issue 21): its group shapes and matrix pointers are
+// as a candidate for the MoE expert GEMMs: its group shapes and matrix pointers are
 // device arrays, so data-dependent group sizes need no host round trip, unlike
 // cublasGemmGroupedBatchedEx, whose m/n/k arrays live on the host.
 //

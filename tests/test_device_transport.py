@@ -1,4 +1,4 @@
-"""The ops over a device transport (JAX_EP_DEVICE_TRANSPORT, issue 20): the put-protocol kernels
+"""The ops over a device transport (JAX_EP_DEVICE_TRANSPORT): the put-protocol kernels
 written for peers without a peer mapping (low-latency mode), and the normal-mode kernels' transport
 path, under the FFI ops.
 
@@ -206,7 +206,7 @@ def _nvshmem_env():
                                        "emulated",
                                        pytest.param("nvshmem", marks=pytest.mark.stress)])
 def test_low_latency_ops_over_a_device_transport(transport):
-    """Over NVSHMEM's device API the process is one PE whose puts reach itself (issue 20: the
+    """Over NVSHMEM's device API the process is one PE whose puts reach itself (the
     NVSHMEM build forced onto its put path for peers that do have a mapping)."""
     require_gpus(1)
     extra = _nvshmem_env() if transport == "nvshmem" else {}
@@ -290,7 +290,7 @@ def mapped_normal_digests():
 def test_emulated_transport_across_fake_hosts_moves_the_bits_of_the_reference(mapped_digests):
     """Two processes on one GPU, each a host of its own (launcher --fake-hosts 2), their
     low-latency ops over the emulated transport: under every seed (JAX_EP_TRANSPORT_SEEDS,
-    default 3; issue 20's bar asks for 20) the same bits, those of the mapped transport, and
+    default 3) the same bits, those of the mapped transport, and
     for what only moves data (bf16 dispatch) those of the reference backend."""
     want = _reference_digests("low_latency", LOW_LATENCY_DIGESTS)
     assert mapped_digests["low_latency_dispatch_bf16"] == want["low_latency_dispatch_bf16"]

@@ -1,4 +1,4 @@
-"""The facts C++ and Python share have one source (issue 19).
+"""The facts C++ and Python share have one source.
 
 The CUDA backend's facts (target names, wait phases, rank limit) are read from jax_ep._C, so
 here we check that what Python asks for exists there. The fp8 scale block is needed without

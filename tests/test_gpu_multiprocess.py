@@ -89,7 +89,7 @@ def test_the_op_suite_passes_in_both_processes_of_a_pair_on_one_gpu(hosts):
     """2 ranks on one GPU (launcher --processes-per-gpu 2), each process running the op tests
     (normal ops, fused and split low-latency ops, their chains, adversarial routings of both
     modes): as one host, peers through CUDA IPC; as two fake hosts (--fake-hosts 2), peers
-    over the emulated transport, whose host proxies carry every row and signal (issue 20)."""
+    over the emulated transport, whose host proxies carry every row and signal."""
     require_gpus(1)
     flags, env, selection = ("-n", "2", "--processes-per-gpu", "2"), {}, PAIR_SELECTION
     if hosts == "two_fake_hosts":

@@ -1,4 +1,4 @@
-"""The layers of jax_ep/ stay visible (issue 19): checked on the source tree, no import needed.
+"""The layers of jax_ep/ stay visible: checked on the source tree, no import needed.
 
 - no import circle between modules of jax_ep/, function-level imports included (one defers
   the circle to the call; a function-level import may reach a higher layer on demand, e.g.

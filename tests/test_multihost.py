@@ -1,4 +1,4 @@
-"""A job whose processes run on two or more hosts (issue 20): what it can use today.
+"""A job whose processes run on two or more hosts: what it can use today.
 
 On a cluster, one process per GPU on every host of the job, every process running the same
 command, e.g. under SLURM:

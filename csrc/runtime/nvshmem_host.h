@@ -1,4 +1,4 @@
-// NVSHMEM as the allocator and peer map of the communication memory (issue 8): the workspaces
+// NVSHMEM as the allocator and peer map of the communication memory: the workspaces
 // live on NVSHMEM's symmetric heap and a peer's workspace is `nvshmem_ptr(workspace, pe)`, so
 // the kernels keep their plain loads and stores. One PE per process, one GPU per PE.
 //
