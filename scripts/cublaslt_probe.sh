@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds and runs benchmarks/cublaslt_grouped_probe.cu (cuBLASLt's grouped matmul at the MoE
-# expert GEMMs' shape, issue 21) against the cuBLAS of this Python environment (the
+# expert GEMMs' shape) against the cuBLAS of this Python environment (the
 # nvidia-cublas wheel that jax's CUDA plugin installs; else the CUDA toolkit's), on one GPU.
 # CUBLAS_ROOT: a folder with include/cublasLt.h and lib/libcublasLt.so* (default: found).
 # Output: stdout, $OUT/cublaslt_probe.txt and $OUT/<machine>-<date>-cublaslt_grouped.json (OUT:

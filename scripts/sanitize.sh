@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer's tools over the op suite (issue 18), at EP=1 (one process) and with two
+# compute-sanitizer's tools over the op suite, at EP=1 (one process) and with two
 # processes sharing one GPU (`jax_ep.launch --processes-per-gpu 2`: the multi-process protocol
 # with CUDA IPC peers). Only jax_ep's kernels are instrumented (their names end in `_kernel`;
 # XLA's run as usual, which keeps a run within minutes). Run from the repository root with
