@@ -61,7 +61,6 @@ def combine_row_bytes(num_w=0):
 
 def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2):
     """normal_layout() of normal/workspace.h; returns (signal bytes, data bytes, total)."""
-    r_max = num_ranks
     offset = 0
 
     def take(nbytes):
@@ -70,13 +69,13 @@ def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2):
 
     take(8)                               # seq
     take(8)                               # counters
-    take(4 * (1 + 4 * r_max))             # NormalPlan words
-    take(8 * 2 * r_max * r_max)           # count_matrix
-    take(8 * r_max)                       # barrier
-    take(8 * r_max * t_max)               # row_flags
-    take(4 * r_max * t_max)               # send_tokens
+    take(4 * (1 + 4 * num_ranks))         # NormalPlan words
+    take(8 * 2 * num_ranks * num_ranks)   # count_matrix
+    take(8 * num_ranks)                   # barrier
+    take(8 * num_ranks * t_max)           # row_flags
+    take(4 * num_ranks * t_max)           # send_tokens
     take(t_max)                           # token_masks
-    take(8 * r_max * max(1, -(-t_max // PLAN_TOKENS_PER_BLOCK)))  # plan_counts
+    take(8 * num_ranks * max(1, -(-t_max // PLAN_TOKENS_PER_BLOCK)))  # plan_counts
     data = align_up(offset, NORMAL_DATA_ALIGN)
     hidden_bytes = H * dtype_bytes
     dispatch = capacity * dispatch_row_bytes(hidden_bytes, H // CHANNELS_PER_SCALE)
