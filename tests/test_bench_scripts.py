@@ -4,50 +4,142 @@ tests/test_benchmarks.py so that the slow smoke tests of the two files spread ov
 import glob
 import json
 import os
+import statistics
 
 import numpy as np
 import pytest
-from bench_scripts import bm, jax_ep_importable, load_record, positive, run_script
+from bench_scripts import bench_module, bm, jax_ep_importable, load_record, positive, run_script
+
+first_call = bench_module("first_call")
+
+
+def check_spread(stats, runs):
+    """One measure's summary over ``runs`` processes: its values, their median, min, max and
+    relative spread."""
+    values = stats["values"]
+    assert len(values) == runs, stats
+    assert stats["median"] == pytest.approx(statistics.median(values), rel=1e-5), stats
+    assert stats["min"] == min(values) and stats["max"] == max(values), stats
+    assert stats["rel_spread"] == pytest.approx(
+        (max(values) - min(values)) / statistics.median(values), rel=1e-2, abs=1e-3), stats
 
 
 def test_first_call_quick(tmp_path):
-    # One mode, jax_ep only: each case is a fresh process (~5 s on CPU), and the cases differ
-    # only in the step they build (the other steps run in-process below).
-    run_script("first_call.py", tmp_path, "--modes", "low_latency", "--no-peer")
+    # One mode, jax_ep only, the warm case with and without command buffers, each in --quick's
+    # 2 fresh processes (~6 s each on CPU); the other cases differ only in how the process
+    # warms up (test_first_call_child below) or in the step they build (the steps test).
+    out = run_script("first_call.py", tmp_path, "--modes", "low_latency", "--no-peer",
+                     "--cases", "warm,warm_no_cmdbuf")
     payload = load_record(tmp_path, "8xcpu-*-first_call.json")
     assert payload["errors"] == [], payload["errors"]
+    assert payload["processes_per_case"] == 2 and payload["partial"] is False, payload
+    assert "median of 2 fresh processes per case [(max - min) / median]" in out, out
     results = payload["results"]
     seen = set()
     for rec in results:
         assert rec["op"] == "first_call" and rec["mode"] == "low_latency", rec
         seen.add((rec["mode"], rec["impl"]))
-        for key in ("cold_us", "aot_first_us", "steady_us", "aot_ratio", "warm_first_us",
-                    "ratio"):
+        for key in ("steady_us", "warm_first_us", "ratio", *first_call.TOP_LEVEL_TIMES):
             assert positive(rec[key]), (key, rec)
+        assert rec["cold_us"] is None and rec["aot_first_us"] is None, rec  # not run
         assert rec["ratio"] == pytest.approx(rec["warm_first_us"] / rec["steady_us"], rel=1e-3)
+        assert set(rec["cases"]) == {"warm", "warm_no_cmdbuf"}, rec["cases"]
+        warm, no_cmdbuf = rec["cases"]["warm"], rec["cases"]["warm_no_cmdbuf"]
+        assert warm["command_buffers"] and not no_cmdbuf["command_buffers"]
+        assert not any(first_call.NO_COMMAND_BUFFERS_FLAG in f for f in warm["xla_flags"])
+        assert all(f.endswith(first_call.NO_COMMAND_BUFFERS_FLAG) for f in no_cmdbuf["xla_flags"])
+        for case in (warm, no_cmdbuf):
+            assert case["num_runs"] == 2, case
+            for name in ("first_us", "steady_us", "second_us", "steady_alternating_us",
+                         "paused_us", *(f"{c}_us" for c in first_call.NEW_ARGUMENT_CALLS)):
+                check_spread(case["measures"][name], 2)
+            # The reference backend runs no FFI handler: nothing to count under capture.
+            assert case["measures"]["fresh_args_captured"] is None, case["measures"]
+            moved = case["measures"]["steady_new_outputs"]
+            assert all(0 <= v <= 3 for v in moved["values"]), moved  # of --quick's 3 calls
+        # The record's top-level times are the warm case's medians.
+        assert rec["warm_first_us"] == warm["measures"]["first_us"]["median"]
+        for key in ("steady_us", *first_call.TOP_LEVEL_TIMES):
+            assert rec[key] == warm["measures"][key]["median"], key
     expected = {("low_latency", "reference")} if jax_ep_importable() else set()
     assert seen == expected
 
 
+def process_result(case, impl, **measures):
+    return {"case": case, "impl": impl, "ranks": 8, "xla_flags": "", "measures": measures}
+
+
+def test_first_call_record_takes_medians_over_processes():
+    """A case's figures are medians over its processes (not the first, last or mean), with
+    min, max, relative spread and every process's value, in process order."""
+    args = first_call.parse_args(["--quick"])
+    # Each measure's median is neither the first, the last nor the mean of its values.
+    got = {"warm": [process_result("warm", "jax_ep", first_us=900.0, steady_us=40.0,
+                                   fresh_args_us=700.0, warmup_s=0.5),
+                    process_result("warm", "jax_ep", first_us=300.0, steady_us=36.0,
+                                   fresh_args_us=250.0, warmup_s=0.75),
+                    process_result("warm", "jax_ep", first_us=100.0, steady_us=30.0,
+                                   fresh_args_us=200.0, warmup_s=0.25)],
+           "warm_no_cmdbuf": [process_result("warm_no_cmdbuf", "jax_ep", first_us=50.0,
+                                             steady_us=45.0)]}
+    rec = first_call.make_record(args, "low_latency", got)
+    first = rec["cases"]["warm"]["measures"]["first_us"]
+    assert first == {"median": 300.0, "min": 100.0, "max": 900.0,
+                     "rel_spread": pytest.approx(800.0 / 300.0, rel=1e-2),
+                     "values": [900.0, 300.0, 100.0]}
+    assert rec["warm_first_us"] == 300.0 and rec["steady_us"] == 36.0
+    assert rec["fresh_args_us"] == 250.0 and rec["ratio"] == pytest.approx(300.0 / 36.0)
+    assert rec["warmup_s"] == 0.75  # one-time costs: the worst process
+    assert rec["steady_case"] == "warm" and rec["cases"]["warm"]["num_runs"] == 3
+    no_cmdbuf = rec["cases"]["warm_no_cmdbuf"]
+    assert not no_cmdbuf["command_buffers"] and no_cmdbuf["measures"]["first_us"] == {
+        "median": 50.0, "min": 50.0, "max": 50.0, "rel_spread": 0.0, "values": [50.0]}
+
+
 def test_first_call_record_of_a_peer_has_no_warm_case():
     """A peer runs cold and aot only (no warm-up to call): its record says so, and its steady
-    state comes from the aot process."""
-    import first_call
-
+    state comes from the aot processes."""
     args = first_call.parse_args(["--quick"])
-    got = {"cold": {"impl": "all_to_all", "ranks": 8, "first_us": 900.0, "steady_us": 40.0},
-           "aot": {"impl": "all_to_all", "ranks": 8, "first_us": 120.0, "steady_us": 30.0}}
+    got = {"cold": [process_result("cold", "all_to_all", first_us=900.0, steady_us=40.0)],
+           "aot": [process_result("aot", "all_to_all", first_us=120.0, steady_us=30.0),
+                   process_result("aot", "all_to_all", first_us=140.0, steady_us=40.0)]}
     rec = first_call.make_record(args, "low_latency", got)
     assert rec["warm_first_us"] is None and rec["ratio"] is None, rec
-    assert rec["steady_us"] == 30.0 and rec["aot_ratio"] == 4.0 and rec["cold_us"] == 900.0
+    assert rec["steady_us"] == 35.0, rec
+    assert rec["aot_ratio"] == pytest.approx(130.0 / 35.0, rel=1e-5), rec
+    assert rec["cold_us"] == 900.0 and rec["steady_case"] == "aot", rec
+
+
+@pytest.mark.parametrize(("mode", "case", "impl"), [("low_latency", "cold", "jax_ep"),
+                                                    ("normal", "aot", "all_to_all")])
+def test_first_call_child(tmp_path, mode, case, impl):
+    """A child process's measures for the cases the script test above does not run (here in
+    this process, on jax_ep's reference backend wherever the suite runs): every call with new
+    arguments timed, no capture count without FFI handlers, output moves counted."""
+    if impl == "jax_ep" and not jax_ep_importable():
+        pytest.skip("jax_ep not importable")
+    path = os.path.join(str(tmp_path), "child.json")
+    args = first_call.parse_args(["--quick", "--backend", "reference", "--child",
+                                  f"{mode},{case},{impl}", "--child-out", path])
+    first_call.run_child(args)
+    with open(path) as f:
+        result = json.load(f)
+    measures = result["measures"]
+    assert result["case"] == case and result["mode"] == mode, result
+    for name in ("first_us", "steady_us", "second_us", "steady_alternating_us", "paused_us",
+                 *(f"{c}_us" for c in first_call.NEW_ARGUMENT_CALLS)):
+        assert positive(measures[name]), (name, measures)
+    for name in first_call.NEW_ARGUMENT_CALLS:
+        assert measures[f"{name}_captured"] is None, measures  # no FFI handler here
+        assert measures[f"{name}_new_outputs"] in (0, 1), measures
+    assert 0 <= measures["steady_new_outputs"] <= args.steady_calls, measures
+    assert ("compile_s" in measures) == (case == "aot"), measures
 
 
 @pytest.mark.parametrize(("mode", "impl"), [("normal", "all_to_all"), ("normal", "jax_ep"),
                                             ("low_latency", "all_to_all")])
 def test_first_call_steps_run(mode, impl):
     """The steps of first_call.py that its script test above does not run."""
-    import first_call  # benchmarks/ is on the path through bench_scripts
-
     args = first_call.parse_args(["--quick"])
     mesh = bm.make_mesh()
     jax_ep, buf = None, None
