@@ -38,7 +38,8 @@
 #   bench      bench_ep (normal T=4096 and a low-latency T sweep, with peers) and its 2-process run
 #   split_bench  bench_ep of the split low-latency halves
 #   moe        bench_moe_layer with every all-to-all implementation
-#   first      benchmarks/first_call.py
+#   first      benchmarks/first_call.py (FIRST_ARGS appended; FIRST_MINUTES, default 8: its
+#              --max-minutes; FIRST_S: the section's bound, default 600)
 #   step       profile_ops (kernel times) and bench_step (what a program pays per step: with the
 #              stand-in expert, and --bare: the op pairs alone; STEP_BARE_ONLY=1, STEP_ARGS)
 #   launchfloor  benchmarks/launch_floor.py: a custom call's cost by how its kernel launches
@@ -158,7 +159,8 @@ has split_bench && step bench_split 120 python3 "$R/benchmarks/bench_ep.py" --ou
   --ops low_latency_dispatch_send,low_latency_dispatch_recv,low_latency_combine_send,low_latency_combine_recv
 has moe && step moe 300 python3 "$R/benchmarks/bench_moe_layer.py" --out "$OUT" \
   --max-minutes "${MOE_MINUTES:-4}"
-has first && step first 240 python3 "$R/benchmarks/first_call.py" --out "$OUT" --max-minutes 3
+has first && step first "$(limit first 600)" python3 "$R/benchmarks/first_call.py" --out "$OUT" \
+  --max-minutes "${FIRST_MINUTES:-8}" ${FIRST_ARGS:-}
 if has step; then
   step profile 200 python3 "$R/benchmarks/profile_ops.py" --out "$OUT" --tokens 4096 \
     --ll-tokens 128 --ops dispatch_bf16,combine,ll_dispatch_fp8,ll_dispatch_bf16,ll_combine,ll_dispatch_split_fp8,ll_combine_split
