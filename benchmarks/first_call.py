@@ -18,20 +18,21 @@ process's value. The record's top-level times are those medians. The cases:
   process whose ``XLA_FLAGS`` end in ``--xla_gpu_enable_command_buffer=``: XLA runs the program
   thunk by thunk, without command buffers (CUDA graphs).
 
-After the first call, every process measures (``NEW_ARGUMENT_CALLS``): ``--steady-calls``
-calls on the same arguments (their median is ``steady_us``; the first is ``second_us``); then
-calls with new arguments, each preceded by what it isolates: the steady arguments right after a
-new argument set was made on device by programs compiled earlier (``same_args_us``, the
-control), the first call with that set (``fresh_args_us``), the first call with a second new
-set (``fresh_args_second_us``), the first call with a set transferred from the host
-(``host_args_us``), the steady arguments right after a second executable of the step was
-compiled and not run (``recompiled_us``: XLA drops every other executable's command buffers
-when it creates one); then calls alternating two argument sets (``steady_alternating_us``) and
-calls each after a 0.1 s pause (``paused_us``). Beside each time: ``*_captured``, how many of
-jax_ep's FFI handlers ran under CUDA-graph stream capture during that call (XLA recording or
-updating a command buffer that holds them; CUDA backend only, else null), and
-``*_new_outputs``, whether the call's outputs got other device addresses than those of the call
-before (XLA updates a command buffer for new output addresses too).
+After the first call every process makes, in this order: ``--steady-calls`` calls on the same
+arguments (their median is ``steady_us``, the first of them ``second_us``); single calls that
+each change one thing against the call before (``NEW_ARGUMENT_CALLS``): the steady arguments
+right after a new argument set was made on device by programs compiled earlier
+(``same_args_us``, the control), the first call with that set (``fresh_args_us``), the first call
+with a second new set (``fresh_args_second_us``), the first call with a set transferred from
+the host (``host_args_us``), the steady arguments again right after a second executable of the
+step was compiled and not run (``recompiled_us``: XLA drops every other executable's command
+buffers when it creates one); then calls alternating two argument sets
+(``steady_alternating_us``) and calls each after a 0.1 s pause (``paused_us``). Beside each
+time: ``*_captured``, how many of jax_ep's FFI handlers ran under CUDA-graph stream capture
+during the call (XLA recording or updating a command buffer that holds them; CUDA backend only,
+else null), and ``*_new_outputs``, whether the call's outputs got other device addresses than
+those of the call before (XLA updates a command buffer for new output addresses too; for a
+series, how many of its calls).
 
 The step is, per rank, ``dispatch`` (bf16) then ``combine`` of the received rows (normal mode,
 ``--tokens``), or ``low_latency_dispatch`` (fp8) then ``low_latency_combine`` of a given expert
