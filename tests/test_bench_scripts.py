@@ -25,11 +25,11 @@ def check_spread(stats, runs):
 
 
 def test_first_call_quick(tmp_path):
-    # One mode, jax_ep only, the warm case with and without command buffers, each in --quick's
-    # 2 fresh processes (~6 s each on CPU); the other cases differ only in how the process
-    # warms up (test_first_call_child below) or in the step they build (the steps test).
+    # One mode, jax_ep only, the warm case in --quick's 2 fresh processes (~6 s each on CPU); the
+    # other cases differ only in how the process warms up (test_first_call_child below), in the
+    # step they build (the steps test) or in their XLA flags (the child_env test).
     out = run_script("first_call.py", tmp_path, "--modes", "low_latency", "--no-peer",
-                     "--cases", "warm,warm_no_cmdbuf")
+                     "--cases", "warm")
     payload = load_record(tmp_path, "8xcpu-*-first_call.json")
     assert payload["errors"] == [], payload["errors"]
     assert payload["processes_per_case"] == 2 and payload["partial"] is False, payload
@@ -43,26 +43,32 @@ def test_first_call_quick(tmp_path):
             assert positive(rec[key]), (key, rec)
         assert rec["cold_us"] is None and rec["aot_first_us"] is None, rec  # not run
         assert rec["ratio"] == pytest.approx(rec["warm_first_us"] / rec["steady_us"], rel=1e-3)
-        assert set(rec["cases"]) == {"warm", "warm_no_cmdbuf"}, rec["cases"]
-        warm, no_cmdbuf = rec["cases"]["warm"], rec["cases"]["warm_no_cmdbuf"]
-        assert warm["command_buffers"] and not no_cmdbuf["command_buffers"]
+        assert set(rec["cases"]) == {"warm"}, rec["cases"]
+        warm = rec["cases"]["warm"]
+        assert warm["command_buffers"]
         assert not any(first_call.NO_COMMAND_BUFFERS_FLAG in f for f in warm["xla_flags"])
-        assert all(f.endswith(first_call.NO_COMMAND_BUFFERS_FLAG) for f in no_cmdbuf["xla_flags"])
-        for case in (warm, no_cmdbuf):
-            assert case["num_runs"] == 2, case
-            for name in ("first_us", "steady_us", "second_us", "steady_alternating_us",
-                         "paused_us", *(f"{c}_us" for c in first_call.NEW_ARGUMENT_CALLS)):
-                check_spread(case["measures"][name], 2)
-            # The reference backend runs no FFI handler: nothing to count under capture.
-            assert case["measures"]["fresh_args_captured"] is None, case["measures"]
-            moved = case["measures"]["steady_new_outputs"]
-            assert all(0 <= v <= 3 for v in moved["values"]), moved  # of --quick's 3 calls
+        assert warm["num_runs"] == 2, warm
+        for name in ("first_us", "steady_us", "second_us", "steady_alternating_us",
+                     "paused_us", *(f"{c}_us" for c in first_call.NEW_ARGUMENT_CALLS)):
+            check_spread(warm["measures"][name], 2)
+        # The reference backend runs no FFI handler: nothing to count under capture.
+        assert warm["measures"]["fresh_args_captured"] is None, warm["measures"]
+        moved = warm["measures"]["steady_new_outputs"]
+        assert all(0 <= v <= 3 for v in moved["values"]), moved  # of --quick's 3 calls
         # The record's top-level times are the warm case's medians.
         assert rec["warm_first_us"] == warm["measures"]["first_us"]["median"]
         for key in ("steady_us", *first_call.TOP_LEVEL_TIMES):
             assert rec[key] == warm["measures"][key]["median"], key
     expected = {("low_latency", "reference")} if jax_ep_importable() else set()
     assert seen == expected
+
+
+def test_first_call_turns_command_buffers_off_only_in_the_no_cmdbuf_cases(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    for case in {*first_call.CASES, *first_call.PEER_CASES}:
+        flags = first_call.child_env(case)["XLA_FLAGS"]
+        assert flags.startswith("--xla_force_host_platform_device_count=8"), (case, flags)
+        assert flags.endswith(first_call.NO_COMMAND_BUFFERS_FLAG) == case.endswith("_no_cmdbuf")
 
 
 def process_result(case, impl, **measures):
