@@ -90,16 +90,27 @@ __device__ __forceinline__ void publish_finished_rounds(const Path& path, const 
     if (state == kStop) return;
     if (state == kRetry) continue;
     const int64_t word = static_cast<int64_t>(rank) * kNormalMaxRounds + round;
+    // No sender need wait for a credit, so one may still be on its way when a sender has
+    // finished the call: a credit never lowers the word (an atomic max), and a transport's
+    // are delivered before this kernel ends (a quiet), so the next call's tag is never undone.
     if constexpr (is_stores_path<Path>) {
+      __threadfence_system();  // the slots' reads, before the credit (a release)
       for (int peer = lane; peer < num_ranks; peer += kWarpSize) {
-        if (peer != rank) st_release_sys(rounds.peer_credits[peer] + word, tag);
+        if (peer != rank) {
+          atomicMax_system(
+              reinterpret_cast<unsigned long long*>(rounds.peer_credits[peer] + word),
+              static_cast<unsigned long long>(tag));
+        }
       }
     } else {
       auto t = make_normal_transport(path, rank, rounds.publisher_warp + blockIdx.x, wait);
       const size_t offset = path.args.layout.credits + sizeof(uint64_t) * word;
       for (int peer = 0; peer < num_ranks; ++peer) {
-        if (peer != rank) t.signal(peer, in_normal_area(offset), tag, transport::SignalOp::kSet, lane);
+        if (peer != rank) {
+          t.signal(peer, in_normal_area(offset), tag, transport::SignalOp::kSet, lane);
+        }
       }
+      t.quiet(lane);
     }
   }
 }
