@@ -68,7 +68,8 @@ def window_rows(extent, budget):
     if extent <= budget:
         return extent
     unit = 2 * ROUND_UNIT
-    fewest = -(-(-(-2 * extent // MAX_ROUNDS)) // unit) * unit
+    rows_per_round = -(-2 * extent // MAX_ROUNDS)  # ceiling division
+    fewest = -(-rows_per_round // unit) * unit
     return max(budget // unit * unit, fewest, unit)
 
 

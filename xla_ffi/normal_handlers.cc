@@ -141,10 +141,11 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, 
   FFI_RETURN_IF_ERROR(check_array(op, "recv_src", *recv_src, {ffi::DataType::S32}, {capacity}));
 
   const int64_t x_bytes_per_row = hidden * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-  FFI_RETURN_IF_ERROR(check_window(
-      op, dispatch_window_problem(*ctx, capacity,
-                                  dispatch_region_row_bytes(
-                                      x_bytes_per_row, static_cast<int>(num_scales), static_cast<int>(num_topk)))));
+  FFI_RETURN_IF_ERROR(
+      check_window(op, dispatch_window_problem(
+                           *ctx, capacity,
+                           dispatch_region_row_bytes(x_bytes_per_row, static_cast<int>(num_scales),
+                                                     static_cast<int>(num_topk)))));
 
   DispatchParams params;
   set_rows(num_tokens, capacity, x, x_bytes_per_row, x_scales, num_scales, *recv_x, *recv_scales,
@@ -255,8 +256,9 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, f
       check_array(op, "combined_w", *combined_w, {ffi::DataType::F32}, {num_tokens, num_w}));
   const int64_t y_bytes_per_row = hidden * config.dtype_bytes;
   FFI_RETURN_IF_ERROR(check_window(
-      op, combine_window_problem(*ctx, num_tokens,
-                                 combine_region_row_bytes(y_bytes_per_row, static_cast<int>(num_w)))));
+      op,
+      combine_window_problem(*ctx, num_tokens,
+                             combine_region_row_bytes(y_bytes_per_row, static_cast<int>(num_w)))));
 
   CombineParams params;
   params.num_tokens = static_cast<int>(num_tokens);

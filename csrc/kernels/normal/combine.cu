@@ -97,9 +97,8 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
   plan.num_recv_tokens = params.num_recv_tokens;
   plan.num_tokens = params.num_tokens;
   plan.capacity = params.capacity;
-  const int64_t region_bytes_per_row =
-      combine_region_row_bytes(static_cast<int64_t>(config.hidden) * config.dtype_bytes,
-                               params.num_w);
+  const int64_t region_bytes_per_row = combine_region_row_bytes(
+      static_cast<int64_t>(config.hidden) * config.dtype_bytes, params.num_w);
   const NormalWindow window = combine_window(config, params.num_tokens, region_bytes_per_row);
   plan.round_rows = window.round_rows;
   plan.num_rounds = window.num_rounds;

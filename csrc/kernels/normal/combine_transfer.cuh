@@ -54,7 +54,7 @@ struct CombineTransferArgs {
   const int32_t* plan_words;  // NormalPlan::at(plan_words, R)
   uint64_t* seq;
   uint32_t* counters;  // kNormalCounterWords: next work item, finished blocks, then the rounds'
-  const char* rows;  // data region: rows [src][token % slots]
+  const char* rows;    // data region: rows [src][token % slots]
   const uint64_t* row_flags;
   PeerField<char> peer_rows;
   PeerField<uint64_t> peer_row_flags;
@@ -362,8 +362,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
                           static_cast<int>(token / round_rows), tag);
         }
         char* const rows = sender.rows(args.peer_rows, owner);
-        const int64_t region_row = static_cast<int64_t>(rank) * rounds.slots +
-                                   token_slot(rounds, token);
+        const int64_t region_row =
+            static_cast<int64_t>(rank) * rounds.slots + token_slot(rounds, token);
         const int64_t at = sender.next_row(region_row, lane);
         char* dst = rows + at * args.region_bytes_per_row;
         warp_copy_vectors<true>(reinterpret_cast<int4*>(dst),
@@ -397,8 +397,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     if (reuses) {
       count_finished(rounds, static_cast<int>(begin / round_rows), end - begin);
       if (warp == 0) {
-        publish_finished_rounds(path, rounds, rank, num_ranks, rounds.num_rounds - 2,
-                                round_tokens, tag, args.wait, lane);
+        publish_finished_rounds(path, rounds, rank, num_ranks, rounds.num_rounds - 2, round_tokens,
+                                tag, args.wait, lane);
       }
     }
   }

@@ -213,7 +213,6 @@ cudaError_t launch_cached_dispatch(const RankContext& ctx, const CachedDispatchP
       });
 }
 
-
 int64_t dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int num_topk) {
   return region_row_bytes(x_bytes_per_row, dispatch_aux_words(num_scales, num_topk));
 }

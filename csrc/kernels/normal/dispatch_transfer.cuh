@@ -35,7 +35,8 @@ constexpr int kTransferSharedExperts = 8192;
 // histogram, then the plan's words, each rank's rows that fit the capacity (sent there, received
 // from there), and the first receive item of each round.
 constexpr size_t kTransferSharedBytes = 48 * 1024;  // what a block gets without opting in
-constexpr size_t kTransferRoundTableBytes = (sizeof(int64_t) + sizeof(int)) * (kNormalMaxRounds + 1);
+constexpr size_t kTransferRoundTableBytes =
+    (sizeof(int64_t) + sizeof(int)) * (kNormalMaxRounds + 1);
 inline size_t transfer_plan_shared_bytes(int num_ranks) {
   return sizeof(int) * (normal_plan_words(num_ranks) + 2 * static_cast<size_t>(num_ranks)) +
          kTransferRoundTableBytes;
@@ -87,7 +88,7 @@ struct DispatchTransferArgs {
   const int32_t* send_tokens;
   uint64_t* seq;
   uint32_t* counters;  // kNormalCounterWords: next work item, finished blocks, then the rounds'
-  const char* rows;  // data region
+  const char* rows;    // data region
   const uint64_t* row_flags;
   // Every rank's data region and row flags (this one's included).
   PeerField<char> peer_rows;
@@ -109,8 +110,7 @@ __device__ __forceinline__ RoundSpan round_span(int64_t round_rows, int round, i
                                                 int count) {
   const int64_t first = static_cast<int64_t>(round) * round_rows - begin;
   const int64_t last = first + round_rows;
-  return {static_cast<int>(first > 0 ? first : 0),
-          static_cast<int>(last < count ? last : count)};
+  return {static_cast<int>(first > 0 ? first : 0), static_cast<int>(last < count ? last : count)};
 }
 
 // True in the lowest lane of [0, num_topk) whose `local` equals this lane's: a row that lists one
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   const NormalPlan plan = NormalPlan::at(plan_words, num_ranks);
   int* const send_valid = plan_words + normal_plan_words(num_ranks);  // [R] rows sent to each
                                                                       // rank that fit its capacity
-  int* const recv_valid = send_valid + num_ranks;  // [R] rows received from each rank that fit
+  int* const recv_valid = send_valid + num_ranks;   // [R] rows received from each rank that fit
   int* const item_prefix = recv_valid + num_ranks;  // [M + 1] first receive item of each round
 
   for (int i = tid; i < normal_plan_words(num_ranks); i += kTransferThreads) {

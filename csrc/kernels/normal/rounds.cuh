@@ -23,14 +23,14 @@ namespace jax_ep {
 
 // What a transfer kernel needs of its call's rounds.
 struct RoundArgs {
-  int64_t slots = 0;       // NormalWindow::slots
-  int64_t round_rows = 1;  // NormalWindow::round_rows
-  int num_rounds = 1;      // NormalWindow::num_rounds (of the call's extent)
-  uint32_t* published = nullptr;        // this rank's rounds published (counters word 2)
-  uint32_t* finished = nullptr;         // [M] this rank's rows or tokens finished per round
-  const uint64_t* credits = nullptr;    // this rank's credit words [receiver][M]
-  PeerField<uint64_t> peer_credits;     // every rank's credit words
-  uint32_t publisher_warp = 0;          // transport warp of block 0's publisher (then + block)
+  int64_t slots = 0;                  // NormalWindow::slots
+  int64_t round_rows = 1;             // NormalWindow::round_rows
+  int num_rounds = 1;                 // NormalWindow::num_rounds (of the call's extent)
+  uint32_t* published = nullptr;      // this rank's rounds published (counters word 2)
+  uint32_t* finished = nullptr;       // [M] this rank's rows or tokens finished per round
+  const uint64_t* credits = nullptr;  // this rank's credit words [receiver][M]
+  PeerField<uint64_t> peer_credits;   // every rank's credit words
+  uint32_t publisher_warp = 0;        // transport warp of block 0's publisher (then + block)
 };
 
 // A sender reuses slots only when the call has more than two rounds.
@@ -97,9 +97,8 @@ __device__ __forceinline__ void publish_finished_rounds(const Path& path, const 
       __threadfence_system();  // the slots' reads, before the credit (a release)
       for (int peer = lane; peer < num_ranks; peer += kWarpSize) {
         if (peer != rank) {
-          atomicMax_system(
-              reinterpret_cast<unsigned long long*>(rounds.peer_credits[peer] + word),
-              static_cast<unsigned long long>(tag));
+          atomicMax_system(reinterpret_cast<unsigned long long*>(rounds.peer_credits[peer] + word),
+                           static_cast<unsigned long long>(tag));
         }
       }
     } else {

@@ -49,8 +49,8 @@ constexpr NormalWindow normal_window(int64_t extent, int64_t rows) {
   }
   window.slots = rows / kMinNormalWindowRows * kMinNormalWindowRows;
   window.round_rows = window.slots / 2;
-  window.num_rounds = static_cast<int>(
-      ceil_div64(extent, window.round_rows > 0 ? window.round_rows : 1));
+  window.num_rounds =
+      static_cast<int>(ceil_div64(extent, window.round_rows > 0 ? window.round_rows : 1));
   window.fits = window.slots >= kMinNormalWindowRows && window.num_rounds <= kNormalMaxRounds;
   return window;
 }

@@ -35,8 +35,8 @@ std::string window_problem(const RankContext& ctx, const NormalWindow& window, i
     message << "streams " << extent << " " << unit << " through a window of " << window.slots
             << " rows of " << row_bytes << " bytes, more than " << kNormalMaxRounds
             << " rounds; the communication buffer holds " << normal_layout(config).data_bytes
-            << " bytes (sized for hidden=" << config.hidden << ", dtype_bytes="
-            << config.dtype_bytes << ", capacity=" << config.capacity
+            << " bytes (sized for hidden=" << config.hidden
+            << ", dtype_bytes=" << config.dtype_bytes << ", capacity=" << config.capacity
             << ", normal_window_rows=" << config.normal_window_rows
             << "): raise JAX_EP_NORMAL_WINDOW_ROWS";
   } else if (window.num_rounds > 2 && ctx.normal_blocks <= ctx.normal_push_blocks) {
@@ -51,12 +51,11 @@ std::string window_problem(const RankContext& ctx, const NormalWindow& window, i
 }  // namespace
 
 std::string dispatch_window_problem(const RankContext& ctx, int64_t capacity, int64_t row_bytes) {
-  return window_problem(ctx, dispatch_window(ctx.config, capacity, row_bytes), capacity,
-                        row_bytes, "rows");
+  return window_problem(ctx, dispatch_window(ctx.config, capacity, row_bytes), capacity, row_bytes,
+                        "rows");
 }
 
-std::string combine_window_problem(const RankContext& ctx, int64_t num_tokens,
-                                   int64_t row_bytes) {
+std::string combine_window_problem(const RankContext& ctx, int64_t num_tokens, int64_t row_bytes) {
   return window_problem(ctx, combine_window(ctx.config, num_tokens, row_bytes), num_tokens,
                         row_bytes, "tokens");
 }
