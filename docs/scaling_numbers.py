@@ -38,6 +38,9 @@ NORMAL_FIELD_ALIGN = 256
 NORMAL_DATA_ALIGN = 4096
 LL_ALIGN = 256
 PLAN_TOKENS_PER_BLOCK = 256  # kPlanTokensPerBlock (normal/workspace.h)
+WINDOW_ROWS = 65536      # kDefaultNormalWindowRows (normal/windows.h)
+MAX_ROUNDS = 64          # kNormalMaxRounds
+ROUND_UNIT = 32          # kNormalRoundUnit
 LL_CONTROL_BYTES = 48    # LowLatencyControl: 6 x 8 bytes
 
 
@@ -59,7 +62,18 @@ def combine_row_bytes(num_w=0):
     return region_row_bytes(2 * H, num_w)
 
 
-def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2):
+def window_rows(extent, budget):
+    """normal_window_rows() of normal/windows.h: region rows for calls of up to `extent` rows
+    within `budget` rows (raised so that no call takes more than MAX_ROUNDS rounds)."""
+    if extent <= budget:
+        return extent
+    unit = 2 * ROUND_UNIT
+    rows_per_round = -(-2 * extent // MAX_ROUNDS)  # ceiling division
+    fewest = -(-rows_per_round // unit) * unit
+    return max(budget // unit * unit, fewest, unit)
+
+
+def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2, budget=WINDOW_ROWS):
     """normal_layout() of normal/workspace.h; returns (signal bytes, data bytes, total)."""
     offset = 0
 
@@ -68,18 +82,23 @@ def normal_layout(num_ranks, t_max, capacity, dtype_bytes=2):
         offset = align_up(offset + nbytes, NORMAL_FIELD_ALIGN)
 
     take(8)                               # seq
-    take(8)                               # counters
+    take(4 * (3 + MAX_ROUNDS))            # counters
     take(4 * (1 + 4 * num_ranks))         # NormalPlan words
     take(8 * 2 * num_ranks * num_ranks)   # count_matrix
     take(8 * num_ranks)                   # barrier
+    take(8 * num_ranks * MAX_ROUNDS)      # credits
+    take(4 * num_ranks * (MAX_ROUNDS + 1))  # round_bounds
+    take(4 * MAX_ROUNDS)                  # round_levels
     take(8 * num_ranks * t_max)           # row_flags
     take(4 * num_ranks * t_max)           # send_tokens
     take(t_max)                           # token_masks
     take(8 * num_ranks * max(1, -(-t_max // PLAN_TOKENS_PER_BLOCK)))  # plan_counts
     data = align_up(offset, NORMAL_DATA_ALIGN)
     hidden_bytes = H * dtype_bytes
-    dispatch = capacity * dispatch_row_bytes(hidden_bytes, H // CHANNELS_PER_SCALE)
-    combine = num_ranks * t_max * region_row_bytes(hidden_bytes, K)
+    dispatch = (window_rows(capacity, budget)
+                * dispatch_row_bytes(hidden_bytes, H // CHANNELS_PER_SCALE))
+    combine = (num_ranks * window_rows(t_max, budget // num_ranks)
+               * region_row_bytes(hidden_bytes, K))
     data_bytes = align_up(max(dispatch, combine), NORMAL_DATA_ALIGN)
     return data, data_bytes, data + data_bytes
 
@@ -351,15 +370,30 @@ def main():
         ll_region = low_latency_bytes(r, T_LL)
         ring = r * RING_TOKENS_PER_PEER * row_bf16
         nvl, rdma = deepep_normal_bytes(r)
-        floor = r * T_NORMAL * region_row_bytes(2 * H, K)   # combine region: any capacity
-        rows.append([r, f"{r * T_NORMAL:,}", f"{sig / 1e6:.2f}", gb(data), gb(floor), gb(total),
-                     gb(ring),
+        dispatch_window = window_rows(r * T_NORMAL, WINDOW_ROWS)
+        combine_slots = window_rows(T_NORMAL, WINDOW_ROWS // r)
+        rows.append([r, f"{r * T_NORMAL:,}", f"{dispatch_window:,} / {r * combine_slots:,}",
+                     f"{sig / 1e6:.2f}", gb(total), gb(ring),
                      f"{gb(nvl)} + {gb(rdma)}", gb(ll_region), gb(ll_total),
                      gb(deepep_low_latency_bytes(T_LL))])
-    table(["R", "normal rows R*T_max", "signals MB", "normal data", "data at any C",
-           "normal total",
-           "(a) ring", "(b) DeepEP NVL + RDMA", "LL region", "LL Buffer total", "DeepEP LL"],
+    table(["R", "rows of a call at C = R*T_max", "window rows dispatch / combine", "signals MB",
+           "normal total", "(a) ring", "(b) DeepEP NVL + RDMA", "LL region", "LL Buffer total",
+           "DeepEP LL"],
           rows)
+
+    print("## Rounds of a normal call (T = T_max = 4096, C = R*T_max, uniform top-8 of 256)\n")
+    rows = []
+    for r in RANKS:
+        received = T_NORMAL * routing(r)["ranks"]
+        dispatch_window = window_rows(r * T_NORMAL, WINDOW_ROWS)
+        dispatch_round = (dispatch_window if dispatch_window >= r * T_NORMAL
+                          else dispatch_window // 2)
+        combine_slots = window_rows(T_NORMAL, WINDOW_ROWS // r)
+        combine_round = combine_slots if combine_slots >= T_NORMAL else combine_slots // 2
+        rows.append([r, f"{received:,.0f}", -(-int(received) // dispatch_round),
+                     -(-(r * T_NORMAL) // dispatch_round), -(-T_NORMAL // combine_round)])
+    table(["R", "rows received (expected)", "dispatch rounds (expected)",
+           "dispatch rounds (all to one rank)", "combine rounds"], rows)
 
     print("## Routing expectations per token (uniform top-8 of 256)\n")
     rows = []

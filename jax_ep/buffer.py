@@ -271,7 +271,7 @@ class Buffer:
         """This Buffer as the C++ ``BufferConfig``, grids from the settings (0: the device's)."""
         grids = {key: settings.value(f"JAX_EP_{key.upper()}") or 0
                  for key in ("normal_blocks", "normal_push_blocks", "low_latency_blocks",
-                             "normal_send_slots")}
+                             "normal_send_slots", "normal_window_rows")}
         if self.num_sms is not None:  # one block per SM, within the budget
             grids.update(normal_blocks=self.num_sms, low_latency_blocks=self.num_sms)
             if grids["normal_push_blocks"] > self.num_sms:

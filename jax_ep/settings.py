@@ -83,6 +83,10 @@ SETTINGS = {s.name: s for s in (
             "over a device transport: send slots per push warp of a normal transfer kernel "
             "(default: as many as the send region holds; fewer makes warps restage slots "
             "within a call, as tests want)"),
+    Setting("JAX_EP_NORMAL_WINDOW_ROWS", "runtime", None, _positive_int,
+            "rows of the normal-mode data region, the window a call streams its rows through "
+            "in rounds when they do not fit (default 65536: 0.96 GB at bf16 H=7168, any number "
+            "of ranks; every process of a group must use the same)"),
     Setting("JAX_EP_LOW_LATENCY_BLOCKS", "runtime", None, _positive_int,
             "blocks of a low-latency launch, at most one per SM (default: all SMs but 8)"),
     Setting("JAX_EP_DEVICE_TRANSPORT", "runtime", "stores",

@@ -18,6 +18,8 @@ proxies found, from its own ranks. ``DIGEST_SAVE_DIR=<folder>`` makes process 0 
 sums (combine, low-latency combine, the gradient) as ``<name>.npy``, with ``<name>.magnitude.npy``
 (the same sum of the terms' absolute values, by the NumPy oracle), so that a test compares them
 per element (``jax_ep.testing.assert_sums_close``) with another layout's.
+``DIGEST_TOKENS=<T>`` sets the tokens per rank (default 64), so that a test can make a call
+larger than a small normal-mode window (``JAX_EP_NORMAL_WINDOW_ROWS``).
 """
 
 import dataclasses
@@ -44,7 +46,8 @@ import jax_ep  # noqa: E402
 from jax_ep import settings  # noqa: E402
 from jax_ep import testing as oracle  # noqa: E402
 
-E, K, T, H = 32, 4, 64, 512
+E, K, H = 32, 4, 512
+T = int(os.environ.get("DIGEST_TOKENS", "64"))
 
 
 def specified(out):

@@ -176,10 +176,10 @@ def assert_saved_sums_close(got_dir, want_dir, num_terms):
 
 
 def assert_launched_digests_match_the_reference(tmp_path, num_ranks, *launcher_flags,
-                                                 extra_env=None):
+                                                 extra_env=None, digest_env=None):
     """The digest script on the CUDA kernels as ``num_ranks`` processes sharing one GPU
-    (``launcher_flags`` added) moves the bits of the reference backend over ``num_ranks`` CPU
-    host devices, and its sums match per element."""
+    (``launcher_flags`` added; ``extra_env`` theirs) moves the bits of the reference backend over
+    ``num_ranks`` CPU host devices, and its sums match per element (``digest_env``: both runs')."""
     want_dir, got_dir = tmp_path / "xla", tmp_path / "cuda"
     want_dir.mkdir()
     got_dir.mkdir()
@@ -187,14 +187,14 @@ def assert_launched_digests_match_the_reference(tmp_path, num_ranks, *launcher_f
         [sys.executable, str(launching.DIGEST_SCRIPT), "xla"], capture_output=True, text=True,
         errors="replace", timeout=300, env=launching.child_env("cpu", {
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_ranks}",
-            "DIGEST_SAVE_DIR": str(want_dir)}))
+            "DIGEST_SAVE_DIR": str(want_dir), **(digest_env or {})}))
     want = _by_name(digest_lines(reference.stdout, rank=None))
     assert reference.returncode == 0 and len(want) == 9, reference.stderr[-4000:]
     n = str(num_ranks)
     proc, _ = launching.run_launcher(
         "-n", n, "--processes-per-gpu", n, *launcher_flags, "--timeout", "500", "--",
         sys.executable, str(launching.DIGEST_SCRIPT), "cuda", platform="gpu", timeout=560,
-        extra_env={"DIGEST_SAVE_DIR": str(got_dir), **(extra_env or {})})
+        extra_env={"DIGEST_SAVE_DIR": str(got_dir), **(digest_env or {}), **(extra_env or {})})
     got = _digests(proc)
     assert {k: got[k] for k in DATA_MOVEMENT_DIGESTS} == {k: want[k] for k in
                                                          DATA_MOVEMENT_DIGESTS}
@@ -227,6 +227,27 @@ def test_fake_hosts_over_the_emulated_network_match_the_reference(hosts, ranks_p
     assert_launched_digests_match_the_reference(
         tmp_path, hosts * ranks_per_host, "--fake-hosts", str(hosts),
         extra_env=launching.device_transport_env("emulated"))
+
+
+# The smallest normal-mode window (64 rows) against 512 tokens per rank at 4 ranks: a dispatch
+# of capacity 2048 streams about 1,400 received rows through 192 slots in ~15 rounds, a combine
+# through 64 slots per source in 16 rounds, senders waiting for credits to reuse slots. The fast
+# tier runs it over stores; the stress tier as 2 fake hosts x 2 over the emulated network.
+ROUNDS_ENV = {"JAX_EP_NORMAL_WINDOW_ROWS": "64"}
+ROUNDS_DIGEST_ENV = {"DIGEST_TOKENS": "512"}
+
+
+@pytest.mark.parametrize("hosts", [1, pytest.param(2, marks=pytest.mark.stress)])
+def test_calls_larger_than_the_window_stream_through_it_in_rounds(hosts, tmp_path):
+    """4 ranks as processes sharing one GPU, each call many times its normal-mode window: the
+    reference backend's data-movement bits, and its sums per element."""
+    require_gpus(1)
+    flags, env = (), dict(ROUNDS_ENV)
+    if hosts > 1:
+        flags = ("--fake-hosts", str(hosts))
+        env.update(launching.device_transport_env("emulated"))
+    assert_launched_digests_match_the_reference(tmp_path, 4, *flags, extra_env=env,
+                                                digest_env=ROUNDS_DIGEST_ENV)
 
 
 @pytest.mark.stress  # 16 processes on one GPU

@@ -48,3 +48,19 @@ def test_the_workspace_record_script_writes_the_librarys_sizes(tmp_path, monkeyp
         capacity = r["ranks"] * r["tokens"]
         assert r["bytes"] == numbers.workspace_bytes(
             r["ranks"], r["tokens"], capacity, 2, r["mode"] == "low_latency"), r
+
+
+def test_a_rank_s_workspace_stays_within_its_bounds_at_any_group_size(tmp_path, monkeypatch):
+    """The built library's workspace at 64 and 256 ranks (normal, T_max 4096, the default
+    capacity R * T_max) and 256 ranks (low latency, T_max 128) is within twice DeepEP's size
+    hints: the normal mode streams a call through a bounded window instead of sizing its region
+    for R * T_max rows."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = _load(BENCHMARKS / "workspace_bytes.py")
+    from jax_ep import _C  # noqa: PLC0415 - the extension fixture checked it imports
+
+    records = script.workspace_records(_C)
+    checked = [(r["mode"], r["ranks"], r["bytes"], script.BOUNDS[(r["mode"], r["ranks"])])
+               for r in records if (r["mode"], r["ranks"]) in script.BOUNDS]
+    assert len(checked) == 3
+    assert all(nbytes <= bound for _, _, nbytes, bound in checked), checked

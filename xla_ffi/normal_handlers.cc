@@ -31,18 +31,10 @@ ffi::Error check_capacity(const char* op, const char* arg, int64_t capacity,
                           " rows, more than the Buffer's capacity=", config.capacity);
 }
 
-// `rows` rows of `row_bytes` must fit the normal-mode data region.
-ffi::Error check_region(const char* op, const char* what, int64_t rows, int64_t row_bytes,
-                        const BufferConfig& config) {
-  const size_t available = normal_data_bytes(config);
-  if (static_cast<size_t>(rows) * static_cast<size_t>(row_bytes) <= available) {
-    return ffi::Error::Success();
-  }
-  return invalid_argument(op, what, " needs ", rows, " rows of ", row_bytes,
-                          " bytes in the communication buffer, which holds ", available,
-                          " bytes (sized for hidden=", config.hidden,
-                          ", dtype_bytes=", config.dtype_bytes, ", capacity=", config.capacity,
-                          ")");
+// The call must run in the Buffer's window (`problem`: the launcher's reason, or "").
+ffi::Error check_window(const char* op, const std::string& problem) {
+  if (problem.empty()) return ffi::Error::Success();
+  return invalid_argument(op, problem);
 }
 
 // A weight operand (w, y_w) has no columns or one per top-k slot.
@@ -149,10 +141,11 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, 
   FFI_RETURN_IF_ERROR(check_array(op, "recv_src", *recv_src, {ffi::DataType::S32}, {capacity}));
 
   const int64_t x_bytes_per_row = hidden * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-  FFI_RETURN_IF_ERROR(check_region(
-      op, "recv_x", capacity,
-      dispatch_region_row_bytes(x_bytes_per_row, static_cast<int>(num_scales), config.num_topk),
-      config));
+  FFI_RETURN_IF_ERROR(
+      check_window(op, dispatch_window_problem(
+                           *ctx, capacity,
+                           dispatch_region_row_bytes(x_bytes_per_row, static_cast<int>(num_scales),
+                                                     static_cast<int>(num_topk)))));
 
   DispatchParams params;
   set_rows(num_tokens, capacity, x, x_bytes_per_row, x_scales, num_scales, *recv_x, *recv_scales,
@@ -216,11 +209,11 @@ ffi::Error CachedDispatchImpl(cudaStream_t stream, int32_t device, int64_t buffe
   FFI_RETURN_IF_ERROR(
       check_array(op, "recv_scales", *recv_scales, {ffi::DataType::F32}, {capacity, num_scales}));
   FFI_RETURN_IF_ERROR(check_array(op, "recv_w", *recv_w, {ffi::DataType::F32}, {capacity, num_w}));
-  FFI_RETURN_IF_ERROR(
-      check_region(op, "recv_x", capacity,
-                   cached_dispatch_region_row_bytes(x_bytes_per_row, static_cast<int>(num_scales),
-                                                    static_cast<int>(num_w)),
-                   config));
+  FFI_RETURN_IF_ERROR(check_window(
+      op, dispatch_window_problem(
+              *ctx, capacity,
+              cached_dispatch_region_row_bytes(x_bytes_per_row, static_cast<int>(num_scales),
+                                               static_cast<int>(num_w)))));
 
   CachedDispatchParams params;
   set_rows(num_tokens, capacity, x, x_bytes_per_row, x_scales, num_scales, *recv_x, *recv_scales,
@@ -262,9 +255,10 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, int64_t buffer_id, f
   FFI_RETURN_IF_ERROR(
       check_array(op, "combined_w", *combined_w, {ffi::DataType::F32}, {num_tokens, num_w}));
   const int64_t y_bytes_per_row = hidden * config.dtype_bytes;
-  FFI_RETURN_IF_ERROR(
-      check_region(op, "combine", num_ranks * num_tokens,
-                   combine_region_row_bytes(y_bytes_per_row, static_cast<int>(num_w)), config));
+  FFI_RETURN_IF_ERROR(check_window(
+      op,
+      combine_window_problem(*ctx, num_tokens,
+                             combine_region_row_bytes(y_bytes_per_row, static_cast<int>(num_w)))));
 
   CombineParams params;
   params.num_tokens = static_cast<int>(num_tokens);

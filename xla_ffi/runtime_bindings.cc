@@ -96,6 +96,7 @@ void add_runtime_functions(nb::module_& m) {
       .def_rw("normal_push_blocks", &BufferConfig::normal_push_blocks)
       .def_rw("low_latency_blocks", &BufferConfig::low_latency_blocks)
       .def_rw("normal_send_slots", &BufferConfig::normal_send_slots)
+      .def_rw("normal_window_rows", &BufferConfig::normal_window_rows)
       // DeviceTransport as its number: 0 stores, 1 mapped, 2 emulated, 3 nvshmem (create_buffer
       // checks it).
       .def_prop_rw(

@@ -134,18 +134,20 @@ __device__ __forceinline__ void wait_flag(const WaitContext& wait, const uint64_
 }
 
 // Grid-wide "last block out" bookkeeping shared by the transfer kernels: every block calls this
-// once at its very end; the last one resets the work counters for the next call and publishes
-// the sequence number `tag` (read at the start of the next call, after a kernel boundary).
-__device__ __forceinline__ void finish_transfer_block(uint32_t* work_counter,
-                                                      uint32_t* done_counter, uint64_t* seq,
-                                                      uint64_t tag) {
+// once at its very end; the last one resets the call's counters for the next call (`counters`:
+// the work item, the finished blocks, then num_counters - 2 words of the kernel's own) and
+// publishes the sequence number `tag` (read at the start of the next call, after a kernel
+// boundary).
+__device__ __forceinline__ void finish_transfer_block(uint32_t* counters, int num_counters,
+                                                      uint64_t* seq, uint64_t tag) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    const uint32_t done = atomicAdd(done_counter, 1u);
+    const uint32_t done = atomicAdd(counters + 1, 1u);
     if (done == gridDim.x - 1) {
-      *reinterpret_cast<volatile uint32_t*>(work_counter) = 0;
-      *reinterpret_cast<volatile uint32_t*>(done_counter) = 0;
+      for (int i = 0; i < num_counters; ++i) {
+        reinterpret_cast<volatile uint32_t*>(counters)[i] = 0;
+      }
       *reinterpret_cast<volatile uint64_t*>(seq) = tag;
     }
   }

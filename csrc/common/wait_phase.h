@@ -16,7 +16,9 @@ enum class WaitPhase : int32_t {
   kCombineArrival = 4,   // normal combine / cached dispatch: waiting for a peer's rows
   kLowLatencyDispatchRecv = 5,
   kLowLatencyCombineRecv = 6,
-  kLastPhase = kLowLatencyCombineRecv,  // _C.wait_phase_names() lists phases up to this one
+  kDispatchCredit = 7,  // normal dispatch of several rounds: waiting for a peer to free slots
+  kCombineCredit = 8,   // normal combine of several rounds: waiting for a peer to free slots
+  kLastPhase = kCombineCredit,  // _C.wait_phase_names() lists phases up to this one
 };
 
 // The one spelling of each wait phase, by value: timeout errors of the handlers and, through
@@ -29,6 +31,8 @@ inline constexpr const char* kWaitPhaseNames[] = {
     "combine/cached-dispatch arrival",  // kCombineArrival
     "low-latency dispatch receive",     // kLowLatencyDispatchRecv
     "low-latency combine receive",      // kLowLatencyCombineRecv
+    "dispatch window credit",           // kDispatchCredit
+    "combine window credit",            // kCombineCredit
 };
 static_assert(sizeof(kWaitPhaseNames) / sizeof(kWaitPhaseNames[0]) ==
                   static_cast<size_t>(WaitPhase::kLastPhase) + 1,

@@ -95,9 +95,11 @@ struct CombineParams {
 cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
                            cudaStream_t stream);
 
-// Bytes of the normal-mode data region (rows) of this Buffer, and the per-row bytes each op
-// needs there: the handlers check `rows * row bytes <= normal_data_bytes`.
-size_t normal_data_bytes(const BufferConfig& config);
+// The per-row bytes each op needs in the normal-mode data region, and why a call cannot run in
+// it, or "" when it can (its window: kernels/normal/windows.h): a dispatch or cached dispatch of
+// `capacity` rows, a combine of `num_tokens` tokens, rows of `row_bytes` bytes.
+std::string dispatch_window_problem(const RankContext& ctx, int64_t capacity, int64_t row_bytes);
+std::string combine_window_problem(const RankContext& ctx, int64_t num_tokens, int64_t row_bytes);
 int64_t dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int num_topk);
 int64_t cached_dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int num_w);
 int64_t combine_region_row_bytes(int64_t y_bytes_per_row, int num_w);

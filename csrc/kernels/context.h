@@ -58,6 +58,9 @@ struct BufferConfig {
   // Over a device transport: send slots per push warp of a normal transfer kernel (0: as many as
   // the send region holds; fewer makes a warp restage slots within a call, as tests want).
   int normal_send_slots = 0;
+  // Rows of the normal-mode data region (0: kDefaultNormalWindowRows). A call that moves more
+  // rows than its window holds streams them through it in rounds (kernels/normal/windows.h).
+  int normal_window_rows = 0;
   DeviceTransport device_transport = DeviceTransport::kStores;
   uint64_t emulator_seed = 0;  // kEmulated: the proxies' seed (rank r uses seed + r)
 

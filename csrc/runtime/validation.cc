@@ -77,6 +77,10 @@ std::string validate(const BufferConfig& config, const std::vector<std::vector<i
     message << "jax_ep: normal_send_slots must be >= 0, got " << config.normal_send_slots;
     return message.str();
   }
+  if (config.normal_window_rows < 0) {
+    message << "jax_ep: normal_window_rows must be >= 0, got " << config.normal_window_rows;
+    return message.str();
+  }
   return "";
 }
 

@@ -91,6 +91,7 @@ from typing import Any
 
 import jax
 
+from jax_ep import settings
 from jax_ep.backends import cuda
 from jax_ep.backends.gate import decide_backend
 from jax_ep.system import cluster as cluster_checks
@@ -155,7 +156,8 @@ def workspace_estimate(
             module, num_ranks=spec.num_ranks, num_experts=spec.num_experts,
             hidden=spec.hidden, max_tokens_per_rank=spec.max_tokens_per_rank,
             num_topk=spec.num_topk, capacity=capacity, dtype_bytes=spec.dtype_bytes,
-            low_latency=spec.low_latency))
+            low_latency=spec.low_latency,
+            normal_window_rows=settings.value("JAX_EP_NORMAL_WINDOW_ROWS") or 0))
     except Exception as e:  # noqa: BLE001 - a build whose config the spec does not fit
         return WorkspaceEstimate(spec, None, f"unknown: jax_ep._C.workspace_bytes failed: {e}")
     return WorkspaceEstimate(spec, int(size), "jax_ep._C.workspace_bytes")

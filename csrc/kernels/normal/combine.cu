@@ -2,10 +2,12 @@
 //
 // Two kernels per call, on the caller's stream:
 //   1. combine_plan_kernel (1 block): tagged barrier with every rank, and the segment of y rows
-//      held for each owner rank (recv_src is sorted by src_rank * T + token).
+//      held for each owner rank (recv_src is sorted by src_rank * T + token), by round when the
+//      call has several (kernels/normal/windows.h).
 //   2. combine_transfer_kernel (many blocks): pushes every y row (and y_w row) to its owner's
-//      data region at [this rank][token] with one release flag per row, and reduces the tokens
-//      of this rank in float32 as their rows arrive (own rows are read straight from y).
+//      data region at slot [this rank][token % slots] with one release flag per row, and
+//      reduces the tokens of this rank in float32 as their rows arrive (own rows are read
+//      straight from y).
 // The kernels live in combine_plan.cuh and combine_transfer.cuh (the NVSHMEM plugin
 // instantiates them too); this file fills their arguments and launches them.
 #include <cuda_bf16.h>
@@ -95,6 +97,13 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
   plan.num_recv_tokens = params.num_recv_tokens;
   plan.num_tokens = params.num_tokens;
   plan.capacity = params.capacity;
+  const int64_t region_bytes_per_row = combine_region_row_bytes(
+      static_cast<int64_t>(config.hidden) * config.dtype_bytes, params.num_w);
+  const NormalWindow window = combine_window(config, params.num_tokens, region_bytes_per_row);
+  plan.round_rows = window.round_rows;
+  plan.num_rounds = window.num_rounds;
+  plan.round_bounds = reinterpret_cast<int32_t*>(ctx.workspace + layout.round_bounds);
+  plan.round_levels = reinterpret_cast<int32_t*>(ctx.workspace + layout.round_levels);
   plan.barrier = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.barrier);
   plan.peer_barrier = {ctx.peer_workspaces_device, layout.barrier};
   CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
@@ -111,7 +120,10 @@ cudaError_t launch_combine(const RankContext& ctx, const CombineParams& params,
   args.capacity = params.capacity;
   args.combined = static_cast<char*>(params.combined);
   args.combined_w = params.combined_w;
-  args.region_bytes_per_row = combine_region_row_bytes(args.y_bytes_per_row, params.num_w);
+  args.region_bytes_per_row = region_bytes_per_row;
+  args.round_bounds = plan.round_bounds;
+  args.round_levels = plan.round_levels;
+  set_window(window, args.rounds);
   if (config.dtype_bytes == 4) return launch_transfer<float>(ctx, args, stream);
   return launch_transfer<__nv_bfloat16>(ctx, args, stream);
 }

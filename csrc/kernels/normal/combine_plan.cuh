@@ -12,6 +12,7 @@
 #include "common/peer_field.cuh"
 #include "common/sync.cuh"
 #include "kernels/normal/put_path.cuh"
+#include "kernels/normal/windows.h"
 #include "kernels/normal/workspace.h"
 
 namespace jax_ep {
@@ -20,10 +21,12 @@ namespace normal_combine {
 // One block; its warps take the owner segment bounds (R + 1 of them) in turn.
 constexpr int kCombinePlanThreads = 512;
 constexpr int kCombinePlanWarps = kCombinePlanThreads / kWarpSize;
-// Dynamic shared memory: the R + 1 segment bounds.
+// Dynamic shared memory: the R + 1 segment bounds, then the levels of the rounds.
 inline size_t combine_plan_shared_bytes(int num_ranks) {
-  return sizeof(int) * (static_cast<size_t>(num_ranks) + 1);
+  return sizeof(int) * (static_cast<size_t>(num_ranks) + 1 + kNormalMaxRounds);
 }
+// Entries of round_bounds per owner.
+constexpr int kRoundBoundsStride = kNormalMaxRounds + 1;
 
 struct CombinePlanArgs {
   const int32_t* recv_src;         // [C]
@@ -34,6 +37,10 @@ struct CombinePlanArgs {
   int rank;
   const uint64_t* seq;
   int32_t* plan_words;               // NormalPlan::at(plan_words, R)
+  int64_t round_rows;                // tokens of a round (NormalWindow of the call)
+  int num_rounds;                    // > 1: fill round_bounds and round_levels
+  int32_t* round_bounds;             // [R][kRoundBoundsStride]
+  int32_t* round_levels;             // [kNormalMaxRounds]
   const uint64_t* barrier;           // this rank's barrier words [src]
   PeerField<uint64_t> peer_barrier;  // every rank's barrier words
   WaitContext wait;
@@ -64,11 +71,48 @@ __device__ __forceinline__ int warp_lower_bound(const int32_t* values, int n, in
   return lo;
 }
 
+// The rows of y by (owner, round) for a combine of several rounds: round_bounds[o][k] = first
+// row (of the num_valid rows, sorted by owner * T + token) whose key (o, token / round_rows) is
+// (o, k) or later, for k <= num_rounds; round_levels[k] = most rows of one owner (this rank
+// excluded) in round k. Row i writes every key after row i - 1's up to its own, so each key is
+// written once, in one pass over the rows. Keys of unsorted input are clamped, never written
+// outside the table; the transfer kernel clamps what it reads to the owner's segment.
+__device__ __forceinline__ void fill_round_bounds(const CombinePlanArgs& args, int num_valid,
+                                                  int* levels) {
+  const int num_keys = args.num_ranks * kRoundBoundsStride;
+  const int64_t num_tokens = args.num_tokens;
+  const auto key_of = [&](int row) {
+    const int64_t src = __ldg(args.recv_src + row);
+    const int64_t owner = src >= 0 ? src / num_tokens : 0;
+    const int64_t key = owner * kRoundBoundsStride + (src - owner * num_tokens) / args.round_rows;
+    return static_cast<int>(key < 0 ? 0 : (key > num_keys ? num_keys : key));
+  };
+  for (int i = threadIdx.x; i <= num_valid; i += kCombinePlanThreads) {
+    const int previous = i == 0 ? -1 : key_of(i - 1);
+    const int key = i == num_valid ? num_keys : key_of(i);
+    for (int f = previous + 1; f <= key && f < num_keys; ++f) args.round_bounds[f] = i;
+  }
+  for (int k = threadIdx.x; k < kNormalMaxRounds; k += kCombinePlanThreads) levels[k] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < args.num_ranks * args.num_rounds; i += kCombinePlanThreads) {
+    const int owner = i / args.num_rounds;
+    const int k = i % args.num_rounds;
+    if (owner == args.rank) continue;
+    const int32_t* bounds = args.round_bounds + owner * kRoundBoundsStride;
+    atomicMax(levels + k, max(0, bounds[k + 1] - bounds[k]));
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < args.num_rounds; k += kCombinePlanThreads) {
+    args.round_levels[k] = levels[k];
+  }
+}
+
 // Role: entry barrier of a combine and the owner segments of y. One block of
 // kCombinePlanThreads: thread r (and r + threads, ...) release-stores the tag into rank r's
 // barrier word [rank]; warp s (and s + warps, ...) finds the first row whose recv_src >= s * T
-// (rows of owner s are [bound[s], bound[s+1]), s <= R); then thread r waits for rank r's barrier
-// word (>= tag).
+// (rows of owner s are [bound[s], bound[s+1]), s <= R); with several rounds the block fills
+// the rows by (owner, round) (fill_round_bounds); then thread r waits for rank r's barrier word
+// (>= tag).
 // Synchronisation: as the dispatch count exchange, a rank enters only after its previous call
 // finished, so after the barrier every peer is done with its data region and row flags.
 // Over a transport (Path a TransportPath), warp 0 signals the words instead (kSet, the tag),
@@ -77,7 +121,7 @@ template <typename Path>
 __global__ void __launch_bounds__(kCombinePlanThreads, 1)
     combine_plan_kernel(const CombinePlanArgs args) {
   const Path path = PathOf<Path>::of(args.transport);
-  extern __shared__ int bounds[];  // [R + 1]
+  extern __shared__ int bounds[];  // [R + 1], then [kNormalMaxRounds] levels
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
   const int warp = tid / kWarpSize;
@@ -108,6 +152,7 @@ __global__ void __launch_bounds__(kCombinePlanThreads, 1)
     plan.recv_count[r] = max(0, bounds[r + 1] - bounds[r]);
   }
   if (tid == 0) *plan.num_recv = num_valid;
+  if (args.num_rounds > 1) fill_round_bounds(args, num_valid, bounds + num_ranks + 1);
 
   for (int r = tid; r < num_ranks; r += kCombinePlanThreads) {
     wait_flag(args.wait, args.barrier + r, tag, r);

@@ -13,7 +13,10 @@
 #include "common/limits.h"
 #include "common/peer_field.cuh"
 #include "common/sync.cuh"
+#include "kernels/normal/combine_plan.cuh"
 #include "kernels/normal/put_path.cuh"
+#include "kernels/normal/rounds.cuh"
+#include "kernels/normal/windows.h"
 #include "kernels/normal/workspace.h"
 
 namespace jax_ep {
@@ -25,9 +28,12 @@ constexpr int kTransferWarps = kTransferThreads / kWarpSize;
 constexpr int kTokensPerItem = 2 * kTransferWarps;
 // 16-byte vectors each lane of a reducing warp loads per source before it adds.
 constexpr int kReduceUnroll = 2;
-// Dynamic shared memory of a block: the plan's words.
+static_assert(kNormalRoundUnit % kTokensPerItem == 0, "a reduce item lies in one round");
+// Dynamic shared memory of a block: the first push entry of each round (int64), then the plan's
+// words.
 inline size_t combine_transfer_shared_bytes(int num_ranks) {
-  return sizeof(int) * static_cast<size_t>(normal_plan_words(num_ranks));
+  return sizeof(int64_t) * (kNormalMaxRounds + 1) +
+         sizeof(int) * static_cast<size_t>(normal_plan_words(num_ranks));
 }
 
 struct CombineTransferArgs {
@@ -47,17 +53,24 @@ struct CombineTransferArgs {
   // Workspace of this rank.
   const int32_t* plan_words;  // NormalPlan::at(plan_words, R)
   uint64_t* seq;
-  uint32_t* work_counter;
-  uint32_t* done_counter;
-  const char* rows;  // data region: rows [src][token]
+  uint32_t* counters;  // kNormalCounterWords: next work item, finished blocks, then the rounds'
+  const char* rows;    // data region: rows [src][token % slots]
   const uint64_t* row_flags;
   PeerField<char> peer_rows;
   PeerField<uint64_t> peer_row_flags;
   int64_t region_bytes_per_row;
   int num_push_blocks;
+  RoundArgs rounds;  // the window: token t at slots [src][t % slots], in round t / round_rows
+  const int32_t* round_bounds;  // several rounds: [owner][k] rows of y (fill_round_bounds)
+  const int32_t* round_levels;  // several rounds: [k] most rows sent to one owner
   WaitContext wait;
   NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
 };
+
+// The slot of `token` in each source's part of the data region.
+__device__ __forceinline__ int64_t token_slot(const RoundArgs& rounds, int token) {
+  return token < rounds.slots ? token : token % rounds.slots;
+}
 
 // float32 accumulation of 16-byte vectors of Element.
 template <typename Element>
@@ -101,16 +114,16 @@ struct VectorMath<float> {
   }
 };
 
-// The row that rank r holds of `token` for its sum: y's row own_pos for this rank, the data
-// region row [r][token] for the others.
+// The row that rank r holds of a token for its sum: y's row own_pos for this rank, the data
+// region row [r][slot] for the others (slot: token_slot of the token).
 struct SourceRows {
   const CombineTransferArgs& args;
-  int token;
+  int64_t slot;
   int own_pos;
 
   __device__ __forceinline__ const char* operator()(int r) const {
     return r == args.rank ? args.y + static_cast<int64_t>(own_pos) * args.y_bytes_per_row
-                          : args.rows + (static_cast<int64_t>(r) * args.num_tokens + token) *
+                          : args.rows + (static_cast<int64_t>(r) * args.rounds.slots + slot) *
                                             args.region_bytes_per_row;
   }
 };
@@ -136,7 +149,7 @@ __device__ __forceinline__ void reduce_token(const CombineTransferArgs& args, in
   const int own_pos = __shfl_sync(0xffffffffu, pos, rank);
   __syncwarp();  // orders each lane's acquire before every lane's loads of that source's row
 
-  const SourceRows source_row{args, token, max(own_pos, 0)};
+  const SourceRows source_row{args, token_slot(args.rounds, token), max(own_pos, 0)};
 
   const int64_t num_vectors = args.y_bytes_per_row / kBytesPerVector;
   int4* out = reinterpret_cast<int4*>(args.combined + token * args.y_bytes_per_row);
@@ -215,7 +228,7 @@ __device__ __forceinline__ void reduce_token_wide(const CombineTransferArgs& arg
   __syncwarp();  // orders each lane's acquire before every lane's loads of that source's row
 
   const int own_pos = max(__ldg(send_pos + rank), 0);
-  const SourceRows source_row{args, token, own_pos};
+  const SourceRows source_row{args, token_slot(args.rounds, token), own_pos};
   const int64_t num_vectors = args.y_bytes_per_row / kBytesPerVector;
   int4* out = reinterpret_cast<int4*>(args.combined + token * args.y_bytes_per_row);
   for (int64_t idx = lane; idx < num_vectors; idx += kWarpSize) {
@@ -246,22 +259,28 @@ __device__ __forceinline__ void reduce_token_wide(const CombineTransferArgs& arg
 
 // Role: the data movement of one combine, as work items claimed in this order:
 //   [push roles] [reduce items of kTokensPerItem tokens]
-// - push role p: warp g = p*W + w handles entries q = g, g+P*W, ... of (k, owner) in k-major
-//   order over the other ranks: row recv_prefix[owner] + k of y (token = recv_src - owner*T)
-//   goes to the owner's data region row [rank][token] (y bytes, then y_w), then __syncwarp +
-//   release-store of tag into the owner's row flag [rank][token].
+// Rounds (kernels/normal/windows.h): token t of an owner has the slot [source][t % slots] there
+// and belongs to round t / round_rows; with one round (T within the window) the slot is the
+// token and nothing below waits for a credit.
+// - push role p: warp g = p*W + w handles entries q = g, g+P*W, ... of (round, k, owner),
+//   round-major, then k-major over the other ranks: the k-th row of y held for the owner in
+//   that round (token = recv_src - owner*T) goes to the owner's data region slot [rank][token %
+//   slots] (y bytes, then y_w), then __syncwarp + release-store of tag into the owner's row
+//   flag [rank][token]. A row of round k >= 2 waits first for the owner's credit of round k - 2.
 // - reduce item: one warp per token (reduce_token, or reduce_token_wide when kWide: more than
-//   kNarrowRanks ranks), waiting per source row.
-// Grid: ctx.normal_blocks blocks of kTransferThreads; deadlock-free without co-residency for the
-// same reason as the dispatch transfer (all push roles are claimed before any reduce item). The
-// last block to finish stores the call's sequence number.
+//   kNarrowRanks ranks), waiting per source row; with several rounds the block then counts the
+//   tokens it finished and publishes the rounds finished in order (kernels/normal/rounds.cuh).
+// Grid: ctx.normal_blocks blocks of kTransferThreads; deadlock-free for the same reasons as the
+// dispatch transfer (push roles are claimed before any reduce item, the reduce items in token
+// order, hence round by round, and a push warp's entries go round by round). The last block to
+// finish stores the call's sequence number.
 // Over a transport (Path a TransportPath) a push warp stages each row in its send slots and
 // puts it with its flag (RowSender), and quiets before it leaves its role, as in the dispatch.
 template <typename Element, typename Path, bool kWide>
 __global__ void __launch_bounds__(kTransferThreads, 1)
     combine_transfer_kernel(const CombineTransferArgs args) {
   const Path path = PathOf<Path>::of(args.transport);
-  extern __shared__ int plan_words[];  // NormalPlan::at(plan_words, R)
+  extern __shared__ int64_t push_prefix[];  // [M + 1] first push entry of each round, then:
   __shared__ int claimed_item;
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
@@ -269,7 +288,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   const int num_ranks = args.num_ranks;
   const int rank = args.rank;
   const int num_tokens = args.num_tokens;
+  const RoundArgs& rounds = args.rounds;
+  const bool reuses = reuses_slots(rounds);
   const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
+  int* const plan_words = reinterpret_cast<int*>(push_prefix + kNormalMaxRounds + 1);
   const NormalPlan plan = NormalPlan::at(plan_words, num_ranks);
 
   for (int i = tid; i < normal_plan_words(num_ranks); i += kTransferThreads) {
@@ -278,34 +300,70 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   __syncthreads();
 
   const int num_peers = num_ranks - 1;
-  int max_rows = 0;
-  for (int r = 0; r < num_ranks; ++r) {
-    if (r != rank) max_rows = max(max_rows, plan.recv_count[r]);
+  if (tid == 0) {
+    // Entries of each round: its most rows sent to one owner, times the peers.
+    int max_rows = 0;
+    for (int r = 0; r < num_ranks; ++r) {
+      if (r != rank) max_rows = max(max_rows, plan.recv_count[r]);
+    }
+    int64_t entries = 0;
+    for (int k = 0; k <= rounds.num_rounds; ++k) {
+      push_prefix[k] = entries;
+      if (k < rounds.num_rounds) {
+        const int levels = reuses ? __ldg(args.round_levels + k) : max_rows;
+        entries += static_cast<int64_t>(levels) * num_peers;
+      }
+    }
   }
+  __syncthreads();
   const int num_push_items = num_peers > 0 ? args.num_push_blocks : 0;
   const int num_reduce_items = (num_tokens + kTokensPerItem - 1) / kTokensPerItem;
   const int num_items = num_push_items + num_reduce_items;
+  const int64_t round_rows = rounds.round_rows;
+  // Tokens of round k: all of them are reduced here.
+  const auto round_tokens = [&](int k) {
+    const int64_t rest = num_tokens - static_cast<int64_t>(k) * round_rows;
+    return static_cast<int>(rest < round_rows ? rest : round_rows);
+  };
 
   for (;;) {
-    int item = claim_work_item(args.work_counter, &claimed_item);
+    int item = claim_work_item(args.counters, &claimed_item);
     if (item >= num_items) break;
 
     if (item < num_push_items) {
       const int64_t num_push_warps = static_cast<int64_t>(args.num_push_blocks) * kTransferWarps;
-      const int64_t num_entries = static_cast<int64_t>(max_rows) * num_peers;
+      const int64_t num_entries = push_prefix[rounds.num_rounds];
       const int64_t push_warp = static_cast<int64_t>(item) * kTransferWarps + warp;
       RowSender<Path> sender(path, rank, args.wait, push_warp, num_push_warps,
                              args.region_bytes_per_row);
+      int round = 0;
       for (int64_t q = push_warp; q < sender.end(num_entries); q += sender.stride(num_push_warps)) {
-        const int k = static_cast<int>(q / num_peers);
-        const int owner = (rank + 1 + static_cast<int>(q % num_peers)) % num_ranks;
-        if (k >= plan.recv_count[owner]) continue;
-        const int row = plan.recv_prefix[owner] + k;
-        if (row >= *plan.num_recv) continue;
+        while (q >= push_prefix[round + 1]) ++round;
+        const int64_t entry = q - push_prefix[round];
+        const int k = static_cast<int>(entry / num_peers);
+        const int owner = (rank + 1 + static_cast<int>(entry % num_peers)) % num_ranks;
+        // The owner's rows of y in this round: its segment, or the part the plan found for the
+        // round (clamped to the segment).
+        const int segment_begin = plan.recv_prefix[owner];
+        const int segment_end = segment_begin + plan.recv_count[owner];
+        int begin = segment_begin;
+        int end = segment_end;
+        if (reuses) {
+          const int32_t* bounds = args.round_bounds + owner * kRoundBoundsStride;
+          begin = min(max(__ldg(bounds + round), segment_begin), segment_end);
+          end = min(max(__ldg(bounds + round + 1), begin), segment_end);
+        }
+        const int row = begin + k;
+        if (row >= end || row >= *plan.num_recv) continue;
         const int token = __ldg(args.recv_src + row) - owner * num_tokens;
         if (token < 0 || token >= num_tokens) continue;  // inconsistent handle: drop the row
+        if (reuses) {
+          wait_for_credit(rounds, args.wait, WaitPhase::kCombineCredit, owner,
+                          static_cast<int>(token / round_rows), tag);
+        }
         char* const rows = sender.rows(args.peer_rows, owner);
-        const int64_t region_row = static_cast<int64_t>(rank) * num_tokens + token;
+        const int64_t region_row =
+            static_cast<int64_t>(rank) * rounds.slots + token_slot(rounds, token);
         const int64_t at = sender.next_row(region_row, lane);
         char* dst = rows + at * args.region_bytes_per_row;
         warp_copy_vectors<true>(reinterpret_cast<int4*>(dst),
@@ -326,8 +384,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     }
     item -= num_push_items;
 
-    const int end = min(num_tokens, (item + 1) * kTokensPerItem);
-    for (int token = item * kTokensPerItem + warp; token < end; token += kTransferWarps) {
+    const int begin = item * kTokensPerItem;
+    const int end = min(num_tokens, begin + kTokensPerItem);
+    for (int token = begin + warp; token < end; token += kTransferWarps) {
       if constexpr (kWide) {
         __shared__ int sources[kTransferWarps][kWarpSize];
         reduce_token_wide<Element>(args, token, tag, sources[warp], lane);
@@ -335,9 +394,16 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         reduce_token<Element>(args, token, tag, lane);
       }
     }
+    if (reuses) {
+      count_finished(rounds, static_cast<int>(begin / round_rows), end - begin);
+      if (warp == 0) {
+        publish_finished_rounds(path, rounds, rank, num_ranks, rounds.num_rounds - 2, round_tokens,
+                                tag, args.wait, lane);
+      }
+    }
   }
 
-  finish_transfer_block(args.work_counter, args.done_counter, args.seq, tag);
+  finish_transfer_block(args.counters, kNormalCounterWords, args.seq, tag);
 }
 
 }  // namespace normal_combine

@@ -5,8 +5,9 @@
 //      per SM): token -> rank masks, per-destination stream positions (per-block counts, a scan
 //      over blocks, then one inside each block), count exchange with every rank, send_pos /
 //      num_recv_tokens, the plan and the inverse maps send_tokens[dst][position] = token.
-//   2. dispatch_transfer_kernel (many blocks): pushes rows into the peers' data regions at their
-//      final output row (one release flag per row), copies this rank's own rows straight from x,
+//   2. dispatch_transfer_kernel (many blocks): pushes rows into the peers' data regions at the
+//      slot of their output row (one release flag per row; in rounds when the capacity exceeds
+//      the window, kernels/normal/windows.h), copies this rank's own rows straight from x,
 //      zero-fills the padding rows, and copies arrived peer rows into the outputs as their flags
 //      come in, so the local pass overlaps the transfer.
 // The cached dispatch runs the same two kernels with routing taken from send_pos (mask
@@ -164,6 +165,8 @@ cudaError_t launch_plan_and_transfer(const RankContext& ctx, const Params& param
   CUDA_RETURN_IF_ERROR(launch_plan(ctx, plan, stream));
   DispatchTransferArgs transfer = make_transfer_args(ctx, layout, params, transfer_phase);
   set_transfer(transfer);
+  set_window(dispatch_window(ctx.config, params.capacity, transfer.region_bytes_per_row),
+             transfer.rounds);
   return launch_transfer(ctx, transfer, stream);
 }
 
@@ -209,8 +212,6 @@ cudaError_t launch_cached_dispatch(const RankContext& ctx, const CachedDispatchP
             params.x_bytes_per_row, params.num_scales, params.num_w);
       });
 }
-
-size_t normal_data_bytes(const BufferConfig& config) { return normal_layout(config).data_bytes; }
 
 int64_t dispatch_region_row_bytes(int64_t x_bytes_per_row, int num_scales, int num_topk) {
   return region_row_bytes(x_bytes_per_row, dispatch_aux_words(num_scales, num_topk));

@@ -15,6 +15,8 @@
 #include "common/peer_field.cuh"
 #include "common/sync.cuh"
 #include "kernels/normal/put_path.cuh"
+#include "kernels/normal/rounds.cuh"
+#include "kernels/normal/windows.h"
 #include "kernels/normal/workspace.h"
 
 namespace jax_ep {
@@ -26,13 +28,18 @@ constexpr int kTransferWarps = kTransferThreads / kWarpSize;
 constexpr int kRowsPerItem = 2 * kTransferWarps;
 static_assert(kRowsPerItem % kTransferWarps == 0 && kRowsPerItem / kTransferWarps <= kWarpSize,
               "a warp acquires the flags of its rows of an item with one lane per row");
+static_assert(kNormalRoundUnit % kRowsPerItem == 0, "a receive item lies in one round");
 // Local experts counted in a shared-memory histogram per block; more go to global atomics.
 constexpr int kTransferSharedExperts = 8192;
-// Dynamic shared memory of a block: the histogram, then the plan's words and each rank's rows
-// that fit the capacity (sent there, received from there).
+// Dynamic shared memory of a block: the first entry of each round's pushes (int64), then the
+// histogram, then the plan's words, each rank's rows that fit the capacity (sent there, received
+// from there), and the first receive item of each round.
 constexpr size_t kTransferSharedBytes = 48 * 1024;  // what a block gets without opting in
+constexpr size_t kTransferRoundTableBytes =
+    (sizeof(int64_t) + sizeof(int)) * (kNormalMaxRounds + 1);
 inline size_t transfer_plan_shared_bytes(int num_ranks) {
-  return sizeof(int) * (normal_plan_words(num_ranks) + 2 * static_cast<size_t>(num_ranks));
+  return sizeof(int) * (normal_plan_words(num_ranks) + 2 * static_cast<size_t>(num_ranks)) +
+         kTransferRoundTableBytes;
 }
 // Local experts of the shared histogram: all of them up to kTransferSharedExperts, as many as fit
 // beside the plan.
@@ -46,7 +53,8 @@ inline size_t transfer_shared_bytes(int num_shared_experts, int num_ranks) {
   return sizeof(int) * static_cast<size_t>(num_shared_experts) +
          transfer_plan_shared_bytes(num_ranks);
 }
-static_assert(4 * (1 + 6 * kMaxRanks) < kTransferSharedBytes, "the plan fits beside no histogram");
+static_assert(4 * (1 + 6 * kMaxRanks) + kTransferRoundTableBytes < kTransferSharedBytes,
+              "the plan fits beside no histogram");
 
 struct DispatchTransferArgs {
   // This rank's rows (XLA operands).
@@ -79,18 +87,31 @@ struct DispatchTransferArgs {
   const int32_t* plan_words;  // NormalPlan::at(plan_words, R)
   const int32_t* send_tokens;
   uint64_t* seq;
-  uint32_t* work_counter;
-  uint32_t* done_counter;
-  const char* rows;  // data region
+  uint32_t* counters;  // kNormalCounterWords: next work item, finished blocks, then the rounds'
+  const char* rows;    // data region
   const uint64_t* row_flags;
   // Every rank's data region and row flags (this one's included).
   PeerField<char> peer_rows;
   PeerField<uint64_t> peer_row_flags;
   int64_t region_bytes_per_row;
   int num_push_blocks;
+  RoundArgs rounds;  // the window: output row o at slot o % slots, in round o / round_rows
   WaitContext wait;
   NormalTransportArgs transport;  // a transport path's (last: the stores path never reads it)
 };
+
+// The part of rows [begin, begin + count) (a rank's segment of some rank's output rows) that lies
+// in round k, as offsets into the segment: [lo, hi), empty when hi <= lo.
+struct RoundSpan {
+  int lo;
+  int hi;
+};
+__device__ __forceinline__ RoundSpan round_span(int64_t round_rows, int round, int begin,
+                                                int count) {
+  const int64_t first = static_cast<int64_t>(round) * round_rows - begin;
+  const int64_t last = first + round_rows;
+  return {static_cast<int>(first > 0 ? first : 0), static_cast<int>(last < count ? last : count)};
+}
 
 // True in the lowest lane of [0, num_topk) whose `local` equals this lane's: a row that lists one
 // expert at several k counts once in num_recv_tokens_per_expert. Every lane < num_topk calls it.
@@ -181,21 +202,32 @@ __device__ __forceinline__ RegionRow region_row(const DispatchTransferArgs& args
 }
 
 // Role: the whole data movement of one call, as work items claimed in this order:
-//   [push roles] [own rows] [padding rows] [peer rows, position-major over the peers]
+//   [push roles] [own rows] [padding rows] [peer rows, round-major, then position-major over
+//   the peers]
+// Rounds (kernels/normal/windows.h): output row o of a rank is the region's slot o % slots and
+// belongs to round o / round_rows; with one round (every call whose capacity fits the window)
+// the slot is the row itself and nothing below waits for a credit.
 // - push role p (the first num_push_blocks items): warp g = p*W + w pushes entries q = g, g+P*W,
-//   ... of the list (position, peer) in position-major order: token send_tokens[peer][pos] to
-//   row dest_base[peer] + pos of the peer's region (x row, then aux words with the ids made
-//   local to the peer), then __syncwarp + release-stores tag into the peer's row flag
-//   [rank][pos]. Rows at or past the peer's capacity are not sent.
+//   ... of the list (round, position, peer), round-major, then position-major: token
+//   send_tokens[peer][pos] to the slot of row dest_base[peer] + pos of the peer's region (x
+//   row, then aux words with the ids made local to the peer), then __syncwarp + release-stores
+//   tag into the peer's row flag [rank][pos]. A row of round k >= 2 waits first for the peer's
+//   credit of round k - 2. Rows at or past the peer's capacity are not sent.
 // - own rows: x[token] -> recv row recv_prefix[rank] + pos, aux computed here.
 // - padding rows [min(num_recv, C), C): x/scales/weights/payload 0, ids/src -1.
-// - peer rows of source s, positions [l*kRowsPerItem, (l+1)*kRowsPerItem): each warp acquires
-//   the row flags [s][pos] of its rows (bounded waits, one lane per row), then copies region
-//   rows -> outputs.
-// Grid: ctx.normal_blocks blocks of kTransferThreads. Deadlock freedom does not need all blocks
-// to be resident: items are claimed in order, so every push role is claimed (by a running block
-// that never waits) before any block can claim a waiting item. The last block to finish stores
-// the call's sequence number (finish_transfer_block).
+// - peer rows of round k and source s, positions [l*kRowsPerItem, (l+1)*kRowsPerItem) of the
+//   source's rows in that round: each warp acquires the row flags [s][pos] of its rows (bounded
+//   waits, one lane per row), then copies region slots -> outputs. With several rounds the
+//   block then counts the rows it finished, and publishes the rounds finished in order
+//   (kernels/normal/rounds.cuh).
+// Grid: ctx.normal_blocks blocks of kTransferThreads. Items are claimed in order, so every push
+// role is claimed before any block claims a receive item, and every receive item of a round
+// before any of the next. One round: no push role waits, so deadlock freedom does not need all
+// blocks resident. Several rounds: a push warp's entries go round by round, so by induction
+// over rounds every row of round k is sent once every rank finished round k - 2, and the
+// receive items of round k are claimed by blocks that run; a push role that waits needs the
+// other blocks of its rank to run, which they do (one block per SM, at most one per SM). The
+// last block to finish stores the call's sequence number (finish_transfer_block).
 // Over a transport (Path a TransportPath) a push warp stages each row in its send slots and
 // puts it with its flag (RowSender), and quiets before it leaves its role: the next call
 // restages those slots. A quiet waits only for the proxy or the network, never for a receiver.
@@ -203,7 +235,7 @@ template <typename Path>
 __global__ void __launch_bounds__(kTransferThreads, 1)
     dispatch_transfer_kernel(const DispatchTransferArgs args) {
   const Path path = PathOf<Path>::of(args.transport);
-  extern __shared__ int histogram[];  // [num_shared_experts], then the plan's words, then:
+  extern __shared__ int64_t push_prefix[];  // [M + 1] first push entry of each round, then:
   __shared__ int claimed_item;
 
   const int tid = threadIdx.x;
@@ -212,59 +244,113 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   const int num_ranks = args.num_ranks;
   const int rank = args.rank;
   const int capacity = args.capacity;
+  const RoundArgs& rounds = args.rounds;
+  const int64_t round_rows = rounds.round_rows;
   const uint64_t tag = *reinterpret_cast<const volatile uint64_t*>(args.seq) + 1;
+  int* const histogram = reinterpret_cast<int*>(push_prefix + kNormalMaxRounds + 1);
   int* const plan_words = histogram + args.num_shared_experts;
   const NormalPlan plan = NormalPlan::at(plan_words, num_ranks);
   int* const send_valid = plan_words + normal_plan_words(num_ranks);  // [R] rows sent to each
                                                                       // rank that fit its capacity
-  int* const recv_valid = send_valid + num_ranks;  // [R] rows received from each rank that fit
+  int* const recv_valid = send_valid + num_ranks;   // [R] rows received from each rank that fit
+  int* const item_prefix = recv_valid + num_ranks;  // [M + 1] first receive item of each round
 
   for (int i = tid; i < normal_plan_words(num_ranks); i += kTransferThreads) {
     plan_words[i] = __ldg(args.plan_words + i);
   }
   for (int e = tid; e < args.num_shared_experts; e += kTransferThreads) histogram[e] = 0;
+  for (int k = tid; k <= kNormalMaxRounds; k += kTransferThreads) {
+    push_prefix[k] = 0;
+    item_prefix[k] = 0;
+  }
   __syncthreads();
   for (int r = tid; r < num_ranks; r += kTransferThreads) {
     send_valid[r] = max(0, min(capacity - plan.dest_base[r], plan.send_count[r]));
     recv_valid[r] = max(0, min(capacity - plan.recv_prefix[r], plan.recv_count[r]));
   }
   __syncthreads();
-
-  const int num_peers = num_ranks - 1;
-  int max_send = 0;
-  int max_recv = 0;
-  for (int r = 0; r < num_ranks; ++r) {
+  // Each round's levels: most rows sent to one peer, most receive items of one peer (slots
+  // [k] of the prefix tables, scanned below).
+  for (int r = tid; r < num_ranks; r += kTransferThreads) {
     if (r == rank) continue;
-    max_send = max(max_send, send_valid[r]);
-    max_recv = max(max_recv, recv_valid[r]);
+    for (int k = 0; k < rounds.num_rounds; ++k) {
+      const RoundSpan sent = round_span(round_rows, k, plan.dest_base[r], send_valid[r]);
+      const RoundSpan received = round_span(round_rows, k, plan.recv_prefix[r], recv_valid[r]);
+      if (sent.hi > sent.lo) {
+        atomicMax(reinterpret_cast<unsigned long long*>(push_prefix + k),
+                  static_cast<unsigned long long>(sent.hi - sent.lo));
+      }
+      if (received.hi > received.lo) {
+        atomicMax(item_prefix + k, (received.hi - received.lo + kRowsPerItem - 1) / kRowsPerItem);
+      }
+    }
   }
+  __syncthreads();
+  const int num_peers = num_ranks - 1;
+  if (tid == 0) {
+    int64_t entries = 0;
+    int items = 0;
+    for (int k = 0; k <= rounds.num_rounds; ++k) {
+      const int64_t round_entries = k < rounds.num_rounds ? push_prefix[k] * num_peers : 0;
+      const int round_items = k < rounds.num_rounds ? item_prefix[k] * num_peers : 0;
+      push_prefix[k] = entries;
+      item_prefix[k] = items;
+      entries += round_entries;
+      items += round_items;
+    }
+  }
+  __syncthreads();
+
   const int num_valid = min(*plan.num_recv, capacity);
   const int num_own = recv_valid[rank];
+  // Peer rows of round k here: the round's rows below num_valid, less this rank's own segment.
+  const auto round_peer_rows = [&](int k) {
+    const RoundSpan all = round_span(round_rows, k, 0, num_valid);
+    const RoundSpan own = round_span(round_rows, k, plan.recv_prefix[rank], num_own);
+    return max(0, all.hi - all.lo) - max(0, own.hi - own.lo);
+  };
+  // Rounds a sender waits for: those below the last two holding rows here.
+  const int credited_rounds =
+      max(0, static_cast<int>((num_valid + round_rows - 1) / round_rows) - 2);
+  const bool reuses = reuses_slots(rounds);
+  if (reuses && warp == 0) {
+    publish_finished_rounds(path, rounds, rank, num_ranks, credited_rounds, round_peer_rows, tag,
+                            args.wait, lane);
+  }
+
   const int num_push_items = num_peers > 0 ? args.num_push_blocks : 0;
   const int num_own_items = (num_own + kRowsPerItem - 1) / kRowsPerItem;
   const int num_pad_items = (capacity - num_valid + kRowsPerItem - 1) / kRowsPerItem;
-  const int num_levels = (max_recv + kRowsPerItem - 1) / kRowsPerItem;
-  const int num_items = num_push_items + num_own_items + num_pad_items + num_levels * num_peers;
+  const int num_items =
+      num_push_items + num_own_items + num_pad_items + item_prefix[rounds.num_rounds];
 
   for (;;) {
-    int item = claim_work_item(args.work_counter, &claimed_item);
+    int item = claim_work_item(args.counters, &claimed_item);
     if (item >= num_items) break;
 
     if (item < num_push_items) {
       const int64_t num_push_warps = static_cast<int64_t>(args.num_push_blocks) * kTransferWarps;
-      const int64_t num_entries = static_cast<int64_t>(max_send) * num_peers;
+      const int64_t num_entries = push_prefix[rounds.num_rounds];
       const int64_t push_warp = static_cast<int64_t>(item) * kTransferWarps + warp;
       RowSender<Path> sender(path, rank, args.wait, push_warp, num_push_warps,
                              args.region_bytes_per_row);
+      int round = 0;
       for (int64_t q = push_warp; q < sender.end(num_entries); q += sender.stride(num_push_warps)) {
-        const int pos = static_cast<int>(q / num_peers);
-        const int dst = (rank + 1 + static_cast<int>(q % num_peers)) % num_ranks;
-        if (pos >= send_valid[dst]) continue;
+        while (q >= push_prefix[round + 1]) ++round;
+        const int64_t entry = q - push_prefix[round];
+        const int dst = (rank + 1 + static_cast<int>(entry % num_peers)) % num_ranks;
+        const RoundSpan span = round_span(round_rows, round, plan.dest_base[dst], send_valid[dst]);
+        const int pos = span.lo + static_cast<int>(entry / num_peers);
+        if (pos >= span.hi) continue;
+        if (reuses) {
+          wait_for_credit(rounds, args.wait, WaitPhase::kDispatchCredit, dst, round, tag);
+        }
         const int token =
             __ldg(args.send_tokens + static_cast<int64_t>(dst) * args.max_tokens + pos);
         char* const rows = sender.rows(args.peer_rows, dst);
         const int64_t row = plan.dest_base[dst] + pos;
-        const int64_t at = sender.next_row(row, lane);
+        const int64_t slot = row < rounds.slots ? row : row % rounds.slots;
+        const int64_t at = sender.next_row(slot, lane);
         const RegionRow region = region_row(args, rows, at);
         warp_copy_vectors<true>(reinterpret_cast<int4*>(region.x),
                                 reinterpret_cast<const int4*>(args.x + static_cast<int64_t>(token) *
@@ -273,7 +359,7 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         write_row_aux(args, token, dst, region.scales, region.ids, region.weights, region.src,
                       region.payload, nullptr, lane);
         const auto flag_index = [&] { return static_cast<int64_t>(rank) * args.max_tokens + pos; };
-        sender.send(args.peer_row_flags, dst, row, at, flag_index, tag, lane);
+        sender.send(args.peer_row_flags, dst, slot, at, flag_index, tag, lane);
       }
       sender.finish(lane);
       continue;
@@ -314,11 +400,17 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     }
     item -= num_pad_items;
 
-    // Peer rows: level-major, so blocks follow the order in which the peers push.
-    const int level = item / num_peers;
-    const int src = (rank + 1 + item % num_peers) % num_ranks;
-    const int end = min(recv_valid[src], (level + 1) * kRowsPerItem);
-    const int first = level * kRowsPerItem + warp;
+    // Peer rows: round-major, then level-major, so blocks follow the order in which the peers
+    // push.
+    int round = 0;
+    while (item >= item_prefix[round + 1]) ++round;
+    const int entry = item - item_prefix[round];
+    const int level = entry / num_peers;
+    const int src = (rank + 1 + entry % num_peers) % num_ranks;
+    const RoundSpan span = round_span(round_rows, round, plan.recv_prefix[src], recv_valid[src]);
+    const int begin = span.lo + level * kRowsPerItem;
+    const int end = min(span.hi, begin + kRowsPerItem);
+    const int first = begin + warp;
     {
       // Lane j acquires the flag of this warp's j-th row of the item, all rows at once.
       const int pos = first + lane * kTransferWarps;
@@ -330,7 +422,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     }
     for (int pos = first; pos < end; pos += kTransferWarps) {
       const int64_t row = plan.recv_prefix[src] + pos;
-      const RegionRow region = region_row(args, const_cast<char*>(args.rows), row);
+      const int64_t slot = row < rounds.slots ? row : row % rounds.slots;
+      const RegionRow region = region_row(args, const_cast<char*>(args.rows), slot);
       const OutputRow out = output_row(args, row);
       warp_copy_vectors<false>(out.x, reinterpret_cast<const int4*>(region.x),
                                args.x_bytes_per_row / kBytesPerVector, lane);
@@ -351,13 +444,20 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         out.payload[c] = ld_cg_f32(region.payload + c);
       }
     }
+    if (reuses) {
+      count_finished(rounds, round, max(0, end - begin));
+      if (warp == 0) {
+        publish_finished_rounds(path, rounds, rank, num_ranks, credited_rounds, round_peer_rows,
+                                tag, args.wait, lane);
+      }
+    }
   }
 
   __syncthreads();
   for (int e = tid; e < args.num_shared_experts; e += kTransferThreads) {
     if (histogram[e] != 0) atomicAdd(&args.num_recv_tokens_per_expert[e], histogram[e]);
   }
-  finish_transfer_block(args.work_counter, args.done_counter, args.seq, tag);
+  finish_transfer_block(args.counters, kNormalCounterWords, args.seq, tag);
 }
 
 }  // namespace normal_dispatch

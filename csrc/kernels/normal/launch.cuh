@@ -11,6 +11,8 @@
 #include "common/sync.cuh"
 #include "kernels/context.h"
 #include "kernels/normal/put_path.cuh"
+#include "kernels/normal/rounds.cuh"
+#include "kernels/normal/windows.h"
 #include "kernels/normal/workspace.h"
 #include "kernels/put_plugin.h"
 
@@ -48,8 +50,9 @@ void fill_plan_args(const RankContext& ctx, const NormalLayout& layout, WaitPhas
 }
 
 // The fields of a transfer kernel's arguments (DispatchTransferArgs, CombineTransferArgs) that
-// come from the rank alone: its plan, sequence word, work counters, rows and row flags, every
-// peer's rows and row flags, its push blocks, its bounded waits (in `phase`) and its transport.
+// come from the rank alone: its plan, sequence word, counters, rows and row flags, every peer's
+// rows and row flags, its push blocks, its rounds' words, its bounded waits (in `phase`) and its
+// transport. The launcher sets the call's window (set_window).
 template <typename TransferArgs>
 void fill_transfer_args(const RankContext& ctx, const NormalLayout& layout, WaitPhase phase,
                         TransferArgs& args) {
@@ -59,15 +62,25 @@ void fill_transfer_args(const RankContext& ctx, const NormalLayout& layout, Wait
   args.max_tokens = config.max_tokens_per_rank;
   args.plan_words = reinterpret_cast<const int32_t*>(ctx.workspace + layout.plan);
   args.seq = reinterpret_cast<uint64_t*>(ctx.workspace + layout.seq);
-  args.work_counter = reinterpret_cast<uint32_t*>(ctx.workspace + layout.counters);
-  args.done_counter = args.work_counter + 1;
+  args.counters = reinterpret_cast<uint32_t*>(ctx.workspace + layout.counters);
   args.rows = ctx.workspace + layout.data;
   args.row_flags = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.row_flags);
   args.peer_rows = {ctx.peer_workspaces_device, layout.data};
   args.peer_row_flags = {ctx.peer_workspaces_device, layout.row_flags};
   args.num_push_blocks = ctx.normal_push_blocks;
+  args.rounds.published = args.counters + 2;
+  args.rounds.finished = args.counters + 3;
+  args.rounds.credits = reinterpret_cast<const uint64_t*>(ctx.workspace + layout.credits);
+  args.rounds.peer_credits = {ctx.peer_workspaces_device, layout.credits};
+  args.rounds.publisher_warp = normal_publisher_warp(ctx);
   args.wait = wait_context(ctx, phase);
   if (normal_over_transport(config)) args.transport = normal_transport_args(ctx);
+}
+
+inline void set_window(const NormalWindow& window, RoundArgs& rounds) {
+  rounds.slots = window.slots;
+  rounds.round_rows = window.round_rows;
+  rounds.num_rounds = window.num_rounds;
 }
 
 }  // namespace jax_ep
