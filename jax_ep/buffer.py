@@ -218,11 +218,8 @@ class Buffer:
                                ep_groups=self._ep_group_devices())
         if ipc.spans_processes(devices):
             problem = self._other_hosts()
-            # The emulated transport stands in for a network between hosts faked on one
-            # machine (jax_ep.launch --fake-hosts): its proxies still map peers by CUDA IPC,
-            # which fails, naming the cause, if the hosts are real.
-            if problem and self.device_transport != "emulated":
-                raise ValueError(f"backend='cuda': {problem}; use backend='reference'")
+            if problem:
+                raise ValueError(f"backend='cuda': {problem}; or use backend='reference'")
         return "cuda"
 
     def _resolve_peer_mapping(self, lowering_only):
@@ -234,11 +231,12 @@ class Buffer:
         return "ipc" if ipc.spans_processes(self.mesh.devices.flat) else "local"
 
     def _other_hosts(self):
-        """Why the EP groups cannot use CUDA IPC (a group spans hosts), or ""; it names the
-        layout to use when processes drive several GPUs each. Keeps every process's host, so
-        that a timeout later names the hosts without another collective."""
+        """Why a group spanning hosts cannot run the cuda backend with this Buffer's transport,
+        or ""; it names the layout or the settings to use. Keeps every process's host, so that a
+        timeout later names the hosts without another collective."""
         self._process_hosts = ipc.hosts(self)
-        return gate.cross_host_problem(self._ep_group_devices(), self._process_hosts)
+        return gate.cross_host_problem(self._ep_group_devices(), self._process_hosts,
+                                       self.device_transport)
 
     def _agree_across_processes(self, choice):
         """backend="auto" on a mesh of several processes: "cuda" only where every process

@@ -526,17 +526,24 @@ def test_check_cuda_backend_raises_with_every_reason():
 
 
 def test_groups_across_hosts_name_the_layout_to_use():
-    """One EP group over two hosts: refused for the cuda backend either way; when processes
-    drive several GPUs each, the reason names one process per GPU and how to start it."""
+    """One EP group over two hosts: the cuda backend runs it over NVSHMEM's device API (or the
+    emulated network of fake hosts) with one process per GPU; otherwise the reason names the
+    settings, and when processes drive several GPUs each, one process per GPU and how to start
+    it, whatever the transport."""
     hosts = {0: "node-a", 1: "node-b", 2: "node-a", 3: "node-b"}
     per_gpu = [[fake_gpu(0, process_index=0), fake_gpu(0, process_index=1)]]
     reason = env.cross_host_problem(per_gpu, hosts)
     assert reason.startswith("EP group 0 spans hosts ['node-a', 'node-b']: ")
+    assert "JAX_EP_PEER_MAPPING=nvshmem and JAX_EP_DEVICE_TRANSPORT=nvshmem" in reason
     assert "one process per GPU" not in reason
+    assert env.cross_host_problem(per_gpu, hosts, "mapped") == reason
+    assert env.cross_host_problem(per_gpu, hosts, "nvshmem") == ""
+    assert env.cross_host_problem(per_gpu, hosts, "emulated") == ""
     # Two processes (one a host) of two GPUs each, EP across the hosts, data within them.
     several = [[fake_gpu(0, process_index=0), fake_gpu(0, process_index=1)],
                [fake_gpu(1, process_index=0), fake_gpu(1, process_index=1)]]
     reason = env.cross_host_problem(several, hosts)
+    assert env.cross_host_problem(several, hosts, "nvshmem") == reason
     assert "while processes [0, 1] drive up to 2 GPUs each" in reason
     for part in ("cannot cross hosts", "one process per GPU", "srun --ntasks-per-node=<GPUs>",
                  "mpirun --map-by ppr:<GPUs>:node", "python -m jax_ep.launch",

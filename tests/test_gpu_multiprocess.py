@@ -229,6 +229,25 @@ def test_fake_hosts_over_the_emulated_network_match_the_reference(hosts, ranks_p
         extra_env=launching.device_transport_env("emulated"))
 
 
+@pytest.mark.stress
+def test_fake_hosts_over_nvshmem_match_the_reference(tmp_path):
+    """An EP group across 2 fake hosts x 2, one process per rank sharing one GPU, the
+    workspaces on NVSHMEM's symmetric heap and every row and signal an NVSHMEM put (the layout
+    of a group across real hosts, which NVSHMEM carries over its network transport there): the
+    reference backend's data-movement bits, and its sums per element."""
+    require_gpus(1)
+    from jax_ep.backends import cuda as _cuda  # noqa: PLC0415
+    from jax_ep.peers import nvshmem as _nvshmem  # noqa: PLC0415
+
+    module, _ = _cuda.load_extension()
+    assert module.nvshmem_built(), "the GPU machine's build has NVSHMEM's headers"
+    _nvshmem.library_path()  # raises, naming what is missing
+    assert_launched_digests_match_the_reference(
+        tmp_path, 4, "--fake-hosts", "2",
+        extra_env={_nvshmem.ENV_MAPPING: "nvshmem",
+                   **launching.device_transport_env("nvshmem")})
+
+
 # The smallest normal-mode window (64 rows) against 512 tokens per rank at 4 ranks: a dispatch
 # of capacity 2048 streams about 1,400 received rows through 192 slots in ~15 rounds, a combine
 # through 64 slots per source in 16 rounds, senders waiting for credits to reuse slots. The fast

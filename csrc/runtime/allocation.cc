@@ -106,16 +106,20 @@ std::string enable_peer_access(int device, const std::vector<int>& group) {
 }
 
 // The peer table of a rank whose workspace is on the NVSHMEM heap: rank r's workspace is
-// NVSHMEM PE pes[r]'s copy of the same symmetric object.
+// NVSHMEM PE pes[r]'s copy of the same symmetric object, null where nvshmem_ptr cannot map it
+// (another host, or NVSHMEM_DISABLE_P2P). Such a peer is reached only by NVSHMEM's device API:
+// the kNvshmem transport's kernels address peers by PE and their own symmetric addresses, never
+// through this table.
 std::string map_symmetric_peers(RankContext& ctx, const std::vector<int>& pes) {
   for (int r = 0; r < ctx.config.num_ranks; ++r) {
     ctx.pes[r] = pes[r];
     ctx.peer_workspaces[r] = static_cast<char*>(nvshmem_peer_address(ctx.workspace, pes[r]));
-    if (ctx.peer_workspaces[r] == nullptr) {
+    if (ctx.peer_workspaces[r] == nullptr &&
+        ctx.config.device_transport != DeviceTransport::kNvshmem) {
       return "jax_ep: rank " + std::to_string(r) + " (NVSHMEM PE " + std::to_string(pes[r]) +
              ") is not reachable by loads and stores from device " + std::to_string(ctx.device) +
-             " (nvshmem_ptr is null: another host). Device-initiated NVSHMEM puts for such "
-             "peers are not implemented yet (docs/process_models.md, \"What spans hosts\")";
+             " (nvshmem_ptr is null: another host): set JAX_EP_DEVICE_TRANSPORT=nvshmem, whose "
+             "puts reach it through NVSHMEM (docs/process_models.md, \"What spans hosts\")";
     }
   }
   return "";

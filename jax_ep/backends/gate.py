@@ -274,18 +274,28 @@ ONE_PROCESS_PER_GPU = (
 )
 
 
-def cross_host_problem(ep_groups: Sequence[Sequence[Any]], hosts: Mapping[int, str]) -> str:
-    """Why the cuda backend cannot run `ep_groups`, or "" when each lies within one host.
+# How the cuda backend reaches ranks on other hosts: NVSHMEM's device API, the workspaces on its
+# symmetric heap (docs/process_models.md, "What spans hosts").
+ACROSS_HOSTS_SETTINGS = "JAX_EP_PEER_MAPPING=nvshmem and JAX_EP_DEVICE_TRANSPORT=nvshmem"
 
-    The cuda backend reaches an EP group's peers through peer mappings, which exist within one
-    host; ranks on other hosts need device-initiated NVSHMEM puts, which NVSHMEM binds to one GPU
-    per process (PE). So a group across hosts driven by processes of several GPUs each is in a
-    layout that cannot cross hosts at all, and the reason names the layout to use.
+
+def cross_host_problem(ep_groups: Sequence[Sequence[Any]], hosts: Mapping[int, str],
+                       device_transport: str = "stores") -> str:
+    """Why the cuda backend cannot run `ep_groups`, or "" when it can.
+
+    A group inside one host reaches its peers through peer mappings. A group across hosts needs
+    a transport that reaches other hosts: NVSHMEM's device API (`device_transport` "nvshmem"),
+    which binds each process to one GPU (PE), or the emulated one, which stands in for a
+    network between hosts faked on one machine (jax_ep.launch --fake-hosts). So a group across
+    hosts driven by processes of several GPUs each is in a layout that cannot cross hosts at
+    all, and the reason names the layout to use; with one process per GPU it names the
+    settings.
 
     Args:
       ep_groups: the devices of every EP group (jax.Device or DeviceInfo: `process_index` is
         read), in rank order.
       hosts: the host name of every process index of the mesh.
+      device_transport: how the Buffer's ops reach peers (`JAX_EP_DEVICE_TRANSPORT`).
 
     Returns:
       "" or the reason, naming the first group that spans hosts, its hosts and the fix.
@@ -302,13 +312,12 @@ def cross_host_problem(ep_groups: Sequence[Sequence[Any]], hosts: Mapping[int, s
                    f"processes {several} drive up to {most} GPUs each")
             return (f"EP group {g} spans hosts {names} while {who} of the mesh, a layout that "
                     f"cannot cross hosts (NVSHMEM, which reaches other hosts, binds one process "
-                    f"to one GPU): start "
-                    f"{ONE_PROCESS_PER_GPU}; even then the cuda backend does not reach ranks on "
-                    f"other hosts yet (device-initiated NVSHMEM puts are not implemented)")
-        return (f"EP group {g} spans hosts {names}: the cuda backend reaches peers over NVLink "
-                f"within one host (ranks on other hosts need device-initiated NVSHMEM puts, not "
-                f"implemented yet; JAX_EP_PEER_MAPPING=nvshmem covers the peers NVSHMEM maps "
-                f"peer-to-peer)")
+                    f"to one GPU): start {ONE_PROCESS_PER_GPU}, with {ACROSS_HOSTS_SETTINGS}")
+        if device_transport in ("nvshmem", "emulated"):
+            continue
+        return (f"EP group {g} spans hosts {names}: the cuda backend reaches ranks on other "
+                f"hosts through NVSHMEM's device API only: set {ACROSS_HOSTS_SETTINGS} "
+                f"(docs/process_models.md, \"What spans hosts\")")
     return ""
 
 

@@ -12,7 +12,8 @@ Settings: ``JAX_EP_PEER_MAPPING`` (``ipc``, the default, or ``nvshmem``), ``JAX_
 (the host library; default the nvidia-nvshmem wheel's ``libnvshmem_host.so.3``),
 ``NVSHMEM_SYMMETRIC_SIZE`` (the heap; when unset, jax_ep sets it to the first Buffer's workspace
 plus 1 GiB; a size set too small for that workspace is refused, naming both numbers),
-``NVSHMEM_REMOTE_TRANSPORT`` (jax_ep sets ``none`` when unset: no network transport is used yet).
+``NVSHMEM_REMOTE_TRANSPORT`` (jax_ep sets ``none`` when unset and the ops use stores through the
+mappings; over NVSHMEM's device API, ``JAX_EP_DEVICE_TRANSPORT=nvshmem``, NVSHMEM's default).
 Start the processes with ``python -m jax_ep.launch --share-gpus`` so that each sees the peers'
 GPUs.
 """
@@ -137,9 +138,12 @@ def join(buf, module, workspace_bytes: int) -> None:
     size = heap_bytes(workspace_bytes)  # a size set too small fails here, naming both numbers
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(size))
     module.nvshmem_load(library_path())
-    # Only NVSHMEM's peer-to-peer transport is used (peers it cannot map are refused), so do not
-    # let it bring up a network transport (InfiniBand) that nothing would use.
-    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    # With stores through its mappings, only NVSHMEM's peer-to-peer transport is used (peers it
+    # cannot map are refused), so it need not bring up a network transport (InfiniBand) that
+    # nothing would use. Its device API (JAX_EP_DEVICE_TRANSPORT=nvshmem) reaches ranks on other
+    # hosts through it: NVSHMEM's own default then.
+    if buf.device_transport != "nvshmem":
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     (device,) = _local_devices(buf)  # check_usable made sure there is exactly one
     ordinal = device.local_hardware_id if device.local_hardware_id is not None else device.id
     if jax.process_count() == 1:  # a job of one PE: nobody to send the id to or wait for
