@@ -222,6 +222,23 @@ PROTOCOL_SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_processes_agree_on_the_settings_that_shape_a_workspace(monkeypatch):
+    """The configuration every process of a Buffer must share includes its device transport
+    and its normal-mode window (JAX_EP_NORMAL_WINDOW_ROWS), which size and lay out the
+    workspaces the ranks address in one another."""
+    from conftest import ep_mesh  # noqa: PLC0415
+
+    from jax_ep import Buffer  # noqa: PLC0415
+    from jax_ep.peers import ipc as _ipc  # noqa: PLC0415
+
+    monkeypatch.setenv("JAX_EP_NORMAL_WINDOW_ROWS", "128")
+    buf = Buffer(ep_mesh("reference"), "ep", num_experts=8, hidden=128, max_tokens_per_rank=4,
+                 num_topk=2, backend="reference")
+    config = _ipc.configuration(buf)
+    assert config["normal_window_rows"] == 128
+    assert config["device_transport"] == buf.device_transport
+
+
 def test_mismatched_configuration_is_named():
     proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--",
                            sys.executable, "-c", PROTOCOL_SCRIPT, "mismatch", timeout=120)

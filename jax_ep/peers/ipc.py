@@ -83,7 +83,9 @@ def configuration(buf) -> dict:
             "max_tokens_per_rank": buf.max_tokens_per_rank, "num_topk": buf.num_topk,
             "capacity": buf.capacity, "dtype": buf.dtype.name, "low_latency": buf.low_latency,
             "timeout_s": buf.timeout_s, "axis_name": str(buf.axis_name),
-            "overlap": buf.overlap,
+            "overlap": buf.overlap, "device_transport": buf.device_transport,
+            # The normal-mode window sizes the workspace, whose layout every rank shares.
+            "normal_window_rows": settings.value("JAX_EP_NORMAL_WINDOW_ROWS") or 0,
             "groups": [[d.id for d in g] for g in buf._ep_group_devices()]}
 
 
