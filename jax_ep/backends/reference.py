@@ -59,8 +59,9 @@ def sum_over_sources(got, rank_hosts, dtype):
       dtype: the result's dtype (the rows' own).
 
     Returns:
-      ``[T, ...]`` of ``dtype``. One host: the float32 sum over the ranks in ascending rank
-      order, rounded once. Several hosts (the hierarchical combine's order): per host, the
+      ``[T, ...]`` of ``dtype``. One host: the flat sum, float32 over the ranks in XLA's
+      reduction order (which depends on the shape), rounded once. Several hosts (the
+      hierarchical combine's order, explicit, bit for bit): per host, the
       float32 sum over its ranks in ascending rank order, rounded to ``dtype`` (the partial sum
       that host's forwarder sends over the network), then the float32 sum of the partial sums
       in ascending host order, rounded to ``dtype``. ``jax_ep.testing.sum_by_host`` is its
