@@ -52,6 +52,35 @@ def describe_timeout(record, host_of_rank=None) -> str:
             f"(call {record['seq']}) longer than the timeout; the GPU context of that device is "
             f"lost: restart the process")
 
+
+def rank_hosts(ep_groups, process_hosts, axis_name="ep"):
+    """Host of each rank of an EP group, numbered 0, 1, ... in rank order, or None when every
+    group lies inside one host.
+
+    Args:
+      ep_groups: the devices of every EP group, in rank order (each with ``process_index``).
+      process_hosts: host name of every process, by process index.
+      axis_name: the EP axis, for the message.
+
+    Raises:
+      ValueError: the groups place their ranks on hosts in different ways (a combine across
+        hosts sums per host in one order for every group).
+    """
+    layouts = set()
+    for group in ep_groups:
+        names = [process_hosts[d.process_index] for d in group]
+        numbers = {name: i for i, name in enumerate(dict.fromkeys(names))}
+        layouts.add(tuple(numbers[n] for n in names))
+    if len(layouts) > 1:
+        raise ValueError(
+            f"the EP groups along {axis_name!r} place their ranks on hosts in different ways "
+            f"(host of each rank, numbered in rank order: {sorted(layouts)}): a combine across "
+            f"hosts sums per host, in one order for every group, so the ranks that share a host "
+            f"must be the same in every group (e.g. ranks 0-7 on one host, 8-15 on another)")
+    (layout,) = layouts
+    return layout if max(layout) > 0 else None
+
+
 class Buffer:
     """Communication memory and configuration for dispatch/combine over one mesh axis.
 
@@ -143,6 +172,9 @@ class Buffer:
         self._allocated = False
         self.backend_reasons = []  # why "auto" did not pick cuda (see `python -m jax_ep.env`)
         self.backend = self._resolve_backend(backend, lowering_only)
+        # Host of each rank of the EP groups, None inside one host: the reference backend sums
+        # a combine across hosts per host (docs/api.md, "combine").
+        self._rank_hosts = self._ep_rank_hosts() if self.backend == "reference" else None
         # How peers' memory is mapped (CUDA backend): "local" (one process: unified
         # addressing), "ipc" (CUDA IPC between the processes of one host) or "nvshmem"
         # (JAX_EP_PEER_MAPPING=nvshmem: NVSHMEM's symmetric heap, one process per GPU).
@@ -237,6 +269,15 @@ class Buffer:
         self._process_hosts = ipc.hosts(self)
         return gate.cross_host_problem(self._ep_group_devices(), self._process_hosts,
                                        self.device_transport)
+
+    def _ep_rank_hosts(self):
+        """``rank_hosts`` of this Buffer's EP groups; gathers the processes' hosts (a
+        collective) on a mesh of several processes, unless done already."""
+        if not ipc.spans_processes(self.mesh.devices.flat):
+            return None
+        if getattr(self, "_process_hosts", None) is None:
+            self._process_hosts = ipc.hosts(self)
+        return rank_hosts(self._ep_group_devices(), self._process_hosts, self.axis_name)
 
     def _agree_across_processes(self, choice):
         """backend="auto" on a mesh of several processes: "cuda" only where every process

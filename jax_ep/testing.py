@@ -175,6 +175,69 @@ def combine(y, recv_src, num_tokens):
     return out
 
 
+def sum_by_host(terms, ranks, rank_hosts=None, *, dtype, partial_dtype=None):
+    """Sums of terms in the order and with the roundings of a combine (docs/api.md, "combine").
+
+    Per host, ascending: the host's terms added in float32 in ascending rank order from +0,
+    that partial sum rounded to ``partial_dtype``; then the partial sums added in float32 in
+    ascending host order from +0, the total rounded to ``dtype``. With one host this is the
+    float32 sum over all terms in rank order, rounded once.
+
+    Args:
+      terms: ``[N, S, ...]`` the terms of N sums, any float dtype (converted to float32).
+      ranks: ``[N, S]`` int: the rank each term comes from; ``-1`` = no term (skipped).
+      rank_hosts: host of each rank (ints; hosts are taken in ascending order), or None: one
+        host.
+      dtype: dtype of the result.
+      partial_dtype: what a host's partial sum is rounded to (default ``dtype``; float32 keeps
+        it).
+
+    Returns:
+      ``[N, ...]`` of ``dtype``.
+    """
+    terms = np.asarray(terms).astype(np.float32)
+    ranks = np.asarray(ranks)
+    partial_dtype = dtype if partial_dtype is None else partial_dtype
+    valid = ranks >= 0
+    if rank_hosts is None:
+        host = np.zeros(ranks.shape, np.int64)
+    else:
+        host = np.asarray(rank_hosts, np.int64)[np.maximum(ranks, 0)]
+    last = np.iinfo(np.int64).max  # no term: after every term
+    order = np.lexsort((np.where(valid, ranks, last), np.where(valid, host, last)), axis=-1)
+    host = np.take_along_axis(np.where(valid, host, last), order, axis=-1)
+    valid = np.take_along_axis(valid, order, axis=-1)
+    order = order.reshape(order.shape + (1,) * (terms.ndim - 2))
+    terms = np.take_along_axis(terms, order, axis=1)
+    expand = (slice(None),) + (None,) * (terms.ndim - 2)
+    total = np.zeros(terms.shape[:1] + terms.shape[2:], np.float32)
+    partial = np.zeros_like(total)
+    for j in range(terms.shape[1]):
+        partial = np.where(valid[:, j][expand], partial + terms[:, j], partial)
+        ends = valid[:, j] & ((j + 1 == terms.shape[1]) or (host[:, j + 1] != host[:, j]))
+        sent = partial.astype(partial_dtype).astype(np.float32)
+        total = np.where(ends[expand], total + sent, total)
+        partial = np.where(ends[expand], np.float32(0), partial)
+    return total.astype(dtype)
+
+
+def combine_in_order(y, recv_src, num_tokens, rank_hosts=None):
+    """Normal combine of every rank, bit for bit: ``y [R, C, ...]`` rows back to their sources,
+    summed as ``sum_by_host`` does (partial sums rounded to ``y``'s dtype): ``[R, T, ...]`` of
+    ``y``'s dtype."""
+    y = np.asarray(y)
+    R = y.shape[0]
+    terms = np.zeros((R * num_tokens, R) + y.shape[2:], np.float32)
+    ranks = np.full((R * num_tokens, R), -1, np.int64)
+    for r in range(R):
+        rows = np.flatnonzero(np.asarray(recv_src[r]) >= 0)
+        sources = np.asarray(recv_src[r])[rows]
+        terms[sources, r] = y[r, rows].astype(np.float32)
+        ranks[sources, r] = r
+    out = sum_by_host(terms, ranks, rank_hosts, dtype=y.dtype)
+    return out.reshape((R, num_tokens) + y.shape[2:])
+
+
 # ------------------------------------------------------------------------------ low latency
 def low_latency_dispatch(x, topk_idx, num_experts, max_tokens_per_rank):
     """Per receiving rank: ``rows [E_loc][list of (src_rank, token, k)]`` in contract order,
@@ -289,18 +352,22 @@ def assert_sums_close(got, want, magnitude, *, term_rtol=F32_SUM_RTOL,
             f"tolerance {tol[worst]!r}")
 
 
-def assert_combine_close(got, rows, recv_src, num_tokens, *, what="combine"):
+def assert_combine_close(got, rows, recv_src, num_tokens, *, rank_hosts=None, what="combine"):
     """Normal-mode combine ``got [R, T, ...]`` against the sums of the rows it combines
     (``rows [R, C, ...]``, their sources ``recv_src [R, C]``), per element
     (``assert_sums_close``): each row is a term, summed in float32 (``sum_rtol`` of the most
-    rows of one token), the result rounded once to ``got``'s dtype."""
+    rows of one token), the result rounded once to ``got``'s dtype. With ``rank_hosts`` (host
+    of each rank) spanning several hosts, each host's partial sum is rounded to ``got``'s dtype
+    too: half an ulp of that partial sum, at most of the element's magnitude, per element."""
     rows = np.asarray(rows).astype(np.float64)
     recv_src = np.asarray(recv_src)
     sources = recv_src[recv_src >= 0]
     most = int(np.bincount(sources).max()) if sources.size else 1
+    unit = rounding_rtol(np.asarray(got).dtype)
+    partials = unit if rank_hosts is not None and len(set(rank_hosts)) > 1 else 0.0
     assert_sums_close(got, combine(rows, recv_src, num_tokens),
-                      combine(np.abs(rows), recv_src, num_tokens), term_rtol=sum_rtol(most),
-                      out_rtol=rounding_rtol(np.asarray(got).dtype), what=what)
+                      combine(np.abs(rows), recv_src, num_tokens),
+                      term_rtol=sum_rtol(most) + partials, out_rtol=unit, what=what)
 
 
 def assert_products_close(got, want, magnitude, num_terms, *, operand_rtol=0.0, dtype=None,

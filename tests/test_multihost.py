@@ -16,11 +16,19 @@ skip, saying so. README, "Several hosts", says which of these runs happened wher
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import run_sharded
 from jax.sharding import Mesh
-from test_normal import assert_dispatch_matches, dispatch_and_combine, make_buffer, random_x
+from test_normal import (
+    assert_dispatch_matches,
+    cancelling,
+    dispatch_and_combine,
+    dispatch_and_combine_rows,
+    make_buffer,
+    random_x,
+)
 
 from jax_ep import testing as oracle
 from jax_ep.peers import ipc
@@ -108,3 +116,26 @@ def test_ep_groups_inside_hosts_with_data_parallel_across_them(hosts):
         group = slice(g * R, (g + 1) * R)
         sub = jax.tree.map(lambda a, s=group: a[s], (d, y, y_w))
         assert_dispatch_matches(sub, oracle.dispatch(x[group], idx[group], w[group], E), T)
+
+
+def test_combine_across_hosts_sums_per_host(hosts):
+    """One EP group over every device of every host: the reference backend knows the host of
+    each rank and sums a combine per host, each host's partial sum rounded to bfloat16 before
+    the sum over hosts (docs/api.md, "combine"): bfloat16 rows that cancel give the bits of
+    ``oracle.combine_in_order`` with those hosts, unlike the flat sum's, within the per-element
+    tolerance with the hosts."""
+    rng = np.random.default_rng(2)  # the same data in every process
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    R = mesh.shape["ep"]
+    buf = make_buffer("reference", mesh, H, T, jnp.bfloat16)
+    names = [hosts[d.process_index] for d in mesh.devices.flat]
+    numbers = {name: i for i, name in enumerate(dict.fromkeys(names))}
+    assert buf._rank_hosts == tuple(numbers[n] for n in names), buf._rank_hosts
+    idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
+    x = random_x(rng, (R, T, H), jnp.bfloat16)
+    z = cancelling(rng, (R, R * T, H), jnp.bfloat16)
+    src, y, combined = run_sharded(mesh, dispatch_and_combine_rows(buf), x, idx, w, z)
+    want = oracle.combine_in_order(y, src, T, buf._rank_hosts)
+    np.testing.assert_array_equal(combined.view(np.uint8), want.view(np.uint8))
+    assert (combined != oracle.combine_in_order(y, src, T)).any()
+    oracle.assert_combine_close(combined, y, src, T, rank_hosts=buf._rank_hosts)

@@ -1,5 +1,7 @@
 """Normal-mode ops against the NumPy oracle (docs/api.md, "Normal mode"), once per backend."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -9,7 +11,9 @@ from conftest import covering, ep_mesh, per_backend, require_gpus
 from harness import run_sharded
 
 import jax_ep
+from jax_ep import buffer as buffer_module
 from jax_ep import testing as oracle
+from jax_ep.backends import reference
 
 E, K = 32, 4
 
@@ -85,6 +89,127 @@ def test_combine_check_catches_kernel_like_mutations(rng):
             check(mutated)
     former = oracle.combine(d.recv_x.astype(np.float32), d.handle.recv_src, T)
     np.testing.assert_allclose(negated.astype(np.float64), former, rtol=1e-2, atol=1e-2)
+
+
+def cancelling(rng, shape, dtype):
+    """Values ``[R, ...]`` whose sums over ranks (axis 0) mostly cancel: a part shared by the
+    ranks times a coefficient per rank (the coefficients sum to zero, 16x the rest), plus
+    N(0, 1). Partial sums over some of the ranks are then much larger than the whole sum, so
+    rounding them shows in the result."""
+    coefficient = rng.standard_normal(shape[0])
+    coefficient = 16 * (coefficient - coefficient.mean())
+    shared = rng.standard_normal(shape[1:])
+    values = coefficient.reshape((-1,) + (1,) * (len(shape) - 1)) * shared
+    return (values + rng.standard_normal(shape)).astype(np.float32).astype(dtype)
+
+
+def dispatch_and_combine_rows(buf):
+    """A step that combines, at each rank, its row of ``z [R * T, H]`` (one per source token,
+    different at each rank) for every token it received: ``(recv_src, y, combined)``."""
+
+    def step(x, idx, w, z):
+        d = jax_ep.dispatch(buf, x, idx, w)
+        src = d.handle.recv_src
+        y = jnp.where((src >= 0)[:, None], z[jnp.maximum(src, 0)], jnp.zeros((), z.dtype))
+        combined, _ = jax_ep.combine(buf, y, d.handle)
+        return src, y, combined
+    return step
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_combine_inside_one_host_is_the_flat_sum(rng, dtype):
+    """A group inside one host has no host layout, and the reference backend's combine stays
+    the flat sum: float32 accumulation over the ranks (in XLA's order), rounded once. The
+    float32 sums of these bfloat16 rows are exact in any order, so their bits are
+    ``oracle.combine_in_order``'s without hosts; float32 rows match per element."""
+    mesh = ep_mesh("reference")
+    R, T, H = mesh.shape["ep"], 16, 256
+    buf = make_buffer("reference", mesh, H, T, dtype)
+    assert buf._rank_hosts is None
+    idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
+    x = random_x(rng, (R, T, H), dtype)
+    z = cancelling(rng, (R, R * T, H), dtype)
+    src, y, combined = run_sharded(mesh, dispatch_and_combine_rows(buf), x, idx, w, z)
+    oracle.assert_combine_close(combined, y, src, T)
+    if dtype == jnp.bfloat16:
+        want = oracle.combine_in_order(y, src, T)
+        np.testing.assert_array_equal(combined.view(np.uint8), want.view(np.uint8))
+
+
+# Hosts of 8 ranks: halves, pairs, interleaved (ranks need not be contiguous), one host.
+HOST_LAYOUTS = [(0, 0, 0, 0, 1, 1, 1, 1), (0, 0, 1, 1, 2, 2, 3, 3), (0, 1, 0, 1, 0, 1, 0, 1),
+                (0,) * 8]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rank_hosts", HOST_LAYOUTS)
+def test_reference_sums_a_combine_per_host_as_the_oracle(rng, rank_hosts, dtype):
+    """``reference.sum_over_sources`` (the sum of the reference backend's combine) with the
+    host of each rank equals ``oracle.sum_by_host`` bit for bit: per host the float32 sum in
+    rank order rounded to the dtype, then the float32 sum over hosts rounded again. Across hosts
+    it differs from the flat sum (and, in bfloat16, from float32 partial sums); in one host it
+    is the flat sum."""
+    R, T, H = len(rank_hosts), 32, 256
+    got = cancelling(rng, (R, T, H), dtype).astype(np.float32)
+    sent = rng.random((R, T)) < 0.7
+    got = np.where(sent[:, :, None], got, np.float32(0))
+    out = jax.jit(lambda g: reference.sum_over_sources(g, rank_hosts, dtype))(got)
+    out = np.asarray(out)
+    terms, ranks = got.transpose(1, 0, 2), np.where(sent.T, np.arange(R), -1)
+    want = oracle.sum_by_host(terms, ranks, rank_hosts, dtype=dtype)
+    np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
+    flat = oracle.sum_by_host(terms, ranks, None, dtype=dtype)
+    if len(set(rank_hosts)) == 1:
+        np.testing.assert_array_equal(out.view(np.uint8), flat.view(np.uint8))
+        return
+    assert (out != flat).any()
+    if dtype == jnp.bfloat16:
+        fp32_partials = oracle.sum_by_host(terms, ranks, rank_hosts, dtype=dtype,
+                                           partial_dtype=np.float32)
+        assert (out != fp32_partials).any()
+
+
+def test_combine_tolerance_across_hosts_holds_the_partial_roundings(rng):
+    """``oracle.assert_combine_close`` with the hosts of the ranks passes the per-host sum of
+    bfloat16 rows that cancel, which the one-host tolerance (half an ulp of the result) rejects,
+    and still rejects partial sums rounded coarser (float8 e4m3) or one host's partial sum left
+    out: the tolerance is per element and not vacuous."""
+    R, T, H = 8, 16, 256
+    rank_hosts = (0, 0, 0, 0, 1, 1, 1, 1)
+    idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
+    src = np.stack([d["recv_src"] for d in oracle.dispatch(np.zeros((R, T, 1)), idx, w, E)])
+    z = cancelling(rng, (R, R * T, H), ml_dtypes.bfloat16)
+    y = np.where((src >= 0)[:, :, None], np.take_along_axis(
+        z, np.maximum(src, 0)[:, :, None], axis=1), 0).astype(ml_dtypes.bfloat16)
+    got = oracle.combine_in_order(y, src, T, rank_hosts)
+    oracle.assert_combine_close(got, y, src, T, rank_hosts=rank_hosts)
+    with pytest.raises(AssertionError, match="outside their tolerance"):
+        oracle.assert_combine_close(got, y, src, T)
+    terms = np.zeros((R * T, R, H), np.float32)
+    ranks = np.full((R * T, R), -1)
+    for r in range(R):
+        rows = np.flatnonzero(src[r] >= 0)
+        terms[src[r, rows], r], ranks[src[r, rows], r] = y[r, rows], r
+    coarse = oracle.sum_by_host(terms, ranks, rank_hosts, dtype=ml_dtypes.bfloat16,
+                                partial_dtype=ml_dtypes.float8_e4m3fn).reshape(R, T, H)
+    one_host = oracle.sum_by_host(np.where((ranks < 4)[:, :, None], terms, 0), ranks,
+                                  rank_hosts, dtype=ml_dtypes.bfloat16).reshape(R, T, H)
+    for mutated in (coarse, one_host):
+        with pytest.raises(AssertionError, match="outside their tolerance"):
+            oracle.assert_combine_close(mutated, y, src, T, rank_hosts=rank_hosts)
+
+
+def test_rank_hosts_number_the_hosts_of_a_group_in_rank_order():
+    """``Buffer``'s host layout of its EP groups: None inside one host; the hosts numbered in
+    rank order; groups that place their ranks on hosts differently are refused."""
+    hosts = {0: "node-a", 1: "node-b", 2: "node-a", 3: "node-b"}
+    device = lambda p: types.SimpleNamespace(process_index=p)  # noqa: E731
+    assert buffer_module.rank_hosts([[device(0), device(2)], [device(1), device(3)]],
+                                    hosts) is None
+    assert buffer_module.rank_hosts([[device(1), device(3), device(0)],
+                                     [device(1), device(1), device(2)]], hosts) == (0, 0, 1)
+    with pytest.raises(ValueError, match="place their ranks on hosts in different ways"):
+        buffer_module.rank_hosts([[device(0), device(1)], [device(0), device(2)]], hosts)
 
 
 # Every pair on the GPU; on CPU each routing once, the dtypes alternating (the reference's

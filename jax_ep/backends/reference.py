@@ -5,7 +5,9 @@ rank packs, per destination rank, a capacity-padded block of ``T`` rows (every t
 expert there, in token order), exchanges the blocks with one ``all_to_all`` and compacts what it
 received into the contract's order (source rank, then source token). Moved rows are gathered and
 selected, never computed on, so they are bit-exact. ``ragged_all_to_all`` would avoid the padding
-but does not run on XLA:CPU.
+but does not run on XLA:CPU. A normal combine sums in float32, rounded once; when the Buffer's EP
+groups span hosts (``Buffer._rank_hosts``), it sums per host first, each host's partial sum
+rounded to the rows' dtype, as the hierarchical kernels do (``sum_over_sources``).
 
 Every method has the same signature and handle layout as the CUDA backend
 (``jax_ep/backends/cuda.py``; both implement ``jax_ep.backends.Backend``), so the public ops in
@@ -45,6 +47,35 @@ def _split_rows(counts, num_rows):
     position = rows - jnp.take_along_axis(starts, source, axis=-1)
     valid = rows < ends[..., -1:]
     return source, position.astype(jnp.int32), valid
+
+
+def sum_over_sources(got, rank_hosts, dtype):
+    """A normal combine's sum over the ranks that hold each row (docs/api.md, "combine").
+
+    Args:
+      got: ``[R(source), T, ...]`` float32, zero where a rank sent nothing.
+      rank_hosts: host of each rank of the EP group (ints; hosts are taken in ascending order),
+        or None when the group lies inside one host.
+      dtype: the result's dtype (the rows' own).
+
+    Returns:
+      ``[T, ...]`` of ``dtype``. One host: the flat sum, float32 over the ranks in XLA's
+      reduction order (which depends on the shape), rounded once. Several hosts (the
+      hierarchical combine's order, explicit, bit for bit): per host, the
+      float32 sum over its ranks in ascending rank order, rounded to ``dtype`` (the partial sum
+      that host's forwarder sends over the network), then the float32 sum of the partial sums
+      in ascending host order, rounded to ``dtype``. ``jax_ep.testing.sum_by_host`` is its
+      NumPy oracle.
+    """
+    if rank_hosts is None:
+        return jnp.sum(got, axis=0).astype(dtype)
+    total = jnp.zeros(got.shape[1:], jnp.float32)
+    for host in sorted(set(rank_hosts)):
+        partial = jnp.zeros(got.shape[1:], jnp.float32)
+        for rank in (r for r, h in enumerate(rank_hosts) if h == host):
+            partial = partial + got[rank]
+        total = total + partial.astype(dtype).astype(jnp.float32)
+    return total.astype(dtype)
 
 
 def _select_rows(valid, rows, fill):
@@ -182,7 +213,7 @@ class ReferenceBackend:
             received = (handle.send_pos >= 0) & (handle.send_pos < capacity)  # [T, R]
             got = jnp.where(received.T.reshape(R, T, *([1] * (rows.ndim - 1))),
                             got.astype(jnp.float32), 0.0)
-            return jnp.sum(got, axis=0).astype(rows.dtype)
+            return sum_over_sources(got, self.buf._rank_hosts, rows.dtype)
 
         return reduce(y), reduce(y_w)
 
