@@ -7,7 +7,9 @@
 // published on, in order: a compare-and-swap on the published count picks one publisher per
 // round, which sets the credit word [receiver][round] at every peer to the call's tag. So a
 // credit for round k means that rounds 0..k are finished. A block also tries to publish when it
-// starts (rounds without rows finish at once).
+// starts (rounds without rows finish at once). tests/rounds_model.py transcribes this protocol
+// and the kernels' enumeration of rounds, and checks them under random interleavings: a change
+// here is made there too.
 #pragma once
 
 #include <cstdint>
