@@ -1,0 +1,200 @@
+"""DeepEP's hierarchical normal mode for an EP group across hosts, composed of two groups of the
+flat ops.
+
+The EP group is a mesh's two axes, hosts x GPUs of a host (rank = host * G + gpu, the order of a
+flat EP axis laid out host by host). A dispatch sends each token once per destination host, to
+the GPU of the same local index there: the flat dispatch of the group of that local index over
+the host axis (``across``), whose experts are a host's. That GPU forwards the token to the ranks
+of its host holding its experts: the flat dispatch of the host's group over the GPU axis
+(``within``). A combine runs the other way: each forwarding GPU sums its host's rows (float32,
+rounded to the Buffer's dtype: the partial sum that crosses the network), then the token's
+owner sums the hosts' partial sums in host order, which is the order and rounding of a combine
+across hosts (docs/api.md, "combine"). The dispatch's results are the flat dispatch's, bit for
+bit: rows arrive forwarder by forwarder, and are put back in the flat order (by source rank,
+then token) with the handle's ``order``.
+
+Each leg is a Buffer of the flat ops, so every backend and transport serves it: over the CUDA
+kernels, the ``across`` leg is the one that crosses hosts (NVSHMEM's device API:
+docs/process_models.md, "What spans hosts") and the ``within`` leg stays on NVLink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import ops
+from jax_ep._types import Dispatched, DispatchHandle
+from jax_ep.buffer import Buffer
+from jax_ep.system import config
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalHandle:
+    """Routing of one hierarchical dispatch, for ``combine`` and the cached ``dispatch``.
+
+    Attributes:
+      send_pos: ``[T, R]`` int32, the flat dispatch's (``DispatchHandle.send_pos``).
+      recv_src: ``[C]`` int32, the flat dispatch's: ``src_rank * T + src_token``, ``-1`` past
+        the received rows.
+      num_recv_tokens: ``[]`` int32 rows this rank received.
+      across: the ``DispatchHandle`` of the leg across hosts (at the forwarding GPU).
+      within: the ``DispatchHandle`` of the leg within the host.
+      order: ``[C]`` int32, the ``within`` row that is each row of the results.
+    """
+
+    send_pos: jax.Array
+    recv_src: jax.Array
+    num_recv_tokens: jax.Array
+    across: DispatchHandle
+    within: DispatchHandle
+    order: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    HierarchicalHandle, data_fields=[f.name for f in dataclasses.fields(HierarchicalHandle)],
+    meta_fields=[])
+
+
+class HierarchicalBuffer:
+    """The two Buffers of a hierarchical EP group: ``across`` (over ``host_axis``: the ranks of
+    one local index on every host) and ``within`` (over ``gpu_axis``: one host's GPUs).
+
+    Args:
+      mesh: a mesh with ``host_axis`` (one entry per host) and ``gpu_axis`` (the GPUs of a
+        host), besides any other axes.
+      num_experts, hidden, max_tokens_per_rank, num_topk, dtype: as ``Buffer``'s, for the group
+        of ``hosts * gpus`` ranks.
+      capacity: rows a rank receives, at most (default ``R * max_tokens_per_rank``); rows past
+        it are dropped in the flat order, as a flat dispatch drops them.
+      **kwargs: the other ``Buffer`` arguments (``backend``, ``timeout_s``, ...), for both legs.
+    """
+
+    def __init__(self, mesh, host_axis, gpu_axis, *, num_experts, hidden, max_tokens_per_rank,
+                 num_topk, capacity=None, dtype=jnp.bfloat16, **kwargs):
+        for name, axis in (("host_axis", host_axis), ("gpu_axis", gpu_axis)):
+            if axis not in mesh.axis_names:
+                raise ValueError(f"{name} {axis!r} is not an axis of the mesh "
+                                 f"{tuple(mesh.axis_names)}")
+        if host_axis == gpu_axis:
+            raise ValueError(f"host_axis and gpu_axis must differ, both are {host_axis!r}")
+        self.mesh, self.host_axis, self.gpu_axis = mesh, host_axis, gpu_axis
+        self.num_hosts, self.gpus_per_host = mesh.shape[host_axis], mesh.shape[gpu_axis]
+        self.num_ranks = self.num_hosts * self.gpus_per_host
+        checked = config.check_config(
+            num_ranks=self.num_ranks, num_experts=num_experts, hidden=hidden,
+            max_tokens_per_rank=max_tokens_per_rank, num_topk=num_topk, capacity=capacity)
+        self.num_experts, self.hidden, self.num_topk = num_experts, hidden, num_topk
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.capacity = checked["capacity"] or self.num_ranks * max_tokens_per_rank
+        self.across = Buffer(mesh, host_axis, num_experts=num_experts, hidden=hidden,
+                             max_tokens_per_rank=max_tokens_per_rank, num_topk=num_topk,
+                             dtype=dtype, **kwargs)
+        # The forwarding GPU's rows, all of them: the within leg never drops one.
+        forwarded = self.num_hosts * max_tokens_per_rank
+        self.within = Buffer(mesh, gpu_axis, num_experts=num_experts // self.num_hosts,
+                             hidden=hidden, max_tokens_per_rank=forwarded, num_topk=num_topk,
+                             dtype=dtype, **kwargs)
+        self.dtype = self.across.dtype
+
+    def close(self):
+        self.across.close()
+        self.within.close()
+
+
+def _send_pos(hbuf, topk_idx):
+    """The flat dispatch's send_pos: row of each token at each rank of the group (from every
+    rank's counts per destination, gathered over both axes)."""
+    experts_per_rank = hbuf.num_experts // hbuf.num_ranks
+    owners = jnp.where(topk_idx >= 0, topk_idx // experts_per_rank, -1)
+    in_rank = (owners[:, :, None] == jnp.arange(hbuf.num_ranks)[None, None, :]).any(axis=1)
+    counts = in_rank.sum(axis=0, dtype=jnp.int32)
+    axes = (hbuf.host_axis, hbuf.gpu_axis)
+    every = jax.lax.all_gather(counts, axes)  # [R, R]: [source rank, destination]
+    me = jax.lax.axis_index(axes)
+    before = jnp.where(jnp.arange(hbuf.num_ranks)[:, None] < me, every, 0).sum(axis=0)
+    position = jnp.cumsum(in_rank, axis=0, dtype=jnp.int32) - 1
+    return jnp.where(in_rank, before[None, :] + position, -1).astype(jnp.int32)
+
+
+def _flat_order(hbuf, across, within, num_tokens):
+    """(order, recv_src): the within rows in the flat dispatch's order (source rank, then
+    token; padding last), the first ``capacity`` of them, and their flat sources."""
+    forwarded = across.recv_src.shape[0]
+    # The forwarders' sources (host, token) of their rows, from every GPU of the host.
+    forwarders = jax.lax.all_gather(across.recv_src, hbuf.gpu_axis)  # [G, C1]
+    valid = within.recv_src >= 0
+    gpu = jnp.where(valid, within.recv_src // forwarded, 0)
+    source = forwarders[gpu, jnp.where(valid, within.recv_src % forwarded, 0)]
+    host, token = source // num_tokens, source % num_tokens
+    flat = (host * hbuf.gpus_per_host + gpu) * num_tokens + token
+    last = jnp.iinfo(jnp.int32).max
+    order = jnp.argsort(jnp.where(valid, flat, last), stable=True)[: hbuf.capacity]
+    recv_src = jnp.where(valid[order], flat[order], -1).astype(jnp.int32)
+    return order.astype(jnp.int32), recv_src
+
+
+def dispatch(hbuf, x, topk_idx=None, topk_weights=None, *, handle=None) -> Dispatched:
+    """``jax_ep.dispatch`` over the hierarchical group: the same results, bit for bit, with a
+    ``HierarchicalHandle``. Differentiable w.r.t. ``x`` and ``topk_weights``.
+
+    Args:
+      hbuf: the ``HierarchicalBuffer``.
+      x: ``[T, H]`` of the Buffer's dtype.
+      topk_idx, topk_weights: ``[T, K]`` int32 global expert ids (``-1`` = none), float32.
+      handle: instead of the routing, the handle of an earlier hierarchical dispatch (the
+        cached form: ``recv_x``, ``num_recv_tokens`` and the handle only).
+    """
+    if handle is not None:
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError("pass either handle (cached dispatch) or topk_idx/topk_weights")
+        if not isinstance(handle, HierarchicalHandle):
+            raise ValueError(f"handle must be a hierarchical dispatch's HierarchicalHandle, got "
+                             f"{type(handle).__name__}")
+        at_forwarder = ops.dispatch(hbuf.across, x, handle=handle.across).recv_x
+        at_rank = ops.dispatch(hbuf.within, at_forwarder, handle=handle.within).recv_x
+        return Dispatched(recv_x=at_rank[handle.order], recv_scales=None, recv_topk_idx=None,
+                          recv_topk_weights=None, num_recv_tokens=handle.num_recv_tokens,
+                          num_recv_tokens_per_expert=None, handle=handle)
+    if topk_idx is None or topk_weights is None:
+        raise ValueError("dispatch needs topk_idx and topk_weights (or handle=)")
+    num_tokens = x.shape[0]
+    # Across hosts: once per destination host, ids made local to that host.
+    at_forwarder = ops.dispatch(hbuf.across, x, topk_idx, topk_weights)
+    # Within the host: to the ranks of the experts, ids made local to each rank.
+    at_rank = ops.dispatch(hbuf.within, at_forwarder.recv_x, at_forwarder.recv_topk_idx,
+                           at_forwarder.recv_topk_weights)
+    order, recv_src = _flat_order(hbuf, at_forwarder.handle, at_rank.handle, num_tokens)
+    recv_topk_idx = at_rank.recv_topk_idx[order]
+    local_experts = hbuf.num_experts // hbuf.num_ranks
+    holds = recv_topk_idx[:, :, None] == jnp.arange(local_experts)[None, None, :]
+    handle = HierarchicalHandle(
+        send_pos=_send_pos(hbuf, topk_idx), recv_src=recv_src,
+        num_recv_tokens=at_rank.num_recv_tokens, across=at_forwarder.handle,
+        within=at_rank.handle, order=order)
+    return Dispatched(
+        recv_x=at_rank.recv_x[order], recv_scales=None, recv_topk_idx=recv_topk_idx,
+        recv_topk_weights=at_rank.recv_topk_weights[order],
+        num_recv_tokens=at_rank.num_recv_tokens,
+        num_recv_tokens_per_expert=holds.any(axis=1).sum(axis=0, dtype=jnp.int32),
+        handle=handle)
+
+
+def combine(hbuf, y, handle, topk_weights=None):
+    """``jax_ep.combine`` over the hierarchical group: each host's rows summed at its forwarding
+    GPU (float32, rounded to the Buffer's dtype), then the hosts' sums at the token's owner
+    (float32 in host order, rounded once more). Returns ``(combined [T, H], combined weights
+    [T, K] or None)``; differentiable w.r.t. ``y`` and ``topk_weights``."""
+    if not isinstance(handle, HierarchicalHandle):
+        raise ValueError(f"handle must be a hierarchical dispatch's HierarchicalHandle, got "
+                         f"{type(handle).__name__}")
+    rows = handle.within.recv_src.shape[0]
+    at_rank = jnp.zeros((rows,) + y.shape[1:], y.dtype).at[handle.order].set(y)
+    weights = None
+    if topk_weights is not None:
+        weights = jnp.zeros((rows,) + topk_weights.shape[1:], topk_weights.dtype)
+        weights = weights.at[handle.order].set(topk_weights)
+    partial, partial_weights = ops.combine(hbuf.within, at_rank, handle.within, weights)
+    return ops.combine(hbuf.across, partial, handle.across, partial_weights)

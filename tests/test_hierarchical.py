@@ -1,0 +1,139 @@
+"""The hierarchical normal mode (jax_ep.hierarchical) against the flat ops, once per backend:
+the devices as 2 hosts of half of them each (8 CPU devices: 2 x 4; on GPUs, the processes of
+`jax_ep.launch --fake-hosts 2`, tests/test_gpu_multiprocess.py). Its dispatch gives the flat
+dispatch's results bit for bit; its combine sums per host as docs/api.md says a combine across
+hosts does."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import ep_mesh
+from harness import run_sharded
+from jax.sharding import Mesh
+
+import jax_ep
+from jax_ep import hierarchical
+from jax_ep import testing as oracle
+
+T, H, E, K = 8, 128, 16, 8
+DISPATCH_FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens",
+                   "num_recv_tokens_per_expert")
+
+
+class Group:
+    """The hierarchical Buffer over (host, gpu) and the flat one over the same devices, in the
+    flat rank order (host by host): 2 hosts when the devices split in two, else 1."""
+
+    def __init__(self, backend, dtype, capacity=None):
+        flat_mesh = ep_mesh(backend)
+        self.num_ranks = flat_mesh.devices.size
+        self.hosts = 2 if self.num_ranks % 2 == 0 else 1
+        self.rank_hosts = [r * self.hosts // self.num_ranks for r in range(self.num_ranks)]
+        mesh = Mesh(flat_mesh.devices.reshape(self.hosts, -1), ("host", "gpu"))
+        kw = dict(num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K, dtype=dtype,
+                  capacity=None if capacity is None else capacity * self.num_ranks,
+                  backend=backend)
+        self.hierarchical = hierarchical.HierarchicalBuffer(mesh, "host", "gpu", **kw)
+        self.flat = jax_ep.Buffer(flat_mesh, "ep", **kw)
+
+    def inputs(self, kind, dtype, seed=0):
+        rng = np.random.default_rng(seed)
+        idx, w = oracle.make_routing(kind, rng, self.num_ranks, T, E, min(K, E))
+        x = rng.standard_normal((self.num_ranks, T, H)).astype(np.float32).astype(dtype)
+        return x, idx, w
+
+    def both(self, step, *arrays):
+        """``step(module, buffer, *per-rank arrays)`` on the hierarchical and the flat group."""
+        hbuf = self.hierarchical
+        got = run_sharded(hbuf.mesh, lambda *a: step(hierarchical, hbuf, *a), *arrays,
+                          axis="gpu")
+        want = run_sharded(self.flat.mesh, lambda *a: step(jax_ep, self.flat, *a), *arrays)
+        return got, want
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
+
+
+def dispatch_and_combine(module, buf, x, idx, w):
+    d = module.dispatch(buf, x, idx, w)
+    return d, module.combine(buf, d.recv_x, d.handle, d.recv_topk_weights)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "with_minus_one", "one_hot_expert", "empty_ranks",
+                                  "all_minus_one"])
+def test_dispatch_moves_the_flat_dispatch_s_bits(backend, kind):
+    group = Group(backend, jnp.bfloat16)
+    (d, _), (want, _) = group.both(dispatch_and_combine, *group.inputs(kind, ml_dtypes.bfloat16))
+    for name in DISPATCH_FIELDS:
+        np.testing.assert_array_equal(bits(getattr(d, name)), bits(getattr(want, name)), name)
+    for name in ("recv_src", "send_pos", "num_recv_tokens"):
+        np.testing.assert_array_equal(getattr(d.handle, name), getattr(want.handle, name), name)
+
+
+def test_a_capacity_drops_the_rows_the_flat_dispatch_drops(backend):
+    group = Group(backend, jnp.bfloat16, capacity=T // 4)  # a quarter of T per rank
+    (d, _), (want, _) = group.both(dispatch_and_combine,
+                                   *group.inputs("one_hot_expert", ml_dtypes.bfloat16))
+    assert int(np.max(want.num_recv_tokens)) > group.num_ranks * T // 4  # rows were dropped
+    for name in DISPATCH_FIELDS:
+        np.testing.assert_array_equal(bits(getattr(d, name)), bits(getattr(want, name)), name)
+    np.testing.assert_array_equal(d.handle.recv_src, want.handle.recv_src)
+
+
+def test_combine_sums_per_host_rounding_each_host_s_sum(backend):
+    """Every element as oracle.combine_in_order across the hosts (partial sums rounded to
+    bf16); with 2 hosts the flat combine differs from it, so the check tells the two apart."""
+    group = Group(backend, jnp.bfloat16)
+    (_, (y, y_w)), (want, (flat_y, _)) = group.both(
+        dispatch_and_combine, *group.inputs("uniform", ml_dtypes.bfloat16))
+    expected = oracle.combine_in_order(want.recv_x, want.handle.recv_src, T, group.rank_hosts)
+    np.testing.assert_array_equal(bits(y), bits(expected))
+    if group.hosts > 1 and group.num_ranks >= 8:
+        assert not np.array_equal(bits(flat_y), bits(expected))
+    expected_w = oracle.combine_in_order(want.recv_topk_weights, want.handle.recv_src, T,
+                                         group.rank_hosts)
+    np.testing.assert_array_equal(y_w, expected_w)
+
+
+def test_cached_dispatch_moves_the_flat_cached_dispatch_s_bits(backend):
+    group = Group(backend, jnp.bfloat16)
+    x, idx, w = group.inputs("skewed", ml_dtypes.bfloat16)
+    x2 = group.inputs("skewed", ml_dtypes.bfloat16, seed=1)[0]
+
+    def step(module, b, x, idx, w, x2):
+        return module.dispatch(b, x2, handle=module.dispatch(b, x, idx, w).handle).recv_x
+
+    got, want = group.both(step, x, idx, w, x2)
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_gradients_match_the_flat_ops(backend):
+    """d/dx and d/dweights of a dispatch + combine loss, float32: the flat ops' within float32
+    roundings of sums taken in another order."""
+    group = Group(backend, jnp.float32)
+    x, idx, w = group.inputs("with_minus_one", np.float32)
+    c = np.random.default_rng(2).standard_normal(x.shape).astype(np.float32)
+
+    def step(module, b, x, idx, w, c):
+        def loss(x, w):
+            d = module.dispatch(b, x, idx, w)
+            y, _ = module.combine(b, d.recv_x * d.recv_topk_weights.sum(1)[:, None], d.handle)
+            return jnp.sum(y * c)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    got, want = group.both(step, x, idx, w, c)
+    for g, f in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, f, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_axes_are_named():
+    mesh = Mesh(ep_mesh("reference").devices.reshape(2, -1), ("host", "gpu"))
+    kw = dict(num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K, backend="reference")
+    with pytest.raises(ValueError, match="host_axis 'hosts' is not an axis of the mesh"):
+        hierarchical.HierarchicalBuffer(mesh, "hosts", "gpu", **kw)
+    with pytest.raises(ValueError, match="host_axis and gpu_axis must differ"):
+        hierarchical.HierarchicalBuffer(mesh, "gpu", "gpu", **kw)
