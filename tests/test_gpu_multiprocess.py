@@ -269,25 +269,6 @@ def test_calls_larger_than_the_window_stream_through_it_in_rounds(hosts, tmp_pat
                                                 digest_env=ROUNDS_DIGEST_ENV)
 
 
-@pytest.mark.stress  # 8 processes on one GPU
-def test_the_hierarchical_mode_across_fake_hosts_moves_the_flat_bits():
-    """8 ranks as processes sharing one GPU, as 2 fake hosts x 4 over the emulated network:
-    tests/test_hierarchical.py on the CUDA kernels (its dispatch the flat dispatch's bits, its
-    combine summed per host, its cached dispatch and gradients)."""
-    require_gpus(1)
-    with tempfile.TemporaryDirectory() as cwd:  # children import the installed jax_ep
-        proc, _ = launching.run_launcher(
-            "-n", "8", "--processes-per-gpu", "8", "--fake-hosts", "2", "--timeout", "500", "--",
-            sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-            "-m", launching.EVERY_GPU_TEST, "-k", "cuda",
-            str(launching.ROOT / "tests" / "test_hierarchical.py"), platform="gpu", cwd=cwd,
-            timeout=560, extra_env=launching.device_transport_env("emulated"))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    for rank in range(8):
-        summary = [line for line in lines_of(proc.stdout, rank) if " passed" in line]
-        assert summary and "failed" not in summary[-1], (rank, proc.stdout[-6000:])
-
-
 @pytest.mark.stress  # 16 processes on one GPU
 def test_adversarial_routings_and_split_halves_at_ep16():
     """16 ranks as processes sharing one GPU, each running the op tests against the NumPy

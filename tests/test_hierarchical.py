@@ -1,8 +1,9 @@
 """The hierarchical normal mode (jax_ep.hierarchical) against the flat ops, once per backend:
-the devices as 2 hosts of half of them each (8 CPU devices: 2 x 4; on GPUs, the processes of
-`jax_ep.launch --fake-hosts 2`, tests/test_gpu_multiprocess.py). Its dispatch gives the flat
-dispatch's results bit for bit; its combine sums per host as docs/api.md says a combine across
-hosts does."""
+the devices as 2 hosts of half of them each (8 CPU devices: 2 x 4; the GPUs of one process: 2
+GPUs are 2 x 1, one GPU a single rank). Its dispatch gives the flat dispatch's results bit for
+bit; its combine sums per host as docs/api.md says a combine across hosts does. Processes
+sharing one GPU cannot run it: its routing metadata goes through XLA's all-gathers, which NCCL
+refuses between ranks of one GPU."""
 
 import jax
 import jax.numpy as jnp
