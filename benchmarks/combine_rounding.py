@@ -2,7 +2,7 @@
 
     python benchmarks/combine_rounding.py [--quick] [--tokens T] [--seed S] [--out DIR]
 
-The tokens of one owner rank, T = 4096 (``--quick``: 32), H = 7168, top-8 of 256 experts, at 2,
+The tokens of one owner rank, T = 4096 (``--quick``: 8), H = 7168, top-8 of 256 experts, at 2,
 4, 8 and 32 hosts of 8 ranks, under uniform and DeepSeek-V3's node-limited routing
 (``jax_ep.testing.make_node_limited_routing``, the sampler of ``benchmarks/traffic.py``). Each
 expert's output row is N(0, 1) rounded to bf16; the routing weights of a token are the 8
@@ -62,7 +62,7 @@ VALUES = ("weighted", "cancelling")
 SCHEMES = ("flat", "hierarchical_bf16", "hierarchical_fp32")
 CANCELLATION = 64.0  # cancelling: the shared part of a row against the token's sum
 CHUNK_TOKENS = 256   # tokens summed at once (memory: [chunk, 8, H] float32 arrays)
-QUICK_TOKENS = 32
+QUICK_TOKENS = 8
 BF16 = ml_dtypes.bfloat16
 FP32_PER_BF16_BYTES = 2  # a float32 partial row against a bf16 row of the same channels
 
