@@ -67,17 +67,29 @@ def dispatch_and_combine(module, buf, x, idx, w):
     return d, module.combine(buf, d.recv_x, d.handle, d.recv_topk_weights)
 
 
-def test_dispatch_moves_the_flat_dispatch_s_bits(backend):
+def test_dispatch_moves_the_flat_bits_and_combine_sums_per_host(backend):
+    """Under every routing, the dispatch's results are the flat dispatch's; the combine is, every
+    element, oracle.combine_in_order across the hosts (partial sums rounded to bf16). Under
+    uniform routing of 2 hosts x 4 the flat combine differs from it, so the check tells the two
+    apart."""
     group = Group(backend, jnp.bfloat16)
     both = group.programs(dispatch_and_combine)
     for kind in ("uniform", "with_minus_one", "one_hot_expert", "empty_ranks", "all_minus_one"):
-        (d, _), (want, _) = both(*group.inputs(kind, ml_dtypes.bfloat16))
+        (d, (y, y_w)), (want, (flat_y, _)) = both(*group.inputs(kind, ml_dtypes.bfloat16))
         for name in DISPATCH_FIELDS:
             np.testing.assert_array_equal(bits(getattr(d, name)), bits(getattr(want, name)),
                                           f"{kind}: {name}")
         for name in ("recv_src", "send_pos", "num_recv_tokens"):
             np.testing.assert_array_equal(getattr(d.handle, name), getattr(want.handle, name),
                                           f"{kind}: {name}")
+        expected = oracle.combine_in_order(want.recv_x, want.handle.recv_src, T,
+                                           group.rank_hosts)
+        np.testing.assert_array_equal(bits(y), bits(expected), f"{kind}: combined")
+        expected_w = oracle.combine_in_order(want.recv_topk_weights, want.handle.recv_src, T,
+                                             group.rank_hosts)
+        np.testing.assert_array_equal(y_w, expected_w, f"{kind}: combined weights")
+        if kind == "uniform" and group.hosts > 1 and group.num_ranks >= 8:
+            assert not np.array_equal(bits(flat_y), bits(expected))
 
 
 def test_a_capacity_drops_the_rows_the_flat_dispatch_drops(backend):
@@ -88,21 +100,6 @@ def test_a_capacity_drops_the_rows_the_flat_dispatch_drops(backend):
     for name in DISPATCH_FIELDS:
         np.testing.assert_array_equal(bits(getattr(d, name)), bits(getattr(want, name)), name)
     np.testing.assert_array_equal(d.handle.recv_src, want.handle.recv_src)
-
-
-def test_combine_sums_per_host_rounding_each_host_s_sum(backend):
-    """Every element as oracle.combine_in_order across the hosts (partial sums rounded to
-    bf16); with 2 hosts the flat combine differs from it, so the check tells the two apart."""
-    group = Group(backend, jnp.bfloat16)
-    (_, (y, y_w)), (want, (flat_y, _)) = group.both(
-        dispatch_and_combine, *group.inputs("uniform", ml_dtypes.bfloat16))
-    expected = oracle.combine_in_order(want.recv_x, want.handle.recv_src, T, group.rank_hosts)
-    np.testing.assert_array_equal(bits(y), bits(expected))
-    if group.hosts > 1 and group.num_ranks >= 8:
-        assert not np.array_equal(bits(flat_y), bits(expected))
-    expected_w = oracle.combine_in_order(want.recv_topk_weights, want.handle.recv_src, T,
-                                         group.rank_hosts)
-    np.testing.assert_array_equal(y_w, expected_w)
 
 
 def test_cached_dispatch_moves_the_flat_cached_dispatch_s_bits(backend):
