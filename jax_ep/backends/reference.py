@@ -7,7 +7,8 @@ received into the contract's order (source rank, then source token). Moved rows 
 selected, never computed on, so they are bit-exact. ``ragged_all_to_all`` would avoid the padding
 but does not run on XLA:CPU. A normal combine sums in float32, rounded once; when the Buffer's EP
 groups span hosts (``Buffer._rank_hosts``), it sums per host first, each host's partial sum
-rounded to the rows' dtype, as the hierarchical kernels do (``sum_over_sources``).
+rounded to the rows' dtype, as the hierarchical mode does (``sum_over_sources``;
+``jax_ep.hierarchical``).
 
 Every method has the same signature and handle layout as the CUDA backend
 (``jax_ep/backends/cuda.py``; both implement ``jax_ep.backends.Backend``), so the public ops in
