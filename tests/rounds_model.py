@@ -46,6 +46,19 @@ def round_span(round_rows, k, begin, count):
     return max(first, 0), min(first + round_rows, count)
 
 
+def round_entries(prefix, first, stride, me, num_ranks):
+    """round_entry() of rounds.cuh over entries first, first + stride, ... of a list ordered
+    round by round (round k's entries start at prefix[k]), then by level, then by peer (the
+    ranks after ``me``, in turn): ``(round, level, peer)`` of each."""
+    k = 0
+    peers = num_ranks - 1
+    for q in range(first, prefix[-1], stride):
+        while q >= prefix[k + 1]:
+            k += 1
+        entry = q - prefix[k]
+        yield k, entry // peers, (me + 1 + entry % peers) % num_ranks
+
+
 class Rounds:
     """The round state of every rank: credit words (at the sender: [receiver, round]), counts
     of what each rank finished per round, and its published count."""
@@ -159,14 +172,10 @@ def dispatch(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=
 
     def push_warp(me, warp):
         p = plans[me]
-        k = 0
-        for q in range(warp, p["push_prefix"][num_rounds], push_blocks * warps):
-            while q >= p["push_prefix"][k + 1]:
-                k += 1
-            entry = q - p["push_prefix"][k]
-            dst = (me + 1 + entry % peers) % num_ranks
+        for k, level, dst in round_entries(p["push_prefix"], warp, push_blocks * warps, me,
+                                           num_ranks):
             lo, hi = round_span(round_rows, k, p["dest_base"][dst], p["send_valid"][dst])
-            pos = lo + entry // peers
+            pos = lo + level
             if pos < hi:
                 if credits and reuses:
                     yield from rounds.wait_for_credit(me, dst, k)
@@ -199,13 +208,9 @@ def dispatch(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=
                 continue
             if item >= num_recv:
                 return
-            k = 0
-            while item >= p["item_prefix"][k + 1]:
-                k += 1
-            entry = item - p["item_prefix"][k]
-            src = (me + 1 + entry % peers) % num_ranks
+            k, level, src = next(round_entries(p["item_prefix"], item, 1, me, num_ranks))
             lo, hi = round_span(round_rows, k, p["recv_prefix"][src], p["recv_valid"][src])
-            begin = lo + entry // peers * ROWS_PER_ITEM
+            begin = lo + level * ROWS_PER_ITEM
             end = min(hi, begin + ROWS_PER_ITEM)
             for pos in range(begin, end):
                 while (src, pos) not in flags[me]:
@@ -279,17 +284,13 @@ def combine(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=T
 
     def push_warp(me, warp):
         p = plans[me]
-        k = 0
-        for q in range(warp, p["prefix"][num_rounds], push_blocks * warps):
-            while q >= p["prefix"][k + 1]:
-                k += 1
-            entry = q - p["prefix"][k]
-            owner = (me + 1 + entry % peers) % num_ranks
+        for k, level, owner in round_entries(p["prefix"], warp, push_blocks * warps, me,
+                                             num_ranks):
             begin, end = p["begins"][owner], p["begins"][owner + 1]
             if reuses:
                 bounds = p["bounds"][owner * BOUNDS_STRIDE:]
                 begin, end = min(max(bounds[k], begin), end), min(max(bounds[k + 1], begin), end)
-            row = begin + entry // peers
+            row = begin + level
             if row < end:
                 token = p["src"][row] - owner * num_tokens
                 if credits and reuses:

@@ -338,10 +338,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
                              args.region_bytes_per_row);
       int round = 0;
       for (int64_t q = push_warp; q < sender.end(num_entries); q += sender.stride(num_push_warps)) {
-        while (q >= push_prefix[round + 1]) ++round;
-        const int64_t entry = q - push_prefix[round];
-        const int k = static_cast<int>(entry / num_peers);
-        const int owner = (rank + 1 + static_cast<int>(entry % num_peers)) % num_ranks;
+        const RoundEntry at_entry = round_entry(push_prefix, q, &round, rank, num_ranks);
+        const int k = at_entry.level;
+        const int owner = at_entry.peer;
         // The owner's rows of y in this round: its segment, or the part the plan found for the
         // round (clamped to the segment).
         const int segment_begin = plan.recv_prefix[owner];

@@ -336,11 +336,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
                              args.region_bytes_per_row);
       int round = 0;
       for (int64_t q = push_warp; q < sender.end(num_entries); q += sender.stride(num_push_warps)) {
-        while (q >= push_prefix[round + 1]) ++round;
-        const int64_t entry = q - push_prefix[round];
-        const int dst = (rank + 1 + static_cast<int>(entry % num_peers)) % num_ranks;
+        const RoundEntry at_entry = round_entry(push_prefix, q, &round, rank, num_ranks);
+        const int dst = at_entry.peer;
         const RoundSpan span = round_span(round_rows, round, plan.dest_base[dst], send_valid[dst]);
-        const int pos = span.lo + static_cast<int>(entry / num_peers);
+        const int pos = span.lo + at_entry.level;
         if (pos >= span.hi) continue;
         if (reuses) {
           wait_for_credit(rounds, args.wait, WaitPhase::kDispatchCredit, dst, round, tag);
@@ -403,12 +402,10 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     // Peer rows: round-major, then level-major, so blocks follow the order in which the peers
     // push.
     int round = 0;
-    while (item >= item_prefix[round + 1]) ++round;
-    const int entry = item - item_prefix[round];
-    const int level = entry / num_peers;
-    const int src = (rank + 1 + entry % num_peers) % num_ranks;
+    const RoundEntry at_item = round_entry(item_prefix, item, &round, rank, num_ranks);
+    const int src = at_item.peer;
     const RoundSpan span = round_span(round_rows, round, plan.recv_prefix[src], recv_valid[src]);
-    const int begin = span.lo + level * kRowsPerItem;
+    const int begin = span.lo + at_item.level * kRowsPerItem;
     const int end = min(span.hi, begin + kRowsPerItem);
     const int first = begin + warp;
     {

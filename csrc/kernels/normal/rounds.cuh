@@ -53,6 +53,24 @@ __device__ __forceinline__ void wait_for_credit(const RoundArgs& rounds, const W
             receiver);
 }
 
+// Entry `q` of a list ordered round by round, then by level, then by peer (the ranks after
+// `rank`, in turn), round k's entries starting at prefix[k]: its round (found from `*round` up,
+// as a caller's q only grows), its level and its peer.
+struct RoundEntry {
+  int round;
+  int level;
+  int peer;
+};
+template <typename Index>
+__device__ __forceinline__ RoundEntry round_entry(const Index* prefix, Index q, int* round,
+                                                  int rank, int num_ranks) {
+  while (q >= prefix[*round + 1]) ++*round;
+  const Index entry = q - prefix[*round];
+  const int num_peers = num_ranks - 1;
+  return {*round, static_cast<int>(entry / num_peers),
+          (rank + 1 + static_cast<int>(entry % num_peers)) % num_ranks};
+}
+
 // After a block finished `count` rows or tokens of `round` (all its threads call it): adds them
 // to the round's count (thread 0, after a fence that orders the block's reads of those slots).
 __device__ __forceinline__ void count_finished(const RoundArgs& rounds, int round, int count) {
