@@ -13,6 +13,14 @@ across hosts (docs/api.md, "combine"). The dispatch's results are the flat dispa
 bit: rows arrive forwarder by forwarder, and are put back in the flat order (by source rank,
 then token) with the handle's ``order``.
 
+The forwarder lays the rows it received at slots ``host * T + token`` before it forwards them,
+so the within leg's ``recv_src`` names each row's source host and token at the expert rank. No
+routing metadata moves but what the legs move themselves: the mode's own code runs no
+collective, so it runs wherever the flat ops run, processes sharing one GPU included (where NCCL,
+and so XLA's collectives, refuses two ranks on one GPU). For that reason the handle has no
+``send_pos`` (where each token lands at each rank of the flat group): it would take every rank's
+counts, a gather over the group that nothing of the hierarchical ops needs.
+
 Each leg is a Buffer of the flat ops, so every backend and transport serves it: over the CUDA
 kernels, the ``across`` leg is the one that crosses hosts (NVSHMEM's device API:
 docs/process_models.md, "What spans hosts") and the ``within`` leg stays on NVLink.
@@ -36,16 +44,15 @@ class HierarchicalHandle:
     """Routing of one hierarchical dispatch, for ``combine`` and the cached ``dispatch``.
 
     Attributes:
-      send_pos: ``[T, R]`` int32, the flat dispatch's (``DispatchHandle.send_pos``).
       recv_src: ``[C]`` int32, the flat dispatch's: ``src_rank * T + src_token``, ``-1`` past
         the received rows.
       num_recv_tokens: ``[]`` int32 rows this rank received.
       across: the ``DispatchHandle`` of the leg across hosts (at the forwarding GPU).
-      within: the ``DispatchHandle`` of the leg within the host.
+      within: the ``DispatchHandle`` of the leg within the host (its rows: the forwarder's
+        slots, ``host * T + token``).
       order: ``[C]`` int32, the ``within`` row that is each row of the results.
     """
 
-    send_pos: jax.Array
     recv_src: jax.Array
     num_recv_tokens: jax.Array
     across: DispatchHandle
@@ -104,31 +111,44 @@ class HierarchicalBuffer:
         self.within.close()
 
 
-def _send_pos(hbuf, topk_idx):
-    """The flat dispatch's send_pos: row of each token at each rank of the group (from every
-    rank's counts per destination, gathered over both axes)."""
-    experts_per_rank = hbuf.num_experts // hbuf.num_ranks
-    owners = jnp.where(topk_idx >= 0, topk_idx // experts_per_rank, -1)
-    in_rank = (owners[:, :, None] == jnp.arange(hbuf.num_ranks)[None, None, :]).any(axis=1)
-    counts = in_rank.sum(axis=0, dtype=jnp.int32)
-    axes = (hbuf.host_axis, hbuf.gpu_axis)
-    every = jax.lax.all_gather(counts, axes)  # [R, R]: [source rank, destination]
-    me = jax.lax.axis_index(axes)
-    before = jnp.where(jnp.arange(hbuf.num_ranks)[:, None] < me, every, 0).sum(axis=0)
-    position = jnp.cumsum(in_rank, axis=0, dtype=jnp.int32) - 1
-    return jnp.where(in_rank, before[None, :] + position, -1).astype(jnp.int32)
+def _to_slots(rows, sources, num_slots, fill):
+    """The forwarder's received rows at their slots: row ``i`` at ``sources[i]`` (the across
+    leg's ``recv_src``, ``host * T + token``), ``fill`` where no row came; ``[num_slots, ...]``."""
+    where = jnp.where(sources >= 0, sources, num_slots)  # past the end: dropped
+    slots = jnp.full((num_slots,) + rows.shape[1:], fill, rows.dtype)
+    return slots.at[where].set(rows, mode="drop")
 
 
-def _flat_order(hbuf, across, within, num_tokens):
+def _from_slots(slots, sources):
+    """``_to_slots`` undone: the rows at ``sources`` in the across leg's order, zero past its
+    received rows."""
+    valid = sources >= 0
+    rows = slots[jnp.where(valid, sources, 0)]
+    return jnp.where(valid.reshape(valid.shape + (1,) * (rows.ndim - 1)), rows, 0)
+
+
+def _forward(hbuf, at_forwarder, across, num_tokens, handle=None):
+    """The within leg: the forwarder's rows from their slots (so a row's slot, which the
+    within leg's ``recv_src`` carries to the expert rank, names its source host and token),
+    to the ranks of its host holding its experts."""
+    num_slots = hbuf.num_hosts * num_tokens
+    x = _to_slots(at_forwarder.recv_x, across.recv_src, num_slots, 0)
+    if handle is not None:
+        return ops.dispatch(hbuf.within, x, handle=handle)
+    return ops.dispatch(
+        hbuf.within, x, _to_slots(at_forwarder.recv_topk_idx, across.recv_src, num_slots, -1),
+        _to_slots(at_forwarder.recv_topk_weights, across.recv_src, num_slots, 0))
+
+
+def _flat_order(hbuf, within, num_tokens):
     """(order, recv_src): the within rows in the flat dispatch's order (source rank, then
-    token; padding last), the first ``capacity`` of them, and their flat sources."""
-    forwarded = across.recv_src.shape[0]
-    # The forwarders' sources (host, token) of their rows, from every GPU of the host.
-    forwarders = jax.lax.all_gather(across.recv_src, hbuf.gpu_axis)  # [G, C1]
+    token; padding last), the first ``capacity`` of them, and their flat sources. A within row
+    comes from GPU ``g`` of the host (the forwarder, the source's local index) and slot
+    ``host * T + token`` there; its flat source rank is ``host * G + g``."""
+    num_slots = hbuf.num_hosts * num_tokens
     valid = within.recv_src >= 0
-    gpu = jnp.where(valid, within.recv_src // forwarded, 0)
-    source = forwarders[gpu, jnp.where(valid, within.recv_src % forwarded, 0)]
-    host, token = source // num_tokens, source % num_tokens
+    gpu, slot = within.recv_src // num_slots, within.recv_src % num_slots
+    host, token = slot // num_tokens, slot % num_tokens
     flat = (host * hbuf.gpus_per_host + gpu) * num_tokens + token
     last = jnp.iinfo(jnp.int32).max
     order = jnp.argsort(jnp.where(valid, flat, last), stable=True)[: hbuf.capacity]
@@ -147,33 +167,32 @@ def dispatch(hbuf, x, topk_idx=None, topk_weights=None, *, handle=None) -> Dispa
       handle: instead of the routing, the handle of an earlier hierarchical dispatch (the
         cached form: ``recv_x``, ``num_recv_tokens`` and the handle only).
     """
+    num_tokens = x.shape[0]
     if handle is not None:
         if topk_idx is not None or topk_weights is not None:
             raise ValueError("pass either handle (cached dispatch) or topk_idx/topk_weights")
         if not isinstance(handle, HierarchicalHandle):
             raise ValueError(f"handle must be a hierarchical dispatch's HierarchicalHandle, got "
                              f"{type(handle).__name__}")
-        at_forwarder = ops.dispatch(hbuf.across, x, handle=handle.across).recv_x
-        at_rank = ops.dispatch(hbuf.within, at_forwarder, handle=handle.within).recv_x
-        return Dispatched(recv_x=at_rank[handle.order], recv_scales=None, recv_topk_idx=None,
-                          recv_topk_weights=None, num_recv_tokens=handle.num_recv_tokens,
+        at_forwarder = ops.dispatch(hbuf.across, x, handle=handle.across)
+        at_rank = _forward(hbuf, at_forwarder, handle.across, num_tokens, handle.within)
+        return Dispatched(recv_x=at_rank.recv_x[handle.order], recv_scales=None,
+                          recv_topk_idx=None, recv_topk_weights=None,
+                          num_recv_tokens=handle.num_recv_tokens,
                           num_recv_tokens_per_expert=None, handle=handle)
     if topk_idx is None or topk_weights is None:
         raise ValueError("dispatch needs topk_idx and topk_weights (or handle=)")
-    num_tokens = x.shape[0]
     # Across hosts: once per destination host, ids made local to that host.
     at_forwarder = ops.dispatch(hbuf.across, x, topk_idx, topk_weights)
     # Within the host: to the ranks of the experts, ids made local to each rank.
-    at_rank = ops.dispatch(hbuf.within, at_forwarder.recv_x, at_forwarder.recv_topk_idx,
-                           at_forwarder.recv_topk_weights)
-    order, recv_src = _flat_order(hbuf, at_forwarder.handle, at_rank.handle, num_tokens)
+    at_rank = _forward(hbuf, at_forwarder, at_forwarder.handle, num_tokens)
+    order, recv_src = _flat_order(hbuf, at_rank.handle, num_tokens)
     recv_topk_idx = at_rank.recv_topk_idx[order]
     local_experts = hbuf.num_experts // hbuf.num_ranks
     holds = recv_topk_idx[:, :, None] == jnp.arange(local_experts)[None, None, :]
     handle = HierarchicalHandle(
-        send_pos=_send_pos(hbuf, topk_idx), recv_src=recv_src,
-        num_recv_tokens=at_rank.num_recv_tokens, across=at_forwarder.handle,
-        within=at_rank.handle, order=order)
+        recv_src=recv_src, num_recv_tokens=at_rank.num_recv_tokens,
+        across=at_forwarder.handle, within=at_rank.handle, order=order)
     return Dispatched(
         recv_x=at_rank.recv_x[order], recv_scales=None, recv_topk_idx=recv_topk_idx,
         recv_topk_weights=at_rank.recv_topk_weights[order],
@@ -196,5 +215,10 @@ def combine(hbuf, y, handle, topk_weights=None):
     if topk_weights is not None:
         weights = jnp.zeros((rows,) + topk_weights.shape[1:], topk_weights.dtype)
         weights = weights.at[handle.order].set(topk_weights)
+    # The forwarder's partial sums, at their slots, back in the across leg's row order.
     partial, partial_weights = ops.combine(hbuf.within, at_rank, handle.within, weights)
-    return ops.combine(hbuf.across, partial, handle.across, partial_weights)
+    sources = handle.across.recv_src
+    if partial_weights is not None:
+        partial_weights = _from_slots(partial_weights, sources)
+    return ops.combine(hbuf.across, _from_slots(partial, sources), handle.across,
+                       partial_weights)

@@ -91,27 +91,38 @@ def test_the_op_suite_passes_in_both_processes_of_a_pair_on_one_gpu(hosts):
     modes): as one host, peers through CUDA IPC; as two fake hosts (--fake-hosts 2), peers
     over the emulated transport, whose host proxies carry every row and signal."""
     require_gpus(1)
-    flags, env, selection = ("-n", "2", "--processes-per-gpu", "2"), {}, PAIR_SELECTION
+    flags, env, selection = (), {}, PAIR_SELECTION
     if hosts == "two_fake_hosts":
         flags += ("--fake-hosts", "2")
         env, selection = launching.device_transport_env("emulated"), PAIR_SELECTION_EMULATED
-    tests = [str(launching.ROOT / "tests" / name) for name in PAIR_SUITE]
+    assert_op_tests_pass_in_every_process(2, PAIR_SUITE, selection, *flags, extra_env=env)
+
+
+def assert_op_tests_pass_in_every_process(num_processes, test_files, selection,
+                                          *launcher_flags, extra_env=None, skips=True):
+    """``num_processes`` processes sharing one GPU (``launcher_flags`` added), each running the
+    GPU tests of ``test_files`` that ``selection`` (``-k``) picks: every process passes them
+    (with ``skips=False``, skipping none)."""
+    n = str(num_processes)
+    tests = [str(launching.ROOT / "tests" / name) for name in test_files]
     with tempfile.TemporaryDirectory() as cwd:  # children import the installed jax_ep
         proc, _ = launching.run_launcher(
-            *flags, "--timeout", "500", "--", sys.executable, "-X", "faulthandler", "-m",
-            "pytest", "-q", "-p", "no:cacheprovider", "-m", launching.EVERY_GPU_TEST, "-k",
-            selection, *tests, platform="gpu", extra_env=env, cwd=cwd, timeout=560)
+            "-n", n, "--processes-per-gpu", n, *launcher_flags, "--timeout", "500", "--",
+            sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "-m", launching.EVERY_GPU_TEST, "-k", selection, *tests, platform="gpu",
+            extra_env=extra_env, cwd=cwd, timeout=560)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    for rank in (0, 1):
+    for rank in range(num_processes):
         summary = [line for line in lines_of(proc.stdout, rank) if " passed" in line]
         assert summary and "failed" not in summary[-1], (rank, proc.stdout[-6000:])
+        assert skips or "skipped" not in summary[-1], (rank, summary[-1])
 
 
 # What moves data (no sums): equal bits on every backend and process layout (docs/api.md,
 # "Determinism").
 # Left out: sums (combine, gradient, low-latency combine) may differ by float32 order, and the
-# low-latency fp8 cast, which the reference backend leaves to XLA:CPU's conversion (one fp8
-# step off at times, NOTES.md).
+# low-latency fp8 cast, which the reference backend leaves to XLA:CPU's conversion (one e4m3
+# step off at times: docs/api.md, "FP8 scales").
 DATA_MOVEMENT_DIGESTS = ("dispatch_bf16", "dispatch_fp8", "cached_dispatch", "layout",
                          "low_latency_dispatch_bf16")
 
@@ -275,19 +286,27 @@ def test_adversarial_routings_and_split_halves_at_ep16():
     oracle: both modes under every routing of the suite (one hot expert, empty ranks, all -1,
     skewed, ...) and the split low-latency halves, through the wide kernels."""
     require_gpus(1)
-    tests = [str(launching.ROOT / "tests" / name)
-             for name in ("test_normal.py", "test_low_latency_split.py")]
-    selection = "cuda and (test_dispatch_combine_match_oracle or test_split_equals_fused)"
-    with tempfile.TemporaryDirectory() as cwd:  # children import the installed jax_ep
-        proc, _ = launching.run_launcher(
-            "-n", "16", "--processes-per-gpu", "16", "--timeout", "500", "--", sys.executable,
-            "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-            launching.EVERY_GPU_TEST, "-k", selection, *tests, platform="gpu", cwd=cwd,
-            timeout=560)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    for rank in range(16):
-        summary = [line for line in lines_of(proc.stdout, rank) if " passed" in line]
-        assert summary and "failed" not in summary[-1], (rank, proc.stdout[-6000:])
+    assert_op_tests_pass_in_every_process(
+        16, ("test_normal.py", "test_low_latency_split.py"),
+        "cuda and (test_dispatch_combine_match_oracle or test_split_equals_fused)")
+
+
+# The hierarchical mode (two groups of the flat ops; its own code runs no collective) on fake
+# hosts of processes sharing one GPU, over the emulated network: the fast tier 2 x 2, the stress
+# tier 2 x 8 and 4 x 8.
+@pytest.mark.parametrize(("hosts", "ranks_per_host"), [
+    (2, 2), pytest.param(2, 8, marks=pytest.mark.stress),
+    pytest.param(4, 8, marks=pytest.mark.stress)])
+def test_the_hierarchical_mode_on_fake_hosts_matches_the_flat_ops(hosts, ranks_per_host):
+    """Each process runs tests/test_hierarchical.py's GPU tests as its rank of ``hosts`` fake
+    hosts: the dispatch moves the flat dispatch's bits (every routing, a capacity that drops
+    rows, the cached form), the combine sums per host as the oracle does, the gradients match
+    the flat ops'."""
+    require_gpus(1)
+    assert_op_tests_pass_in_every_process(
+        hosts * ranks_per_host, ("test_hierarchical.py",), "cuda", "--fake-hosts", str(hosts),
+        extra_env={"HIERARCHICAL_HOSTS": str(hosts),
+                   **launching.device_transport_env("emulated")}, skips=False)
 
 
 def test_cuda_buffer_names_a_process_that_never_joins(tmp_path):

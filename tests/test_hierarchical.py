@@ -1,9 +1,10 @@
 """The hierarchical normal mode (jax_ep.hierarchical) against the flat ops, once per backend:
 the devices as 2 hosts of half of them each (8 CPU devices: 2 x 4; the GPUs of one process: 2
 GPUs are 2 x 1, one GPU a single rank). Its dispatch gives the flat dispatch's results bit for
-bit; its combine sums per host as docs/api.md says a combine across hosts does. Processes
-sharing one GPU cannot run it: its routing metadata goes through XLA's all-gathers, which NCCL
-refuses between ranks of one GPU."""
+bit; its combine sums per host as docs/api.md says a combine across hosts does; its own code
+runs no collective (processes sharing one GPU run it: tests/test_gpu_multiprocess.py)."""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,15 +26,18 @@ DISPATCH_FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tok
 
 class Group:
     """The hierarchical Buffer over (host, gpu) and the flat one over the same devices, in the
-    flat rank order (host by host): 2 hosts when the devices split in two, else 1."""
+    flat rank order (host by host): ``HIERARCHICAL_HOSTS`` hosts (the launcher's fake hosts,
+    which group consecutive processes), else 2 when the devices split in two, else 1."""
 
     def __init__(self, backend, dtype, capacity=None):
         flat_mesh = ep_mesh(backend)
         self.num_ranks = flat_mesh.devices.size
-        self.hosts = 2 if self.num_ranks % 2 == 0 else 1
+        self.hosts = int(os.environ.get("HIERARCHICAL_HOSTS", 2 if self.num_ranks % 2 == 0 else 1))
         self.rank_hosts = [r * self.hosts // self.num_ranks for r in range(self.num_ranks)]
         mesh = Mesh(flat_mesh.devices.reshape(self.hosts, -1), ("host", "gpu"))
-        kw = dict(num_experts=E, hidden=H, max_tokens_per_rank=T, num_topk=K, dtype=dtype,
+        self.num_experts = E * max(1, self.num_ranks // E)  # one expert a rank, at least
+        kw = dict(num_experts=self.num_experts, hidden=H, max_tokens_per_rank=T, num_topk=K,
+                  dtype=dtype,
                   capacity=None if capacity is None else capacity * self.num_ranks,
                   backend=backend)
         self.hierarchical = hierarchical.HierarchicalBuffer(mesh, "host", "gpu", **kw)
@@ -41,7 +45,7 @@ class Group:
 
     def inputs(self, kind, dtype, seed=0):
         rng = np.random.default_rng(seed)
-        idx, w = oracle.make_routing(kind, rng, self.num_ranks, T, E, min(K, E))
+        idx, w = oracle.make_routing(kind, rng, self.num_ranks, T, self.num_experts, K)
         x = rng.standard_normal((self.num_ranks, T, H)).astype(np.float32).astype(dtype)
         return x, idx, w
 
@@ -79,7 +83,7 @@ def test_dispatch_moves_the_flat_bits_and_combine_sums_per_host(backend):
         for name in DISPATCH_FIELDS:
             np.testing.assert_array_equal(bits(getattr(d, name)), bits(getattr(want, name)),
                                           f"{kind}: {name}")
-        for name in ("recv_src", "send_pos", "num_recv_tokens"):
+        for name in ("recv_src", "num_recv_tokens"):
             np.testing.assert_array_equal(getattr(d.handle, name), getattr(want.handle, name),
                                           f"{kind}: {name}")
         expected = oracle.combine_in_order(want.recv_x, want.handle.recv_src, T,
@@ -140,3 +144,55 @@ def test_bad_axes_are_named():
         hierarchical.HierarchicalBuffer(mesh, "hosts", "gpu", **kw)
     with pytest.raises(ValueError, match="host_axis and gpu_axis must differ"):
         hierarchical.HierarchicalBuffer(mesh, "gpu", "gpu", **kw)
+
+
+# What XLA lowers to a collective: NCCL's, on GPUs. The flat ops' own (the reference backend's)
+# sit inside their custom_vjp calls.
+COLLECTIVES = {"all_gather", "all_to_all", "psum", "psum2", "psum_invariant", "pmax", "pmin",
+               "ppermute", "reduce_scatter", "psum_scatter", "ragged_all_to_all"}
+
+
+def collectives_outside_the_ops(jaxpr):
+    """The collective primitives of ``jaxpr`` and its sub-programs, not looking inside the flat
+    ops (custom_vjp calls)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in COLLECTIVES:
+            found.append(eqn.primitive.name)
+        if eqn.primitive.name.startswith("custom_vjp_call"):
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    found += collectives_outside_the_ops(sub)
+    return found
+
+
+def test_the_hierarchical_ops_run_no_collective_of_their_own():
+    """Dispatch, cached dispatch and combine: every collective of the program is inside a flat
+    op (so the mode runs where the flat ops run, e.g. processes sharing one GPU, where NCCL
+    refuses XLA's collectives). Their gradients are the transposes of the same local steps
+    around the flat ops' own backward rules."""
+    group = Group("reference", jnp.float32)
+    x, idx, w = group.inputs("uniform", np.float32)
+
+    def step(x, idx, w):
+        b = group.hierarchical
+        d = hierarchical.dispatch(b, x, idx, w)
+        again = hierarchical.dispatch(b, x, handle=d.handle).recv_x
+        return hierarchical.combine(b, d.recv_x + again, d.handle, d.recv_topk_weights)
+
+    spec = jax.sharding.PartitionSpec(("host", "gpu"))
+    program = jax.jit(jax.shard_map(step, mesh=group.hierarchical.mesh, in_specs=spec,
+                                    out_specs=spec))
+    per_rank = [a.reshape((-1,) + a.shape[2:]) for a in (x, idx, w)]
+    assert collectives_outside_the_ops(jax.make_jaxpr(program)(*per_rank).jaxpr) == []
+    # The walk sees through jit and shard_map: a gather of the routing, as the handle's flat
+    # send_pos would take, is found.
+    gathered = jax.jit(jax.shard_map(lambda i: jax.lax.all_gather(i, ("host", "gpu")),
+                                     mesh=group.hierarchical.mesh, in_specs=spec,
+                                     out_specs=spec))
+    assert collectives_outside_the_ops(jax.make_jaxpr(gathered)(per_rank[1]).jaxpr) == [
+        "all_gather"]

@@ -7,7 +7,10 @@ command, e.g. under SLURM:
          python -m pytest -m multihost tests/test_multihost.py
 
 (each process joins the job with ``jax.distributed.initialize()``, which reads it from SLURM or
-Open MPI; ``python -m jax_ep.launch`` starts the processes of one host only). On one machine the
+Open MPI; ``python -m jax_ep.launch`` starts the processes of one host only). With
+``JAX_EP_PEER_MAPPING=nvshmem JAX_EP_DEVICE_TRANSPORT=nvshmem`` in every process's environment
+the groups across hosts run the CUDA kernels, over NVSHMEM's device API; without them, the
+reference backend. On one machine the
 same tests run under ``python -m jax_ep.launch --fake-hosts 2`` (tests/test_multiprocess.py does
 so on CPU devices) and print that their hosts were fake; with every process on one host they
 skip, saying so. README, "Several hosts", says which of these runs happened where.
@@ -30,7 +33,9 @@ from test_normal import (
     random_x,
 )
 
+from jax_ep import hierarchical, settings
 from jax_ep import testing as oracle
+from jax_ep.backends import gate
 from jax_ep.peers import ipc
 
 pytestmark = pytest.mark.multihost
@@ -68,30 +73,82 @@ def on_gpus():
     return all(d.platform == "gpu" for d in jax.devices())
 
 
-def test_ep_group_spanning_hosts_runs_on_the_reference_backend(hosts):
-    """One EP group over every device of every host: backend="auto" picks the reference
-    backend (on GPUs saying that the group spans hosts), its results equal the oracle's, and
-    backend="cuda" is refused, naming why."""
+def devices_by_host(hosts):
+    """The devices as ``[host][device of the host]`` (hosts in the order of their first
+    process); skips when hosts have different device counts."""
+    by_host = {}
+    for device in jax.devices():
+        by_host.setdefault(hosts[device.process_index], []).append(device)
+    groups = list(by_host.values())
+    if len({len(g) for g in groups}) != 1:
+        pytest.skip(f"hosts have different device counts {[len(g) for g in groups]}")
+    return groups
+
+
+def crosses_hosts():
+    """Whether the cuda backend reaches ranks on other hosts here: GPUs, and a device transport
+    that crosses hosts (NVSHMEM's device API; on fake hosts also the emulated network)."""
+    return on_gpus() and settings.value("JAX_EP_DEVICE_TRANSPORT") in ("nvshmem", "emulated")
+
+
+def test_ep_group_spanning_hosts_runs_where_its_transport_reaches(hosts):
+    """One EP group over every device of every host: backend="auto" picks the CUDA kernels
+    where the device transport crosses hosts (docs/process_models.md, "What spans hosts"), else
+    the reference backend, saying why on GPUs, with backend="cuda" refused naming the settings.
+    Either way the results equal the oracle's."""
     rng = np.random.default_rng(0)  # the same data in every process
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     R = mesh.shape["ep"]
     buf = make_buffer("auto", mesh, H, T)
-    assert buf.backend == "reference", buf.backend
-    if on_gpus():  # why: the group spans hosts (or, past 8 ranks, the rank limit comes first)
-        said = " ".join(buf.backend_reasons)
-        assert "spans hosts" in said or "ranks" in said, buf.backend_reasons
+    assert buf.backend == ("cuda" if crosses_hosts() else "reference"), buf.backend_reasons
+    if on_gpus() and buf.backend == "reference":
+        assert "spans hosts" in " ".join(buf.backend_reasons), buf.backend_reasons
     idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
     x = random_x(rng, (R, T, H), np.float32)
     out = run_sharded(mesh, dispatch_and_combine(buf, x, idx, w), x, idx, w)
     assert_dispatch_matches(out, oracle.dispatch(x, idx, w, E), T)
+    if buf.backend == "cuda":
+        return
     with pytest.raises((ValueError, RuntimeError)) as refused:
         make_buffer("cuda", mesh, H, T)
     message = str(refused.value)
-    # On GPUs the first check that fails names the group spanning hosts, or the rank limit
-    # (more than 8 ranks), or the device checks of the gate; on CPU the devices' platform.
-    reasons = ("spans hosts", "at most", "cannot run on these devices") if on_gpus() else (
+    # On GPUs the first check that fails names the group spanning hosts and the settings that
+    # let it cross them, or the device checks of the gate; on CPU the devices' platform.
+    reasons = (gate.ACROSS_HOSTS_SETTINGS, "cannot run on these devices") if on_gpus() else (
         "to be a CUDA GPU",)
     assert "backend='cuda'" in message and any(r in message for r in reasons), message
+
+
+def test_hierarchical_group_across_hosts_moves_the_flat_bits(hosts):
+    """The hierarchical mode over (host, GPU of the host), backend="auto" (the CUDA kernels where
+    the device transport crosses hosts): the flat dispatch's results bit for bit, and a combine
+    that sums per host (bf16 partial sums) as the oracle does."""
+    rng = np.random.default_rng(3)
+    mesh = Mesh(np.array(devices_by_host(hosts)), ("host", "gpu"))
+    R = mesh.devices.size
+    hbuf = hierarchical.HierarchicalBuffer(mesh, "host", "gpu", num_experts=E, hidden=H,
+                                           max_tokens_per_rank=T, num_topk=K,
+                                           dtype=jnp.bfloat16, backend="auto")
+    assert hbuf.across.backend == ("cuda" if crosses_hosts() else "reference"), (
+        hbuf.across.backend_reasons)
+    idx, w = oracle.make_routing("uniform", rng, R, T, E, K)
+    x = random_x(rng, (R, T, H), jnp.bfloat16)
+
+    def step(x, idx, w):
+        d = hierarchical.dispatch(hbuf, x, idx, w)
+        return d, hierarchical.combine(hbuf, d.recv_x, d.handle)[0]
+
+    d, y = run_sharded(mesh, step, x, idx, w, axis="gpu")
+    for r, want in enumerate(oracle.dispatch(x, idx, w, E)):
+        np.testing.assert_array_equal(d.recv_x[r].view(np.uint16),
+                                      want["recv_x"].view(np.uint16))
+        for name in ("recv_topk_idx", "recv_topk_weights", "num_recv_tokens",
+                     "num_recv_tokens_per_expert"):
+            np.testing.assert_array_equal(getattr(d, name)[r], want[name], name)
+        np.testing.assert_array_equal(d.handle.recv_src[r], want["recv_src"])
+    rank_hosts = [r // mesh.shape["gpu"] for r in range(R)]
+    want_y = oracle.combine_in_order(d.recv_x, d.handle.recv_src, T, rank_hosts)
+    np.testing.assert_array_equal(y.view(np.uint16), want_y.view(np.uint16))
 
 
 def test_ep_groups_inside_hosts_with_data_parallel_across_them(hosts):
@@ -99,13 +156,7 @@ def test_ep_groups_inside_hosts_with_data_parallel_across_them(hosts):
     README recommends today): backend="auto" gives the CUDA kernels on GPUs, and every group's
     results equal the oracle's."""
     rng = np.random.default_rng(1)
-    by_host = {}
-    for device in jax.devices():
-        by_host.setdefault(hosts[device.process_index], []).append(device)
-    groups = list(by_host.values())
-    if len({len(g) for g in groups}) != 1:
-        pytest.skip(f"hosts have different device counts {[len(g) for g in groups]}")
-    mesh = Mesh(np.array(groups), ("data", "ep"))
+    mesh = Mesh(np.array(devices_by_host(hosts)), ("data", "ep"))
     D, R = mesh.shape["data"], mesh.shape["ep"]
     buf = make_buffer("auto", mesh, H, T)
     assert buf.backend == ("cuda" if on_gpus() else "reference"), (buf.backend, buf.backend_reasons)

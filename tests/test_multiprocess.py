@@ -301,7 +301,7 @@ def test_multihost_suite_on_fake_hosts():
         lines = lines_of(proc.stdout, rank)
         assert any(line.startswith("multihost: fake hosts") for line in lines), out[-6000:]
         summary = [line for line in lines if " passed" in line]
-        assert summary and summary[-1].startswith("3 passed"), out[-6000:]
+        assert summary and summary[-1].startswith("4 passed"), out[-6000:]
 
 
 def test_multihost_suite_on_one_host_skips_saying_so():
@@ -310,5 +310,5 @@ def test_multihost_suite_on_one_host_skips_saying_so():
                           cwd=launching.ROOT, capture_output=True, text=True, timeout=120,
                           env=launching.child_env("cpu", None))
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "3 skipped" in out, out[-3000:]
+    assert proc.returncode == 0 and "4 skipped" in out, out[-3000:]
     assert "not run here" in out, out[-3000:]
