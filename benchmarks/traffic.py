@@ -1,6 +1,6 @@
 """Bytes each rank sends per call to its own host and to other hosts, flat against hierarchical.
 
-    python benchmarks/traffic.py [--quick] [--counts FILE] [--out DIR]
+    python benchmarks/traffic.py [--quick] [--counts FILE ...] [--out DIR]
 
 One record per (mode, scheme, hosts, routing, source), ``op = "traffic"``, for one dispatch
 and one combine (the combine sends back as many rows as the dispatch sent), per rank:
@@ -22,11 +22,12 @@ Sources:
   make_node_limited_routing``, seed ``--seed``): the rows each rank sends to each rank under the
   scheme, folded by host (``jax_ep.testing.fold_traffic``), times the row bytes; at 2, 4 and 8
   hosts (``--quick``: 2 hosts);
-- ``counted``: what a transport counted on a run (``--counts FILE``), folded the same way. The
-  file is JSON: ``{"runs": [{"mode", "scheme", "hosts", "ranks_per_host", "routing", "tokens",
-  "traffic": [{"src", "dst", "bytes", ...}, ...]}]}``, the rows of every rank's proxy
-  (``EmulatedQueueForTests.traffic()``'s format). Its bytes are whatever the transport moved,
-  flags and counts included.
+- ``counted``: what a transport counted on a run (``--counts FILE``, once per file), folded the
+  same way. The file is JSON: ``{"runs": [{"mode", "scheme", "hosts", "ranks_per_host",
+  "routing", "tokens", "traffic": [{"src", "dst", "bytes", ...}, ...]}]}``, the rows of every
+  rank's proxy (``EmulatedQueueForTests.traffic()``'s format), as
+  ``benchmarks/traffic_counts.py`` writes it from a GPU run over the emulated network. Its
+  bytes are whatever the transport moved, flags and counts included.
 
 Runs on a CPU in seconds. Writes ``<out>/<machine>-<date>-traffic.json`` (or ``--out`` itself
 when it ends in ``.json``) and prints a table.
@@ -63,7 +64,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true",
                    help="routing counts at 2 hosts only (the formula records are all written)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled routings")
-    p.add_argument("--counts", help="JSON file of a transport's counts (see the module doc)")
+    p.add_argument("--counts", action="append", default=[],
+                   help="JSON file of a transport's counts (see the module doc); repeatable")
     br.add_out_argument(p)
     br.add_note_argument(p)
     return p.parse_args(argv)
@@ -186,8 +188,8 @@ def main(argv=None):
     header = br.result_header(argv, args.note, __file__)
     records = formula_records(sn)
     records += routing_records(sn, (2,) if args.quick else (2, 4, 8), args.seed)
-    if args.counts:
-        records += counted_records(sn, args.counts)
+    for counts in args.counts:
+        records += counted_records(sn, counts)
     path = br.result_path(args.out, header, OP)
     br.write_json(path, {**header, "results": records})
     print_table(records)

@@ -42,6 +42,9 @@
 #              --max-minutes; FIRST_S: the section's bound, default 600)
 #   step       profile_ops (kernel times) and bench_step (what a program pays per step: with the
 #              stand-in expert, and --bare: the op pairs alone; STEP_BARE_ONLY=1, STEP_ARGS)
+#   traffic    benchmarks/traffic_counts.py on fake hosts over the emulated network (processes
+#              sharing the GPU; TRAFFIC_LAYOUTS, default "2x8 4x8": hosts x ranks per host), then
+#              benchmarks/traffic.py with those counts: the counted traffic records
 #   launchfloor  benchmarks/launch_floor.py: a custom call's cost by how its kernel launches
 #   overlap    bench_overlap.py (train and decode at the bench shape, --num-sms 24 --unpinned),
 #              with jax's Mosaic GPU GEMMs, then with the non-persistent tiled ones; records
@@ -168,6 +171,18 @@ if has step; then
     --out "$OUT" --repeats 20 ${STEP_ARGS:-}
   step bench_step_bare 150 python3 "$R/benchmarks/bench_step.py" --out "$OUT" --repeats 20 \
     --bare --ops decode_step,normal_step --tag bare ${STEP_ARGS:-}
+fi
+if has traffic; then
+  counts=()
+  for layout in ${TRAFFIC_LAYOUTS:-2x8 4x8}; do
+    n=$(( ${layout%x*} * ${layout#*x} ))
+    JAX_EP_DEVICE_TRANSPORT=emulated CUDA_DEVICE_MAX_CONNECTIONS=32 step "traffic_$layout" \
+      "$(limit traffic 400)" python3 -m jax_ep.launch -n "$n" --processes-per-gpu "$n" \
+      --fake-hosts "${layout%x*}" --timeout "$(( $(limit traffic 400) - 20 ))" -- python3 \
+      "$R/benchmarks/traffic_counts.py" --hosts "${layout%x*}" --out "$OUT/traffic-counts-$layout.json"
+    [[ -f "$OUT/traffic-counts-$layout.json" ]] && counts+=(--counts "$OUT/traffic-counts-$layout.json")
+  done
+  step traffic_records 60 python3 "$R/benchmarks/traffic.py" --out "$OUT" "${counts[@]}"
 fi
 has launchfloor && step launch_floor 120 python3 "$R/benchmarks/launch_floor.py" --out "$OUT"
 if has overlap; then

@@ -91,3 +91,24 @@ def test_a_counts_file_becomes_counted_records(tmp_path):
     want = sn.traffic_bytes("normal", "hierarchical", 2, "uniform", 8, 256)[1]
     assert record["formula_cross_host_bytes_per_rank"] == want
     assert abs(record["cross_host_bytes_per_rank"] / want - 1) < 0.05  # 16 * 256 tokens
+
+
+def test_counted_traffic_is_the_op_pair_s_in_flat_ranks():
+    """benchmarks/traffic_counts.py's reading of the proxies: what an op pair added (after minus
+    before), each leg's ranks renamed to the flat group's and summed where two legs meet."""
+    counts = bench_module("traffic_counts")
+    readings = {"across": [{(0, 1): np.array([1, 100, 1])},
+                           {(0, 1): np.array([3, 300, 3]), (0, 0): np.array([2, 20, 0])}],
+                "within": [{}, {(0, 1): np.array([5, 50, 5])}]}
+
+    def read(leg):
+        return readings[leg].pop(0)
+
+    ran = []
+    # This process is host 0, GPU 1 of 2 x 2: across rank h -> h * 2 + 1, within rank g -> g.
+    rows = counts.counted([("across", [1, 3]), ("within", [0, 1])], lambda: ran.append(1),
+                          read=read)
+    assert ran == [1]
+    assert rows == [{"src": 0, "dst": 1, "puts": 5, "bytes": 50, "signals": 5},
+                    {"src": 1, "dst": 1, "puts": 2, "bytes": 20, "signals": 0},
+                    {"src": 1, "dst": 3, "puts": 2, "bytes": 200, "signals": 2}]

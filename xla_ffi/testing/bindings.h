@@ -13,8 +13,8 @@ namespace jax_ep {
 void add_emulated_queue_functions(nanobind::module_& m);
 // LowLatencyTransportForTests, low_latency_transport_layout (low_latency_transport.cc).
 void add_low_latency_transport_functions(nanobind::module_& m);
-// register_emulated_transport, mutant_names, check_transport_mutant, set_transport_mutant
-// (emulated_transport.cc).
+// register_emulated_transport, mutant_names, check_transport_mutant, set_transport_mutant,
+// transport_traffic (emulated_transport.cc).
 void add_emulated_transport_functions(nanobind::module_& m);
 // low_latency_layout, fast_divide (layouts.cc).
 void add_layout_functions(nanobind::module_& m);

@@ -4,7 +4,8 @@
 // (kernels/put_plugin.h, kPutPluginSymbol) and handed to jax_ep._C by
 // register_emulated_transport(); and the protocol mutants a test sets on a Buffer's ranks
 // (transport/emulator/mutant.h), each breaking one rule so that the test shows the emulator
-// catches it (tests/test_device_transport.py, through tests/multiprocess_digest.py).
+// catches it (tests/test_device_transport.py, through tests/multiprocess_digest.py); and what
+// the proxies delivered (transport_traffic: benchmarks/traffic_counts.py).
 //
 // jax_ep._C owns the Buffers (its registry); this module owns the emulated ranks it starts for
 // them, keyed by Buffer id, which is how set_transport_mutant finds a Buffer's ranks.
@@ -14,6 +15,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <memory>
@@ -41,6 +43,7 @@ constexpr uint64_t kEmulatorRingCapacity = 4096;
 // thread stops before the ring and the queue record are freed.
 struct EmulatedRank {
   int64_t buffer_id = 0;
+  int rank = 0;  // in the Buffer's EP group
   int device = 0;
   bool low_latency = false;
   transport::DeviceArena arena;
@@ -73,6 +76,7 @@ int start_rank(int64_t buffer_id, const RankContext* ctx, char* const* region_ta
     options.log_deliveries = false;
     auto rank = std::make_unique<EmulatedRank>();
     rank->buffer_id = buffer_id;
+    rank->rank = ctx->rank;
     rank->device = ctx->device;
     rank->low_latency = config.low_latency;
     transport::check_cuda(cudaSetDevice(ctx->device), "cudaSetDevice");
@@ -166,20 +170,27 @@ void check_transport_mutant(const std::string& name, int device_transport, bool 
   if (!problem.empty()) throw nb::value_error(problem.c_str());
 }
 
-void set_transport_mutant(int64_t buffer_id, const std::string& name) {
-  const transport::Mutant mutant = transport::mutant_named(name);
-  std::lock_guard<std::mutex> lock(ranks_mutex);
+// The ranks of Buffer `buffer_id` in this process; the caller holds ranks_mutex. Raises
+// ValueError, saying what `what` needs, when there are none.
+std::vector<EmulatedRank*> ranks_of(int64_t buffer_id, const char* what) {
   std::vector<EmulatedRank*> ranks;
   for (EmulatedRank* rank : live_ranks) {
     if (rank->buffer_id == buffer_id) ranks.push_back(rank);
   }
   if (ranks.empty()) {
     throw nb::value_error(("no jax_ep Buffer with id " + std::to_string(buffer_id) +
-                           " runs over the emulated transport in this process (a protocol mutant "
-                           "is for the emulated transport: set JAX_EP_DEVICE_TRANSPORT=emulated "
+                           " runs over the emulated transport in this process (" + what +
+                           " is the emulated transport's: set JAX_EP_DEVICE_TRANSPORT=emulated "
                            "and register_emulated_transport() before creating the Buffer)")
                               .c_str());
   }
+  return ranks;
+}
+
+void set_transport_mutant(int64_t buffer_id, const std::string& name) {
+  const transport::Mutant mutant = transport::mutant_named(name);
+  std::lock_guard<std::mutex> lock(ranks_mutex);
+  const std::vector<EmulatedRank*> ranks = ranks_of(buffer_id, "a protocol mutant");
   const std::string problem =
       mutant_problem(mutant, DeviceTransport::kEmulated, ranks[0]->low_latency);
   if (!problem.empty()) throw nb::value_error(problem.c_str());
@@ -187,6 +198,27 @@ void set_transport_mutant(int64_t buffer_id, const std::string& name) {
     transport::check_cuda(cudaSetDevice(rank->device), "cudaSetDevice");
     transport::set_queue_mutant(rank->queue, mutant);
   }
+}
+
+// What the proxies of Buffer `buffer_id`'s ranks in this process delivered since the Buffer was
+// made: a dict per (rank, destination) it sent to, ranks of the Buffer's EP group.
+nb::list transport_traffic(int64_t buffer_id, double timeout_s) {
+  const auto timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::duration<double>(timeout_s));
+  std::lock_guard<std::mutex> lock(ranks_mutex);
+  nb::list rows;
+  for (EmulatedRank* rank : ranks_of(buffer_id, "traffic")) {
+    for (const auto& [dst, count] : rank->proxy->traffic(timeout)) {
+      nb::dict row;
+      row["src"] = rank->rank;
+      row["dst"] = dst;
+      row["puts"] = count.puts;
+      row["bytes"] = count.bytes;
+      row["signals"] = count.signals;
+      rows.append(row);
+    }
+  }
+  return rows;
 }
 
 }  // namespace
@@ -207,6 +239,12 @@ void add_emulated_transport_functions(nb::module_& m) {
         "process, over the emulated transport) break one rule of the protocol "
         "(transport/emulator/mutant.h), from its next op on: right after creation, before any "
         "op. Checked as check_transport_mutant.");
+  m.def("transport_traffic", &transport_traffic, nb::arg("buffer_id"), nb::arg("timeout_s") = 60.0,
+        "What the emulated transport's proxies delivered for Buffer `buffer_id`'s ranks in this "
+        "process since it was made: [{src, dst, puts, bytes, signals}], src and dst ranks of its "
+        "EP group (EmulatedQueueForTests.traffic()'s format). Call between ops (after their "
+        "results are ready); waits up to `timeout_s` for the proxies to drain. Subtract an "
+        "earlier reading for the traffic of the ops in between.");
 }
 
 }  // namespace jax_ep

@@ -108,6 +108,15 @@ std::vector<std::string> RankProxy::take_errors() {
   return errors;
 }
 
+std::map<int32_t, TrafficCount> RankProxy::traffic(std::chrono::nanoseconds timeout) {
+  if (!thread_->wait_drained(timeout)) {
+    throw std::runtime_error(
+        "traffic: the proxy did not deliver what was published within the timeout (is an op "
+        "still running?)");
+  }
+  return proxy_->traffic();  // the thread's writes happen before its idle rounds (release)
+}
+
 std::string stop_and_describe(std::vector<std::unique_ptr<RankProxy>>& proxies) {
   std::string text;
   for (size_t r = 0; r < proxies.size(); ++r) {

@@ -5,7 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,6 +76,11 @@ class RankProxy {
   // While it runs: the errors found since the last call ("kind: message"), each once (the
   // executor's CUDA failure is the proxy thread's until stop() reports it).
   std::vector<std::string> take_errors();
+  // What the proxy delivered since it started, per destination rank (HostProxy::traffic),
+  // once every command published before the call is delivered; throws if that takes longer
+  // than `timeout`. Call between ops, while no kernel publishes: the proxy thread then writes
+  // no count. (No reset: a reader subtracts an earlier reading, and never writes the counts.)
+  std::map<int32_t, TrafficCount> traffic(std::chrono::nanoseconds timeout);
 
  private:
   OwnedStream copy_stream_;

@@ -1,0 +1,225 @@
+"""What the emulated network carries for one dispatch and one combine, counted by its host
+proxies: flat and hierarchical normal mode, flat low-latency mode. Writes the ``--counts`` file
+of benchmarks/traffic.py, which turns it into ``"source": "counted"`` records.
+
+    JAX_EP_DEVICE_TRANSPORT=emulated python -m jax_ep.launch -n 16 --processes-per-gpu 16 \\
+        --fake-hosts 2 -- python benchmarks/traffic_counts.py --hosts 2 --out counts-2x8.json
+    python benchmarks/traffic.py --counts counts-2x8.json --out DIR
+
+Every process is one rank of an EP group of ``--hosts`` fake hosts (the launcher's
+``--fake-hosts``, which group consecutive processes), at docs/scaling_numbers.py's shapes (H, E,
+top-K; T = 4096 normal, 128 low latency) under its two routings (uniform top-K, and DeepSeek-V3's
+node-limited one: ``jax_ep.testing.make_node_limited_routing``, seed ``--seed``). Over
+``JAX_EP_DEVICE_TRANSPORT=emulated`` every row and signal between ranks, same host or not, is a
+command of the emulated transport, whose proxies count what they deliver per (source,
+destination) rank (``jax_ep._C_testing.transport_traffic``); the counts of each op pair are the
+difference of a reading before and after it. The hierarchical mode's legs are Buffers of their own
+(``across``: the ranks of one local index; ``within``: one host's): their ranks are mapped to the
+flat group's (host h, GPU g -> h * G + g). The rows' contents do not change the counts: the
+tokens are zeros.
+
+Process 0 writes ``{"runs": [{"mode", "scheme", "hosts", "ranks_per_host", "routing", "tokens",
+"hidden", "experts", "topk", "traffic": [{"src", "dst", "puts", "bytes", "signals"}, ...]}],
+"commit", "command"}`` and prints each run's bytes per rank to its own host and to the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+from jax_ep import launch
+
+launch.initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ep  # noqa: E402
+from jax_ep import hierarchical, settings, testing  # noqa: E402
+from jax_ep.peers import ipc  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_formula():
+    """docs/scaling_numbers.py: the shapes the formula and these counts share."""
+    path = os.path.join(HERE, "..", "docs", "scaling_numbers.py")
+    spec = importlib.util.spec_from_file_location("scaling_numbers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=int, required=True, help="the launcher's --fake-hosts")
+    p.add_argument("--out", required=True, help="the counts file (JSON) process 0 writes")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled routings")
+    p.add_argument("--modes", default="normal,low_latency",
+                   help="comma-separated: normal (flat and hierarchical), low_latency (flat)")
+    p.add_argument("--routings", default="uniform,node_limited",
+                   help="comma-separated: uniform, node_limited")
+    return p.parse_args(argv)
+
+
+def traffic(buf):
+    """This process's ranks' counts of ``buf`` so far: ``{(src, dst): [puts, bytes, signals]}``."""
+    from jax_ep import _C_testing  # noqa: PLC0415
+
+    return {(row["src"], row["dst"]): np.array([row["puts"], row["bytes"], row["signals"]],
+                                               np.int64)
+            for row in _C_testing.transport_traffic(buf.buffer_id)}
+
+
+def counted(bufs, run, read=traffic):
+    """Runs ``run()`` (one op pair, finished when it returns) and returns what it sent: rows
+    ``{"src", "dst", "puts", "bytes", "signals"}`` of this process's ranks, in the flat group's
+    numbers (``bufs``: ``[(buffer, rank of the flat group of each of its ranks)]``; ``read``:
+    a buffer's counts so far, as ``traffic``)."""
+    before = [read(buf) for buf, _ in bufs]
+    run()
+    rows = {}
+    for (buf, flat_rank), earlier in zip(bufs, before, strict=True):
+        for (src, dst), count in read(buf).items():
+            key = (flat_rank[src], flat_rank[dst])
+            rows[key] = rows.get(key, 0) + count - earlier.get((src, dst), 0)
+    return [dict(src=s, dst=d, puts=int(c[0]), bytes=int(c[1]), signals=int(c[2]))
+            for (s, d), c in sorted(rows.items())]
+
+
+def run_sharded(mesh, axes, fn, topk_idx):
+    """``fn(topk_idx of a rank)`` on every rank of ``mesh`` (``topk_idx`` ``[R, T, K]``, the same in
+    every process; ranks along ``axes``), to completion."""
+    spec = P(axes)
+    idx = jax.make_array_from_callback(topk_idx.shape, NamedSharding(mesh, spec),
+                                       lambda index: topk_idx[index])
+    program = jax.jit(jax.shard_map(lambda i: fn(i[0])[None], mesh=mesh, in_specs=spec,
+                                    out_specs=spec))
+    jax.block_until_ready(program(idx))
+
+
+def normal_runs(sn, mesh, hosts, routing):
+    """Flat and hierarchical: one dispatch and one combine each."""
+    gpus = mesh.shape["ep"] // hosts
+    kw = dict(num_experts=sn.E, hidden=sn.H, max_tokens_per_rank=sn.T_NORMAL, num_topk=sn.K,
+              dtype=jnp.bfloat16, backend="cuda")
+    weights = jnp.full((sn.T_NORMAL, sn.K), 1.0 / sn.K, jnp.float32)
+    x = jnp.zeros((sn.T_NORMAL, sn.H), jnp.bfloat16)
+
+    # Half of every row a rank could receive: top-8 of 256 sends a rank ~39% (16 ranks) of them.
+    flat = jax_ep.Buffer(mesh, "ep", capacity=mesh.shape["ep"] * sn.T_NORMAL // 2, **kw)
+
+    def flat_pair(idx):
+        d = jax_ep.dispatch(flat, x, idx, weights)
+        return jax_ep.combine(flat, d.recv_x, d.handle)[0].sum(dtype=jnp.float32)
+
+    ranks = list(range(mesh.shape["ep"]))
+    yield "flat", counted([(flat, ranks)], lambda: run_sharded(mesh, "ep", flat_pair, routing))
+    flat.check()  # no row dropped, no fault the proxies found
+    flat.close()
+
+    grid = Mesh(mesh.devices.reshape(hosts, gpus), ("host", "gpu"))
+    hbuf = hierarchical.HierarchicalBuffer(grid, "host", "gpu", **kw)
+    mine = np.vectorize(lambda d: d.process_index == jax.process_index())(grid.devices)
+    host, gpu = (int(v) for v in np.argwhere(mine)[0])  # this process's rank (one per process)
+    across = [h * gpus + gpu for h in range(hosts)]    # the across leg's rank h: host h
+    within = [host * gpus + g for g in range(gpus)]    # the within leg's rank g: GPU g
+
+    def hierarchical_pair(idx):
+        d = hierarchical.dispatch(hbuf, x, idx, weights)
+        return hierarchical.combine(hbuf, d.recv_x, d.handle)[0].sum(dtype=jnp.float32)
+
+    yield "hierarchical", counted(
+        [(hbuf.across, across), (hbuf.within, within)],
+        lambda: run_sharded(grid, ("host", "gpu"), hierarchical_pair, routing))
+    hbuf.across.check()
+    hbuf.within.check()
+    hbuf.close()
+
+
+def low_latency_runs(sn, mesh, hosts, routing):
+    """Flat (the low-latency kernels put every selection to its rank): one fp8 dispatch and one
+    combine."""
+    del hosts
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=sn.E, hidden=sn.H, max_tokens_per_rank=sn.T_LL,
+                        num_topk=sn.K, low_latency=True, backend="cuda")
+    x = jnp.zeros((sn.T_LL, sn.H), jnp.bfloat16)
+    weights = jnp.full((sn.T_LL, sn.K), 1.0 / sn.K, jnp.float32)
+
+    def pair(idx):
+        d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True)
+        y = jnp.zeros(d.recv_x.shape, jnp.bfloat16)
+        return jax_ep.low_latency_combine(buf, y, idx, weights, d.handle).sum(dtype=jnp.float32)
+
+    ranks = list(range(mesh.shape["ep"]))
+    yield "flat", counted([(buf, ranks)], lambda: run_sharded(mesh, "ep", pair, routing))
+    buf.check()
+    buf.close()
+
+
+def gather(rows):
+    """Every process's rows, at process 0 (through jax.distributed's key-value store: XLA's
+    collectives cannot run between processes sharing a GPU)."""
+    client = ipc.kv_client()
+    key = f"traffic_counts/{gather.calls}"
+    gather.calls += 1
+    client.key_value_set(f"{key}/p{jax.process_index()}", json.dumps(rows))
+    if jax.process_index() != 0:
+        return None
+    return [row for p in range(jax.process_count())
+            for row in json.loads(client.blocking_key_value_get(f"{key}/p{p}", 600_000))]
+
+
+gather.calls = 0
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if settings.value("JAX_EP_DEVICE_TRANSPORT") != "emulated":
+        raise SystemExit("traffic_counts.py counts the emulated transport's deliveries: run it "
+                         "with JAX_EP_DEVICE_TRANSPORT=emulated")
+    from jax_ep import _C_testing  # noqa: PLC0415
+
+    _C_testing.register_emulated_transport()
+    sn = load_formula()
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    num_ranks = mesh.shape["ep"]
+    if num_ranks % args.hosts:
+        raise SystemExit(f"--hosts {args.hosts} does not divide the {num_ranks} ranks")
+    gpus = num_ranks // args.hosts
+    runs = []
+    for mode in args.modes.split(","):
+        tokens = sn.traffic_tokens(mode)
+        make_runs = normal_runs if mode == "normal" else low_latency_runs
+        for routing_name in args.routings.split(","):
+            max_hosts = sn.NODE_LIMITED_MAX_HOSTS if routing_name == "node_limited" else args.hosts
+            routing = testing.make_node_limited_routing(
+                np.random.default_rng(args.seed), num_ranks, tokens, sn.E, sn.K, args.hosts,
+                max_hosts, sn.NODE_LIMITED_GROUP_TOP)
+            for scheme, rows in make_runs(sn, mesh, args.hosts, routing):
+                every = gather(rows)
+                if every is None:
+                    continue
+                runs.append(dict(mode=mode, scheme=scheme, hosts=args.hosts, ranks_per_host=gpus,
+                                 routing=routing_name, tokens=tokens, hidden=sn.H, experts=sn.E,
+                                 topk=sn.K, seed=args.seed, traffic=every))
+                same, cross = testing.fold_traffic(every, num_ranks, gpus)
+                print(f"{mode} {scheme} {routing_name} {args.hosts} x {gpus}: per rank "
+                      f"{cross.mean() / 1e9:.4f} GB cross-host, {same.mean() / 1e9:.4f} GB "
+                      f"same-host", flush=True)
+    if jax.process_index() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"runs": runs, "commit": os.environ.get("JAX_EP_COMMIT", "unknown"),
+                       "command": " ".join(sys.argv)}, f)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
