@@ -335,3 +335,68 @@ def test_cuda_buffer_names_a_process_that_never_joins(tmp_path):
     lines = [x for x in lines_of(proc.stdout, 0) if x.startswith("error")]
     assert len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "process 1 did not publish" in lines[0] and float(lines[0].split()[2]) < 15, lines
+
+
+KILLED_SCRIPT = textwrap.dedent("""
+    import os, signal, time
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_ep
+    from jax_ep import _C_testing, launch
+    from jax_ep.peers import ipc
+    launch.initialize_from_env()
+    _C_testing.register_emulated_transport()
+    T, H, E, K = 16, 256, 16, 2
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=E, hidden=H, max_tokens_per_rank=T,
+                        num_topk=K, backend="cuda", timeout_s=3.0)
+    # Every token to two ranks: every rank hears from every rank.
+    routing = np.stack([(np.arange(T) % 4) * 4, ((np.arange(T) + 1) % 4) * 4], -1)
+    routing = np.broadcast_to(routing.astype(np.int32), (4, T, K))
+    idx = jax.make_array_from_callback(routing.shape, NamedSharding(mesh, P("ep")),
+                                       lambda index: routing[index])
+
+    def step(i):
+        x, w = jnp.ones((T, H), jnp.bfloat16), jnp.ones((T, K), jnp.float32)
+        return jax_ep.dispatch(buf, x, i[0], w).recv_x.sum(dtype=jnp.float32)[None]
+
+    program = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    jax.block_until_ready(program(idx))
+    # Every rank has received everything before process 3 dies.
+    ipc.kv_client().wait_at_barrier("first_call", 60_000)
+    if jax.process_index() == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        jax.block_until_ready(program(idx))
+        print("the second call returned", flush=True)
+    except Exception as e:
+        print(f"the second call raised after {time.monotonic() - start:.1f} s", flush=True)
+    try:
+        buf.check()
+    except RuntimeError as e:
+        print("reported:", e, flush=True)
+    os._exit(0)  # a trapped kernel took this process's CUDA context
+""")
+
+
+@pytest.mark.stress  # 4 processes, ~30 s
+def test_a_killed_process_ends_its_peers_bounded_waits_naming_it(tmp_path):
+    """4 processes as 2 fake hosts x 2 over the emulated network; process 3 is killed (SIGKILL)
+    between two dispatches. The other three's second dispatch ends within its bounded wait (3 s),
+    and check() names the dead rank, its host and the phase it was waited for in."""
+    require_gpus(1)
+    proc, seconds = launching.run_launcher(
+        "-n", "4", "--processes-per-gpu", "4", "--fake-hosts", "2", "--grace", "60",
+        "--timeout", "200", "--", sys.executable, "-c", KILLED_SCRIPT, platform="gpu",
+        timeout=240, cwd=tmp_path, extra_env=launching.device_transport_env("emulated"))
+    out = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode != 0 and seconds < 150, out  # the launcher reports the killed one
+    for rank in range(3):
+        lines = lines_of(proc.stdout, rank)
+        raised = [x for x in lines if x.startswith("the second call raised after")]
+        assert raised and float(raised[0].split()[-2]) < 30, (rank, out)
+        reported = [x for x in lines if x.startswith("reported:")]
+        assert reported and "waited for rank 3 on host " in reported[0], (rank, out)
+        assert "/fake1" in reported[0].split("waited for rank 3 on host ")[1], (rank, out)
+        assert " in " in reported[0].split("waited for rank 3")[1], (rank, out)
