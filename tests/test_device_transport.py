@@ -163,8 +163,8 @@ def test_a_protocol_mutant_is_the_test_modules_and_needs_the_emulated_transport(
     assert not hasattr(module.BufferConfig(), "transport_mutant")
     assert _C_testing.mutant_names() == ["none", "no_fence", "signal_before_data",
                                          "reuse_before_quiet", "unregistered_source",
-                                         "no_final_quiet"]
-    with pytest.raises(ValueError, match=r"one of none, .*no_final_quiet, not 'no_quiet'"):
+                                         "no_final_quiet", "lost_signals"]
+    with pytest.raises(ValueError, match=r"one of none, .*lost_signals, not 'no_quiet'"):
         _C_testing.check_transport_mutant("no_quiet", 2, True)
     with pytest.raises(ValueError, match="set JAX_EP_DEVICE_TRANSPORT too"):
         _C_testing.check_transport_mutant("no_fence", 0, True)
@@ -395,6 +395,22 @@ def test_every_normal_protocol_mutant_is_caught_under_the_ops(mapped_normal_dige
             continue
         digests = _digests(proc, NORMAL_DIGESTS)
         assert digests != mapped_normal_digests, f"{mutant} survived seed {seed}: the mapped bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.stress
+@pytest.mark.parametrize("part", ["normal", "low_latency"])
+def test_signals_that_never_land_end_in_bounded_waits_naming_the_rank(part):
+    """A network that loses every signal between the ranks (lost_signals: their puts land), two
+    processes on one GPU as two hosts over the emulated transport: the run fails within its
+    bound, and each process names the rank it waited for and the phase (no hang, no result)."""
+    proc = _two_processes_digest("emulated", 0, "lost_signals", part=part,
+                                 bound=("--timeout", "150", "--grace", "30"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    for rank, peer in ((0, 1), (1, 0)):
+        caught = _caught_evidence("\n".join(launching.lines_of(proc.stdout, rank)))
+        assert any(f"waited for rank {peer} in" in line for line in caught), (rank, output[-4000:])
 
 
 @pytest.mark.usefixtures("extension")  # conftest's rule for a missing _C

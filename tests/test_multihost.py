@@ -10,10 +10,10 @@ command, e.g. under SLURM:
 Open MPI; ``python -m jax_ep.launch`` starts the processes of one host only). With
 ``JAX_EP_PEER_MAPPING=nvshmem JAX_EP_DEVICE_TRANSPORT=nvshmem`` in every process's environment
 the groups across hosts run the CUDA kernels, over NVSHMEM's device API; without them, the
-reference backend. On one machine the
-same tests run under ``python -m jax_ep.launch --fake-hosts 2`` (tests/test_multiprocess.py does
-so on CPU devices) and print that their hosts were fake; with every process on one host they
-skip, saying so. README, "Several hosts", says which of these runs happened where.
+reference backend. On one machine the same tests run under ``python -m jax_ep.launch
+--fake-hosts 2`` (tests/test_multiprocess.py does so on CPU devices) and print that their hosts
+were fake; with every process on one host they skip, saying so. docs/decisions.md ("Open, and
+why it waits") says which of these runs have happened where.
 """
 
 import os

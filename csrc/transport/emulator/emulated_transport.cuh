@@ -51,6 +51,11 @@ struct EmulatedTransport {
     }
   }
 
+  // Whether the network loses this rank's signals to `peer` (lost_signals: every other rank).
+  __device__ __forceinline__ bool loses_signal_to(int peer) const {
+    return mutant == Mutant::kLostSignals && peer != rank;
+  }
+
   // A put's source as the mutant names it: unregistered_source names a region nobody registered.
   __device__ __forceinline__ SymmetricAddress source(SymmetricAddress src) const {
     return mutant == Mutant::kUnregisteredSource ? SymmetricAddress{kUnregisteredRegion, src.offset}
@@ -138,6 +143,10 @@ struct EmulatedTransport {
       put(peer, dst, src, bytes, lane);
       return;
     }
+    if (loses_signal_to(peer)) {
+      put(peer, dst, src, bytes, lane);
+      return;
+    }
     TransportCommand command = command_of(CommandOp::kPutSignal, peer);
     set_data(command, dst, source(src), bytes);
     set_signal(command, sig, value, op);
@@ -146,6 +155,7 @@ struct EmulatedTransport {
 
   __device__ __forceinline__ void signal(int peer, SymmetricAddress sig, uint64_t value,
                                          SignalOp op, int lane) {
+    if (loses_signal_to(peer)) return;
     TransportCommand command = command_of(CommandOp::kSignal, peer);
     set_signal(command, sig, value, op);
     push_from_warp(command, lane);
