@@ -32,6 +32,9 @@
 #              processes (several minutes; SUITE_ARGS "--ignore=tests/test_device_transport.py")
 #   mutants    the normal-mode protocol mutants under the ops (two fake hosts, two seeds each)
 #   seeds20    the fake-hosts normal digests under 20 emulator seeds (JAX_EP_TRANSPORT_SEEDS=20)
+#   ucx        NVSHMEM's own network path on one machine: the fake-hosts NVSHMEM test with P2P
+#              off and NVSHMEM_REMOTE_TRANSPORT=ucx over TCP loopback (needs the libucx-cu13
+#              wheel in .whl/; NVSHMEM_DEBUG=INFO in the log says which transport it took)
 #   ptx        scripts/ptx_check.sh: a PTX-only compute_80 build (the A100 code path, JIT-compiled
 #              on this GPU), the image the driver loaded, the GPU suite (replaces the build: last)
 # Performance (records under $OUT, written by the benchmarks)
@@ -98,7 +101,7 @@ else
   step build 500 "${arch[@]}" python3 -m pip install --no-build-isolation --no-deps \
     --force-reinstall .
 fi
-if ls .whl/*.whl > /dev/null 2>&1 && has matmul_env; then
+if ls .whl/*.whl > /dev/null 2>&1 && { has matmul_env || has ucx; }; then
   step wheels 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -142,6 +145,12 @@ has devtransport && step devtransport "$(limit devtransport 500)" "${PYTEST[@]}"
   tests/test_device_transport.py
 has mutants && step mutants "$(limit mutants 330)" pytest -m "gpu or stress" -v -p no:cacheprovider -rs \
   --durations=0 tests/test_device_transport.py -k normal_protocol_mutant
+if has ucx; then
+  ucx_lib=$(python3 -c "import libucx, os; print(os.path.join(os.path.dirname(libucx.__file__), 'lib'))")
+  NVSHMEM_DISABLE_P2P=1 NVSHMEM_REMOTE_TRANSPORT=ucx UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo \
+    NVSHMEM_DEBUG=INFO LD_LIBRARY_PATH="$ucx_lib:${LD_LIBRARY_PATH:-}" step ucx "$(limit ucx 300)" \
+    "${PYTEST[@]}" -s tests/test_gpu_multiprocess.py -k fake_hosts_over_nvshmem
+fi
 has seeds20 && step seeds20 "$(limit seeds20 540)" env JAX_EP_TRANSPORT_SEEDS=20 "${PYTEST[@]}" \
   -s --durations=0 tests/test_device_transport.py -k normal_ops_across_fake_hosts
 
