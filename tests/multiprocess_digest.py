@@ -130,12 +130,15 @@ def print_evidence():
             print(f"CAUGHT transport: {fault}", flush=True)
 
 
-def main(backend, parts="all"):
+def main(backend, parts="all", devices=None):
+    """Prints the digests of ``parts`` on ``backend`` over ``devices`` (default: every device of
+    the backend's platform)."""
     if os.environ.get("DIGEST_FAIL_PROCESS") == str(jax.process_index()):
         raise RuntimeError("this process fails on purpose (DIGEST_FAIL_PROCESS)")
     if backend == "cuda":
         register_emulated_transport()
-    devices = jax.devices("gpu") if backend == "cuda" else jax.devices("cpu")
+    if devices is None:
+        devices = jax.devices("gpu") if backend == "cuda" else jax.devices("cpu")
     mesh = Mesh(np.array(devices), ("ep",))
     R = mesh.shape["ep"]
     rng = np.random.default_rng(2026)

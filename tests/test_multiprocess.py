@@ -9,7 +9,9 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import launching
+import multiprocess_digest
 import pytest
 from launching import digest_lines, lines_of
 
@@ -165,16 +167,14 @@ def test_reference_backend_across_two_processes():
         assert "4 passed" in summary[-1], summary  # 1 normal + 3 gradient tests, no skips
 
 
-def test_two_processes_give_the_bits_of_one():
+def test_two_processes_give_the_bits_of_one(capsys):
     """Every op's outputs (and a gradient) on fixed inputs: 2 processes x 2 CPU devices equal
-    1 process x 4 devices bit for bit (tests/multiprocess_digest.py)."""
-    digest = str(launching.DIGEST_SCRIPT)
-    proc, _ = run_launcher("-n", "1", "--devices-per-process", "4", "--",
-                           sys.executable, digest, "reference", timeout=300)
-    single = digest_lines(proc.stdout)
-    assert proc.returncode == 0 and len(single) == 9, proc.stdout + proc.stderr
+    1 process x 4 devices (this one's) bit for bit (tests/multiprocess_digest.py)."""
+    multiprocess_digest.main("reference", devices=jax.devices("cpu")[:4])
+    single = digest_lines(capsys.readouterr().out, rank=None)
+    assert len(single) == 9, single
     proc, _ = run_launcher("-n", "2", "--devices-per-process", "2", "--",
-                           sys.executable, digest, "reference", timeout=300)
+                           sys.executable, str(launching.DIGEST_SCRIPT), "reference", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert digest_lines(proc.stdout) == single
 
@@ -186,7 +186,7 @@ def test_a_failed_process_leaves_at_once_and_the_launcher_ends_its_peer():
     then costs seconds, not the launcher's --timeout. (Here on CPU the peer would give up by
     itself after 30 s, gloo's wait for the failed process, and both exit then.)"""
     proc, seconds = run_launcher("-n", "2", "--devices-per-process", "2", "--timeout", "90",
-                                 "--grace", "3", "--", sys.executable,
+                                 "--grace", "1", "--", sys.executable,
                                  str(launching.DIGEST_SCRIPT), "reference", "normal",
                                  extra_env={"DIGEST_FAIL_PROCESS": "1"}, timeout=150)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -211,7 +211,8 @@ PROTOCOL_SCRIPT = textwrap.dedent("""
         print("host", _ipc.host_name())  # the name this process gave the others
         sys.exit(0)
     if sys.argv[1] == "absent" and me == 1:
-        time.sleep(5)  # past process 0's join timeout (1 s) even if it started seconds later
+        # Never publishes: leaves once process 0 has timed out waiting for it.
+        _ipc.kv_client().blocking_key_value_get("test/reported", 60_000)
         sys.exit(0)
     start = time.monotonic()
     try:
@@ -219,6 +220,8 @@ PROTOCOL_SCRIPT = textwrap.dedent("""
         print("agreed")
     except RuntimeError as e:
         print(f"error after {time.monotonic() - start:.1f} s: {e}")
+    if sys.argv[1] == "absent":
+        _ipc.kv_client().key_value_set("test/reported", "1")
 """)
 
 
