@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -46,6 +47,8 @@ from jax_ep import hierarchical, settings, testing  # noqa: E402
 from jax_ep.peers import ipc  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Names of the key-value store's barriers and keys: every process makes the same calls in order.
+_barriers, _gathers = itertools.count(), itertools.count()
 
 
 def load_formula():
@@ -96,12 +99,14 @@ def counted(bufs, run, read=traffic):
 
 def run_sharded(mesh, axes, fn, topk_idx):
     """``fn(topk_idx of a rank)`` on every rank of ``mesh`` (``topk_idx`` ``[R, T, K]``, the same in
-    every process; ranks along ``axes``), to completion."""
+    every process; ranks along ``axes``), to completion. Every process compiles before any runs:
+    a kernel's wait for a peer that is still compiling would count against its bound."""
     spec = P(axes)
     idx = jax.make_array_from_callback(topk_idx.shape, NamedSharding(mesh, spec),
                                        lambda index: topk_idx[index])
     program = jax.jit(jax.shard_map(lambda i: fn(i[0])[None], mesh=mesh, in_specs=spec,
-                                    out_specs=spec))
+                                    out_specs=spec)).lower(idx).compile()
+    ipc.kv_client().wait_at_barrier(f"traffic_counts/compiled{next(_barriers)}", 600_000)
     jax.block_until_ready(program(idx))
 
 
@@ -110,13 +115,16 @@ def normal_runs(sn, mesh, hosts, routing):
     gpus = mesh.shape["ep"] // hosts
     kw = dict(num_experts=sn.E, hidden=sn.H, max_tokens_per_rank=sn.T_NORMAL, num_topk=sn.K,
               dtype=jnp.bfloat16, backend="cuda")
-    weights = jnp.full((sn.T_NORMAL, sn.K), 1.0 / sn.K, jnp.float32)
-    x = jnp.zeros((sn.T_NORMAL, sn.H), jnp.bfloat16)
+
+    def tokens():  # made inside each program: a closed-over array would be a constant of it
+        return (jnp.zeros((sn.T_NORMAL, sn.H), jnp.bfloat16),
+                jnp.full((sn.T_NORMAL, sn.K), 1.0 / sn.K, jnp.float32))
 
     # Half of every row a rank could receive: top-8 of 256 sends a rank ~39% (16 ranks) of them.
     flat = jax_ep.Buffer(mesh, "ep", capacity=mesh.shape["ep"] * sn.T_NORMAL // 2, **kw)
 
     def flat_pair(idx):
+        x, weights = tokens()
         d = jax_ep.dispatch(flat, x, idx, weights)
         return jax_ep.combine(flat, d.recv_x, d.handle)[0].sum(dtype=jnp.float32)
 
@@ -133,6 +141,7 @@ def normal_runs(sn, mesh, hosts, routing):
     within = [host * gpus + g for g in range(gpus)]    # the within leg's rank g: GPU g
 
     def hierarchical_pair(idx):
+        x, weights = tokens()
         d = hierarchical.dispatch(hbuf, x, idx, weights)
         return hierarchical.combine(hbuf, d.recv_x, d.handle)[0].sum(dtype=jnp.float32)
 
@@ -150,10 +159,10 @@ def low_latency_runs(sn, mesh, hosts, routing):
     del hosts
     buf = jax_ep.Buffer(mesh, "ep", num_experts=sn.E, hidden=sn.H, max_tokens_per_rank=sn.T_LL,
                         num_topk=sn.K, low_latency=True, backend="cuda")
-    x = jnp.zeros((sn.T_LL, sn.H), jnp.bfloat16)
-    weights = jnp.full((sn.T_LL, sn.K), 1.0 / sn.K, jnp.float32)
 
     def pair(idx):
+        x = jnp.zeros((sn.T_LL, sn.H), jnp.bfloat16)
+        weights = jnp.full((sn.T_LL, sn.K), 1.0 / sn.K, jnp.float32)
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True)
         y = jnp.zeros(d.recv_x.shape, jnp.bfloat16)
         return jax_ep.low_latency_combine(buf, y, idx, weights, d.handle).sum(dtype=jnp.float32)
@@ -168,16 +177,13 @@ def gather(rows):
     """Every process's rows, at process 0 (through jax.distributed's key-value store: XLA's
     collectives cannot run between processes sharing a GPU)."""
     client = ipc.kv_client()
-    key = f"traffic_counts/{gather.calls}"
-    gather.calls += 1
+    key = f"traffic_counts/rows{next(_gathers)}"
     client.key_value_set(f"{key}/p{jax.process_index()}", json.dumps(rows))
     if jax.process_index() != 0:
         return None
     return [row for p in range(jax.process_count())
             for row in json.loads(client.blocking_key_value_get(f"{key}/p{p}", 600_000))]
 
-
-gather.calls = 0
 
 
 def main(argv=None):

@@ -342,9 +342,10 @@ KILLED_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_ep
-    from jax_ep import _C_testing, launch
+    from jax_ep import launch
     from jax_ep.peers import ipc
     launch.initialize_from_env()
+    from jax_ep import _C_testing
     _C_testing.register_emulated_transport()
     T, H, E, K = 16, 256, 16, 2
     mesh = Mesh(np.array(jax.devices()), ("ep",))
@@ -361,6 +362,9 @@ KILLED_SCRIPT = textwrap.dedent("""
         return jax_ep.dispatch(buf, x, i[0], w).recv_x.sum(dtype=jnp.float32)[None]
 
     program = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    program = program.lower(idx).compile()
+    # Every process compiled before any waits on a peer (the waits are bounded at 3 s).
+    ipc.kv_client().wait_at_barrier("compiled", 120_000)
     jax.block_until_ready(program(idx))
     # Every rank has received everything before process 3 dies.
     ipc.kv_client().wait_at_barrier("first_call", 60_000)
