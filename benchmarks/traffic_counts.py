@@ -26,7 +26,6 @@ Process 0 writes ``{"runs": [{"mode", "scheme", "hosts", "ranks_per_host", "rout
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -41,23 +40,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from traffic import load_formula  # noqa: E402  (docs/scaling_numbers.py: the shapes)
 
 import jax_ep  # noqa: E402
 from jax_ep import hierarchical, settings, testing  # noqa: E402
 from jax_ep.peers import ipc  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # Names of the key-value store's barriers and keys: every process makes the same calls in order.
 _barriers, _gathers = itertools.count(), itertools.count()
-
-
-def load_formula():
-    """docs/scaling_numbers.py: the shapes the formula and these counts share."""
-    path = os.path.join(HERE, "..", "docs", "scaling_numbers.py")
-    spec = importlib.util.spec_from_file_location("scaling_numbers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_args(argv):

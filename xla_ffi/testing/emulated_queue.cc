@@ -22,6 +22,7 @@
 
 #include "bindings.h"
 #include "probe.h"
+#include "traffic_rows.h"
 #include "transport/emulator/command_ring.h"
 #include "transport/emulator/host_memcpy_executor.h"
 #include "transport/emulator/host_proxy.h"
@@ -164,15 +165,7 @@ class EmulatedQueueForTests {
   // rank), dst, puts (rows), bytes, signals (HostProxy::traffic()).
   nb::list traffic() {
     nb::list out;
-    for (const auto& [dst, count] : stepping()->traffic()) {
-      nb::dict row;
-      row["src"] = rank_;
-      row["dst"] = dst;
-      row["puts"] = count.puts;
-      row["bytes"] = count.bytes;
-      row["signals"] = count.signals;
-      out.append(row);
-    }
+    append_traffic_rows(out, rank_, stepping()->traffic());
     return out;
   }
   void reset_traffic() { stepping()->reset_traffic(); }

@@ -28,6 +28,7 @@
 #include "bindings.h"
 #include "emulated.h"
 #include "kernels/api.h"
+#include "traffic_rows.h"
 #include "transport/emulator/emulated_ranks.h"
 #include "transport/emulator/mutant.h"
 
@@ -208,15 +209,7 @@ nb::list transport_traffic(int64_t buffer_id, double timeout_s) {
   std::lock_guard<std::mutex> lock(ranks_mutex);
   nb::list rows;
   for (EmulatedRank* rank : ranks_of(buffer_id, "traffic")) {
-    for (const auto& [dst, count] : rank->proxy->traffic(timeout)) {
-      nb::dict row;
-      row["src"] = rank->rank;
-      row["dst"] = dst;
-      row["puts"] = count.puts;
-      row["bytes"] = count.bytes;
-      row["signals"] = count.signals;
-      rows.append(row);
-    }
+    append_traffic_rows(rows, rank->rank, rank->proxy->traffic(timeout));
   }
   return rows;
 }
