@@ -241,8 +241,9 @@ def test_fake_hosts_over_the_emulated_network_match_the_reference(hosts, ranks_p
 
 
 @pytest.mark.stress
-def test_fake_hosts_over_nvshmem_match_the_reference(tmp_path):
-    """An EP group across 2 fake hosts x 2, one process per rank sharing one GPU, the
+@pytest.mark.parametrize(("hosts", "ranks_per_host"), [(2, 2), (2, 8), (4, 8)])
+def test_fake_hosts_over_nvshmem_match_the_reference(hosts, ranks_per_host, tmp_path):
+    """An EP group across ``hosts`` fake hosts, one process (PE) per rank sharing one GPU, the
     workspaces on NVSHMEM's symmetric heap and every row and signal an NVSHMEM put (the layout
     of a group across real hosts, which NVSHMEM carries over its network transport there): the
     reference backend's data-movement bits, and its sums per element."""
@@ -254,7 +255,7 @@ def test_fake_hosts_over_nvshmem_match_the_reference(tmp_path):
     assert module.nvshmem_built(), "the GPU machine's build has NVSHMEM's headers"
     _nvshmem.library_path()  # raises, naming what is missing
     assert_launched_digests_match_the_reference(
-        tmp_path, 4, "--fake-hosts", "2",
+        tmp_path, hosts * ranks_per_host, "--fake-hosts", str(hosts),
         extra_env={_nvshmem.ENV_MAPPING: "nvshmem",
                    **launching.device_transport_env("nvshmem")})
 
