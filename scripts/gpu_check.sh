@@ -149,7 +149,7 @@ if has ucx; then
   ucx_lib=$(python3 -c "import libucx, os; print(os.path.join(os.path.dirname(libucx.__file__), 'lib'))")
   NVSHMEM_DISABLE_P2P=1 NVSHMEM_REMOTE_TRANSPORT=ucx UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo \
     NVSHMEM_DEBUG=INFO LD_LIBRARY_PATH="$ucx_lib:${LD_LIBRARY_PATH:-}" step ucx "$(limit ucx 300)" \
-    "${PYTEST[@]}" -s tests/test_gpu_multiprocess.py -k fake_hosts_over_nvshmem
+    "${PYTEST[@]}" -s tests/test_gpu_multiprocess.py -k "fake_hosts_over_nvshmem and 2-2"
 fi
 has seeds20 && step seeds20 "$(limit seeds20 540)" env JAX_EP_TRANSPORT_SEEDS=20 "${PYTEST[@]}" \
   -s --durations=0 tests/test_device_transport.py -k normal_ops_across_fake_hosts
