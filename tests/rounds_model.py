@@ -59,29 +59,48 @@ def round_entries(prefix, first, stride, me, num_ranks):
         yield k, entry // peers, (me + 1 + entry % peers) % num_ranks
 
 
+# Ways to break the protocol, for the tests to show that the model catches each: no credit
+# waits, a credit for round k - 3 instead of k - 2, a round published one receive item before it
+# is finished, finished rounds published out of order, and the last credited round never
+# published.
+MUTANTS = ("no_credits", "credit_lags_three", "published_early", "unordered", "stops_early")
+
+
 class Rounds:
     """The round state of every rank: credit words (at the sender: [receiver, round]), counts
-    of what each rank finished per round, and its published count."""
+    of what each rank finished per round, and its published rounds; `mutant`: one of MUTANTS."""
 
-    def __init__(self, num_ranks):
+    def __init__(self, num_ranks, mutant=None):
+        assert mutant in (None, *MUTANTS), mutant
         self.num_ranks = num_ranks
+        self.mutant = mutant
         self.credits = [set() for _ in range(num_ranks)]
         self.finished = [[0] * MAX_ROUNDS for _ in range(num_ranks)]
-        self.published = [0] * num_ranks
+        self.published = [set() for _ in range(num_ranks)]
 
     def wait_for_credit(self, sender, receiver, k):
         """wait_for_credit(): round k reuses the slots of round k - 2."""
-        while k >= 2 and (receiver, k - 2) not in self.credits[sender]:
+        if self.mutant == "no_credits":
+            return
+        lag = 3 if self.mutant == "credit_lags_three" else 2
+        while k >= lag and (receiver, k - lag) not in self.credits[sender]:
             yield WAIT
 
     def publish(self, me, last, total):
         """publish_finished_rounds(): every finished round from the first unpublished one on,
         below `last`, in order."""
+        if self.mutant == "stops_early":
+            last -= 1
+        slack = ROWS_PER_ITEM if self.mutant == "published_early" else 0  # one item short
         while True:
-            p = self.published[me]
-            if p >= last or self.finished[me][p] < total(p):
+            candidates = [p for p in range(last) if p not in self.published[me]]
+            if self.mutant != "unordered":  # in order: the first unpublished round only
+                candidates = candidates[:1]
+            done = [p for p in candidates if self.finished[me][p] >= total(p) - slack]
+            if not done:
                 return
-            self.published[me] = p + 1
+            p = done[0]
+            self.published[me].add(p)
             for peer in range(self.num_ranks):
                 if peer != me:
                     self.credits[peer].add((me, p))
@@ -115,11 +134,11 @@ def run_warps(warps, rng):
             warps.remove(w)
 
 
-def dispatch(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=True):
+def dispatch(routing, window_rows, *, blocks, push_blocks, warps, seed, mutant=None):
     """One dispatch of every rank's tokens (routing[src][token]: the set of destination ranks)
     at the default capacity R * T. Returns the number of rounds; raises AssertionError on a row
-    in the wrong place or a slot overwritten, Deadlock on a hang. `credits=False` drops the
-    credit waits (a broken protocol the model must catch)."""
+    in the wrong place or a slot overwritten, Deadlock on a hang. `mutant` (one of MUTANTS)
+    breaks the protocol, for a test that the model catches it."""
     rng = random.Random(seed)
     num_ranks, num_tokens = len(routing), len(routing[0])
     capacity = num_ranks * num_tokens
@@ -132,7 +151,7 @@ def dispatch(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=
     region = [[None] * slots for _ in range(num_ranks)]
     flags = [set() for _ in range(num_ranks)]
     out = [{} for _ in range(num_ranks)]
-    rounds = Rounds(num_ranks)
+    rounds = Rounds(num_ranks, mutant)
     peers = num_ranks - 1
 
     def plan(me):
@@ -177,7 +196,7 @@ def dispatch(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=
             lo, hi = round_span(round_rows, k, p["dest_base"][dst], p["send_valid"][dst])
             pos = lo + level
             if pos < hi:
-                if credits and reuses:
+                if reuses:
                     yield from rounds.wait_for_credit(me, dst, k)
                 row = p["dest_base"][dst] + pos
                 assert region[dst][row % slots] is None, f"slot of row {row} at {dst} overwritten"
@@ -234,7 +253,7 @@ def dispatch(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=
     return num_rounds
 
 
-def combine(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=True):
+def combine(routing, window_rows, *, blocks, push_blocks, warps, seed, mutant=None):
     """One combine of the rows a dispatch of `routing` left (every rank holds, for each owner,
     the rows of that owner's tokens routed to it, in token order), through `window_rows` rows
     of region (window_rows / R slots per source). Returns the number of rounds; raises as
@@ -249,7 +268,7 @@ def combine(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=T
     region = [[[None] * slots for _ in range(num_ranks)] for _ in range(num_ranks)]
     flags = [set() for _ in range(num_ranks)]
     reduced = [{} for _ in range(num_ranks)]
-    rounds = Rounds(num_ranks)
+    rounds = Rounds(num_ranks, mutant)
     peers = num_ranks - 1
 
     def plan(me):
@@ -293,7 +312,7 @@ def combine(routing, window_rows, *, blocks, push_blocks, warps, seed, credits=T
             row = begin + level
             if row < end:
                 token = p["src"][row] - owner * num_tokens
-                if credits and reuses:
+                if reuses:
                     yield from rounds.wait_for_credit(me, owner, token // round_rows)
                 assert region[owner][me][token % slots] is None, f"slot of {token} overwritten"
                 region[owner][me][token % slots] = token

@@ -1,7 +1,7 @@
 """The normal mode's rounds, on their model (tests/rounds_model.py): under random interleavings
 of blocks and warps, every routing of the op tests lands each row where it belongs through a
 window a fraction of the call's size, without an overwritten slot or a hang; and the model
-catches a protocol without its credit waits."""
+catches each way of breaking the protocol that matters."""
 
 import random
 
@@ -31,14 +31,28 @@ def test_every_routing_streams_through_a_small_window(op):
     assert max(rounds) >= 10 and 1 in rounds  # many rounds, and calls that fit in one
 
 
-@pytest.mark.parametrize("op", [model.dispatch, model.combine])
-def test_without_credit_waits_a_slot_is_overwritten(op):
-    caught = 0
-    for _, routing, window, grid in cases(30):
+# Each broken protocol (rounds_model.MUTANTS) in each op, but finished rounds published out of
+# order in the combine: its round k + 2 reuses the slots of round k alone (a token's slot is its
+# index modulo two rounds), so a credit for round k needs no earlier round (the kernels publish in
+# order anyway). The dispatch needs the order: a round of nothing but the rank's own rows counts
+# as finished at once, while rows of an earlier round may still wait in their slots.
+@pytest.mark.parametrize(("op", "mutant"), [
+    (op, mutant) for op in (model.dispatch, model.combine) for mutant in model.MUTANTS
+    if (op, mutant) != (model.combine, "unordered")])
+def test_each_broken_protocol_is_caught(op, mutant):
+    """Among the random cases, one at least ends in a misplaced or overwritten row or a hang."""
+    for _, routing, window, grid in cases(120):
         rows = window * len(routing) if op is model.combine else window
         try:
-            op(routing, rows, credits=False, **grid)
+            op(routing, rows, mutant=mutant, **grid)
         except AssertionError as e:
-            assert "overwritten" in str(e) or "wrong slot" in str(e), e
-            caught += 1
-    assert caught >= 5
+            assert "overwritten" in str(e) or "wrong slot" in str(e) or "other rows" in str(e), e
+            return
+        except model.Deadlock:
+            return
+    pytest.fail(f"{op.__name__} survives {mutant}")
+
+
+def test_the_combine_takes_finished_rounds_in_any_order():
+    for _, routing, window, grid in cases(60):
+        model.combine(routing, window * len(routing), mutant="unordered", **grid)

@@ -310,7 +310,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
     for (int k = 0; k <= rounds.num_rounds; ++k) {
       push_prefix[k] = entries;
       if (k < rounds.num_rounds) {
-        const int levels = reuses ? __ldg(args.round_levels + k) : max_rows;
+        // Without reuse every row fits in the slots: all in the first round's entries (a
+        // window never has two rounds, but a second one would then hold none).
+        const int levels = reuses ? __ldg(args.round_levels + k) : (k == 0 ? max_rows : 0);
         entries += static_cast<int64_t>(levels) * num_peers;
       }
     }
@@ -357,8 +359,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         const int token = __ldg(args.recv_src + row) - owner * num_tokens;
         if (token < 0 || token >= num_tokens) continue;  // inconsistent handle: drop the row
         if (reuses) {
-          wait_for_credit(rounds, args.wait, WaitPhase::kCombineCredit, owner,
-                          static_cast<int>(token / round_rows), tag);
+          wait_for_credit(sender, rounds, args.wait, WaitPhase::kCombineCredit, owner,
+                          static_cast<int>(token / round_rows), tag, lane);
         }
         char* const rows = sender.rows(args.peer_rows, owner);
         const int64_t region_row =

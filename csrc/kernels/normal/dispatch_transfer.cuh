@@ -342,7 +342,8 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
         const int pos = span.lo + at_entry.level;
         if (pos >= span.hi) continue;
         if (reuses) {
-          wait_for_credit(rounds, args.wait, WaitPhase::kDispatchCredit, dst, round, tag);
+          wait_for_credit(sender, rounds, args.wait, WaitPhase::kDispatchCredit, dst, round, tag,
+                          lane);
         }
         const int token =
             __ldg(args.send_tokens + static_cast<int64_t>(dst) * args.max_tokens + pos);

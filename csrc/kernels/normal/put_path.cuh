@@ -172,6 +172,7 @@ struct RowSender<StoresPath> {
     __syncwarp();
     if (lane == 0) st_release_sys(peer_row_flags[peer] + flag_index(), tag);
   }
+  __device__ __forceinline__ void flush(int /*lane*/) {}  // stores have landed
   __device__ __forceinline__ void finish(int /*lane*/) {}
 };
 
@@ -222,6 +223,8 @@ struct RowSender<TransportPath<Transport>> {
     t.put_signal(peer, dst, src, static_cast<uint64_t>(row_bytes), flag, tag,
                  transport::SignalOp::kSet, lane);
   }
+  // Every put so far delivered (before a wait that may depend on them).
+  __device__ __forceinline__ void flush(int lane) { t.quiet(lane); }
   __device__ __forceinline__ void finish(int lane) { slots.finish(t, lane); }
 };
 

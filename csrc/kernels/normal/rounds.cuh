@@ -40,17 +40,25 @@ __device__ __forceinline__ bool reuses_slots(const RoundArgs& rounds) {
   return rounds.num_rounds > 2;
 }
 
-// Before a sender writes a row of round `round` into `receiver`'s slots: waits until the
-// receiver finished round - 2, whose slots the row reuses (bounded, in `phase`).
-__device__ __forceinline__ void wait_for_credit(const RoundArgs& rounds, const WaitContext& wait,
-                                                WaitPhase phase, int receiver, int round,
-                                                uint64_t tag) {
+// Before a sender writes a row of round `round` into `receiver`'s slots (the whole warp):
+// waits until the receiver finished round - 2, whose slots the row reuses (bounded, in
+// `phase`). Over a transport the warp's own earlier puts may not have left yet (a put need not
+// progress before a quiet), and the credit may wait for them: the warp flushes them first
+// (`sender.flush`) unless the credit is already there.
+template <typename Sender>
+__device__ __forceinline__ void wait_for_credit(Sender& sender, const RoundArgs& rounds,
+                                                const WaitContext& wait, WaitPhase phase,
+                                                int receiver, int round, uint64_t tag, int lane) {
   if (round < 2) return;
+  const uint64_t* credit =
+      rounds.credits + static_cast<int64_t>(receiver) * kNormalMaxRounds + (round - 2);
+  // One decision for the warp: flush is a warp-wide call.
+  const int ready = __shfl_sync(0xffffffffu, lane == 0 && ld_acquire_sys(credit) >= tag, 0);
+  if (ready) return;
+  sender.flush(lane);
   WaitContext credit_wait = wait;
   credit_wait.phase = static_cast<int32_t>(phase);
-  wait_flag(credit_wait,
-            rounds.credits + static_cast<int64_t>(receiver) * kNormalMaxRounds + (round - 2), tag,
-            receiver);
+  wait_flag(credit_wait, credit, tag, receiver);
 }
 
 // Entry `q` of a list ordered round by round, then by level, then by peer (the ranks after
@@ -101,25 +109,25 @@ __device__ __forceinline__ void publish_finished_rounds(const Path& path, const 
       if (static_cast<int>(round) < last &&
           *reinterpret_cast<volatile uint32_t*>(rounds.finished + round) >=
               static_cast<uint32_t>(total(static_cast<int>(round)))) {
+        __threadfence();  // the count read, before the CAS that claims the round
         state = atomicCAS(rounds.published, round, round + 1) == round ? kPublish : kRetry;
         __threadfence();  // the CAS, before the next round's count is read
       }
     }
     state = __shfl_sync(0xffffffffu, state, 0);
     round = __shfl_sync(0xffffffffu, round, 0);
+    __syncwarp();  // lane 0's reads, before the other lanes' credits
     if (state == kStop) return;
     if (state == kRetry) continue;
     const int64_t word = static_cast<int64_t>(rank) * kNormalMaxRounds + round;
-    // No sender need wait for a credit, so one may still be on its way when a sender has
-    // finished the call: a credit never lowers the word (an atomic max), and a transport's
-    // are delivered before this kernel ends (a quiet), so the next call's tag is never undone.
+    // One writer per word and call (the round's publisher), and calls follow each other on
+    // this rank's stream: a plain release store never lowers a word. (No atomic on a peer's
+    // memory: not every peer link has them.) A transport's credits are delivered before this
+    // kernel ends (its quiet), so the next call's tag is never undone either.
+    __threadfence_system();  // every lane: the slots' reads, before the credit (a release)
     if constexpr (is_stores_path<Path>) {
-      __threadfence_system();  // the slots' reads, before the credit (a release)
       for (int peer = lane; peer < num_ranks; peer += kWarpSize) {
-        if (peer != rank) {
-          atomicMax_system(reinterpret_cast<unsigned long long*>(rounds.peer_credits[peer] + word),
-                           static_cast<unsigned long long>(tag));
-        }
+        if (peer != rank) st_release_sys(rounds.peer_credits[peer] + word, tag);
       }
     } else {
       auto t = make_normal_transport(path, rank, rounds.publisher_warp + blockIdx.x, wait);
