@@ -60,10 +60,7 @@ def _register_emulated_transport():
 
 def pytest_collection_modifyitems(config, items):
     """`-m gpu` is the fast GPU tier: tests marked stress run only where the -m expression
-    names them (`-m "gpu and stress"`: the stress tier; `-m "gpu or stress"`: both tiers).
-    Tests marked slow run first: pytest-xdist's workers then share the short tests at the end
-    rather than one waiting for the other's long one."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    names them (`-m "gpu and stress"`: the stress tier; `-m "gpu or stress"`: both tiers)."""
     if "stress" in config.option.markexpr:
         return
     stress = [item for item in items if item.get_closest_marker("stress")]

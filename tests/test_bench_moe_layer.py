@@ -31,7 +31,6 @@ def _jax_ep_importable():
     return module is not None
 
 
-@pytest.mark.slow
 def test_bench_moe_layer_quick(tmp_path):
     stdout = run_script("bench_moe_layer.py", tmp_path)
     payload = load_record(tmp_path, "8xcpu-*-moe_layer.json")
@@ -83,7 +82,6 @@ def _fixed_timing(monkeypatch):
     monkeypatch.setattr(bt, "time_per_op_us", time_per_op_us)
 
 
-@pytest.mark.slow
 def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
     """The tokamax+mosaic sections (experts, gemms, products, layer) with reference kernels in
     place of the GPU ones, in process: records, the forward check, and the table."""

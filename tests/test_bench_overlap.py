@@ -8,7 +8,6 @@ import bench_scripts
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jax_ep
 from jax_ep import testing
@@ -16,7 +15,6 @@ from jax_ep import testing
 bm = bench_scripts.bm
 bench_overlap = bench_scripts.bench_module("bench_overlap")
 
-@pytest.mark.slow
 def test_quick_run_writes_the_overlap_records(tmp_path):
     out = bench_scripts.run_script("bench_overlap.py", tmp_path, "--cases",
                                    "train:bench,decode:bench", "--steps", "1", "--repeats", "1",
@@ -47,7 +45,6 @@ def test_quick_run_writes_the_overlap_records(tmp_path):
             assert line.split()[-3:-1] == ["-", "-"], line
 
 
-@pytest.mark.slow
 def test_the_peers_segment_computes_the_jax_ep_segment():
     """The all_to_all peer's two micro-batches (XLA's own overlap) and jax_ep's two_batch stages
     compute one segment: the same forward bits and, for training, gradients within bfloat16

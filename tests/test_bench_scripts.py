@@ -24,7 +24,6 @@ def check_spread(stats, runs):
         (max(values) - min(values)) / statistics.median(values), rel=1e-2, abs=1e-3), stats
 
 
-@pytest.mark.slow
 def test_first_call_quick(tmp_path):
     # One mode, jax_ep only, the warm case in --quick's 2 fresh processes (~6 s each on CPU); the
     # other cases differ only in how the process warms up (test_first_call_child below), in the
@@ -162,7 +161,6 @@ def test_first_call_steps_run(mode, impl):
     assert combined.shape == step_args[0].shape and np.isfinite(combined).all()
 
 
-@pytest.mark.slow
 def test_bench_step_quick(tmp_path):
     """The step benchmark runs on CPU (reference backend, the padded all_to_all peer) and writes
     one record per op, impl and dtype with the three measures; it prints one table, under one

@@ -40,7 +40,6 @@ IMPLS = {"jax_ep", "reference", "all_to_all", "ragged_all_to_all",
          "ragged_all_to_all_decomposer"}
 
 
-@pytest.mark.slow
 def test_bench_ep_quick(tmp_path):
     # Every call's outputs kept: more work per op, so that CPU timing noise stays below it. One
     # low-latency token count (--quick has 1 and 8; the sweep's code is the same). H=128

@@ -121,7 +121,6 @@ def test_the_driver_runs_the_code_the_report_names():
                 gpu, code, image)
 
 
-@pytest.mark.slow
 def test_kernels_compile_for_the_oldest_architecture_we_promise():
     """Every kernel source compiles for the oldest GPU the README supports with this toolkit
     (sm_70 with CUDA 12, sm_75 with CUDA 13, which dropped sm_70): the default build starts at

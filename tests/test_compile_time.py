@@ -6,7 +6,6 @@ import pytest
 from bench_scripts import load_record, run_script  # puts benchmarks/ on sys.path
 
 
-@pytest.mark.slow
 def test_compile_time_quick(tmp_path):
     """Both cases, the stack unrolled and scanned (one layer each way is the same program but
     for the scan), one small Flax configuration; every record has the measured fields."""

@@ -169,7 +169,6 @@ def check_low_latency(res, x, idx, w, y_ll):
     return sum(len(e_s["dropped"]) for e_s in exp)
 
 
-@pytest.mark.slow
 def test_adversarial_routings_match_the_oracle_and_are_reported(backend):
     """Seeded adversarial routings (``JAX_EP_TEST_SEED`` replays one run) through every op:
     ids outside [-1, E) (E, -2, 2**30, int32 extremes), experts repeated within a token's top-k,

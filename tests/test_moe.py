@@ -569,7 +569,6 @@ def test_flax_example_rule_loss_is_the_language_entropy():
     assert min(samples) < lang.expected_rule_loss("markov") < max(samples), samples
 
 
-@pytest.mark.slow
 def test_flax_example_loss_decreases(tmp_path):
     _require_devices()
     pytest.importorskip("flax")

@@ -143,7 +143,6 @@ def test_timeout_terminates_everything():
     assert "timeout after 2 s" in proc.stderr
 
 
-@pytest.mark.slow
 def test_reference_backend_across_two_processes():
     """2 processes x 4 CPU devices, one mesh of 8: normal ops and every gradient vs the oracle."""
     script = textwrap.dedent("""
@@ -168,7 +167,6 @@ def test_reference_backend_across_two_processes():
         assert "4 passed" in summary[-1], summary  # 1 normal + 3 gradient tests, no skips
 
 
-@pytest.mark.slow
 def test_two_processes_give_the_bits_of_one(capsys):
     """Every op's outputs (and a gradient) on fixed inputs: 2 processes x 2 CPU devices equal
     1 process x 4 devices (this one's) bit for bit (tests/multiprocess_digest.py)."""
@@ -293,7 +291,6 @@ def test_fake_hosts_group_consecutive_processes():
             launch.child_environments(4, "h:1", platform="cpu", fake_hosts=bad)
 
 
-@pytest.mark.slow
 def test_multihost_suite_on_fake_hosts():
     """tests/test_multihost.py (the real-cluster tests, ``-m multihost``) on 2 processes
     under ``--fake-hosts 2``: they run, and say that their hosts were fake."""

@@ -53,7 +53,6 @@ def _buffer(mesh, backend, **kw):
                          backend=backend, report_errors=False, **kw)
 
 
-@pytest.mark.slow
 def test_two_micro_batches_compute_what_each_half_computes(rng):
     mesh = ep_mesh("reference", 2)
     buf = _buffer(mesh, "reference", dtype=jnp.float32)
