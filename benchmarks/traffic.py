@@ -71,12 +71,12 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def routing_rows(sn, mode, scheme, hosts, routing_name, rng, tokens=None):
-    """``[R, R]`` rows each rank sends to each rank (``[src, dst]``, one dispatch) under a
-    sampled routing: flat, a row per (token, destination rank) (low latency: per selection);
-    hierarchical, a row per (token, remote host) to the GPU of the source's local index there,
-    which forwards a row per destination rank (selection) of that host but itself, and rows to
-    the source's own host sent directly."""
+def routing_rows(sn, mode, hosts, routing_name, rng, tokens=None):
+    """``{scheme: [R, R]}``: the rows each rank sends to each rank (``[src, dst]``, one
+    dispatch) under one sampled routing, for each scheme: flat, a row per (token, destination
+    rank) (low latency: per selection); hierarchical, a row per (token, remote host) to the GPU
+    of the source's local index there, which forwards a row per destination rank (selection) of
+    that host but itself, and rows to the source's own host sent directly."""
     g = RANKS_PER_HOST
     num_ranks = hosts * g
     t = sn.traffic_tokens(mode) if tokens is None else tokens
@@ -89,8 +89,6 @@ def routing_rows(sn, mode, scheme, hosts, routing_name, rng, tokens=None):
                            dest), 1)
     per_token = selections > 0 if mode == "normal" else selections
     per_dst = per_token.sum(1).astype(np.float64)                            # [src, dst]
-    if scheme == "flat":
-        return per_dst
     host = np.arange(num_ranks) // g
     local = np.arange(num_ranks) % g
     same_host = host[:, None] == host[None, :]
@@ -103,7 +101,7 @@ def routing_rows(sn, mode, scheme, hosts, routing_name, rng, tokens=None):
         targets = np.arange(h * g, (h + 1) * g)
         for src in np.flatnonzero(remote):                      # forwarded over NVLink
             rows[relay[src], targets] += per_dst[src, targets]  # relay -> itself: a local copy
-    return rows
+    return {"flat": per_dst, "hierarchical": rows}
 
 
 def make_record(sn, mode, scheme, hosts, routing_name, source, same_bytes, cross_bytes,
@@ -135,12 +133,12 @@ def routing_records(sn, host_counts, seed):
     out = []
     for mode in sn.TRAFFIC_MODES:
         row_bytes = sum(sn.traffic_row_bytes(mode))
-        for scheme in sn.TRAFFIC_SCHEMES:
-            for routing_name in sn.TRAFFIC_ROUTINGS:
-                for hosts in host_counts:
-                    rng = np.random.default_rng(seed)
-                    rows = routing_rows(sn, mode, scheme, hosts, routing_name, rng)
-                    same, cross = testing.fold_traffic(rows, hosts * RANKS_PER_HOST,
+        for routing_name in sn.TRAFFIC_ROUTINGS:
+            for hosts in host_counts:
+                by_scheme = routing_rows(sn, mode, hosts, routing_name,
+                                         np.random.default_rng(seed))
+                for scheme in sn.TRAFFIC_SCHEMES:
+                    same, cross = testing.fold_traffic(by_scheme[scheme], hosts * RANKS_PER_HOST,
                                                        RANKS_PER_HOST)
                     out.append(make_record(
                         sn, mode, scheme, hosts, routing_name, "routing",

@@ -74,8 +74,8 @@ def test_a_counts_file_becomes_counted_records(tmp_path):
     --counts takes them, fold into per-rank bytes beside the formula."""
     traffic = bench_module("traffic")
     sn = traffic.load_formula()
-    rows = traffic.routing_rows(sn, "normal", "hierarchical", 2, "uniform",
-                                np.random.default_rng(3), tokens=256)
+    rows = traffic.routing_rows(sn, "normal", 2, "uniform", np.random.default_rng(3),
+                                tokens=256)["hierarchical"]
     row_bytes = sum(sn.traffic_row_bytes("normal"))
     counts = [{"src": s, "dst": d, "puts": int(rows[s, d]), "bytes": int(rows[s, d]) * row_bytes,
                "signals": 0} for s in range(16) for d in range(16) if rows[s, d]]
