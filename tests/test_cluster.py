@@ -77,6 +77,7 @@ def host(tmp_path):
     lib = str(tmp_path / "nvshmem" / "lib")
     for name in NVSHMEM_FILES:
         write(os.path.join(lib, name))
+    write(os.path.join(root, "usr", "lib", "x86_64-linux-gnu", "libibverbs.so.1"))
     return root, lib
 
 
@@ -254,12 +255,39 @@ def test_environment_checks(host):
     assert status(host, name, environ={"NVSHMEM_REMOTE_TRANSPORT": "libfabric"}) == "ok"
 
 
+def test_network_transport_libraries(host, tmp_path):
+    """The libraries of the network transport NVSHMEM_REMOTE_TRANSPORT selects (default ibrc)
+    are looked for where the dynamic loader looks: LD_LIBRARY_PATH, /etc/ld.so.conf.d's
+    folders, the system's; a missing one fails, naming it and how to install it."""
+    root, _ = host
+    name = "Network transport libraries"
+    check = run(host)[name]
+    assert check.status == "ok" and "libibverbs.so.1 in" in check.found, check
+    os.remove(os.path.join(root, "usr", "lib", "x86_64-linux-gnu", "libibverbs.so.1"))
+    check = run(host)[name]
+    assert check.status == "fail" and "libibverbs.so.1" in check.found, check
+    assert "rdma-core" in check.fix
+    ucx = {"NVSHMEM_REMOTE_TRANSPORT": "ucx"}
+    check = run(host, environ=ucx)[name]
+    assert check.status == "fail" and "libucp.so.0, libucs.so.0" in check.found, check
+    assert "libucx-cu13" in check.fix and "LD_LIBRARY_PATH" in check.fix
+    wheel = tmp_path / "site" / "libucx" / "lib"  # the libucx-cu13 wheel's folder
+    for lib in ("libucp.so.0", "libucs.so.0"):
+        write(str(wheel / lib))
+    assert status(host, name, environ=dict(ucx, LD_LIBRARY_PATH=f"/nowhere:{wheel}")) == "ok"
+    write(os.path.join(root, "opt", "ucx", "lib", "libucp.so.0"))
+    write(os.path.join(root, "opt", "ucx", "lib", "libucs.so.0"))
+    write(os.path.join(root, "etc", "ld.so.conf.d", "ucx.conf"), "# UCX\n/opt/ucx/lib\n")
+    assert status(host, name, environ=ucx) == "ok"
+    assert status(host, name, environ={"NVSHMEM_REMOTE_TRANSPORT": "libfabric"}) == "fail"
+
+
 def test_format_and_json_of_the_preflight(host):
     root, lib = host
     checks = cluster.preflight(root, {}, (), lib)
     text = "\n".join(env_report.format_cluster(checks))
-    assert text.startswith("Cross-host preflight (7 ok, 1 warn, 0 fail)")
-    assert "reference backend today" in text
+    assert text.startswith("Cross-host preflight (8 ok, 1 warn, 0 fail)")
+    assert "JAX_EP_DEVICE_TRANSPORT=nvshmem (else the reference backend)" in text
     assert "  WARN  NVLink multicast off" in text and "fix: export NVSHMEM_DISABLE_NVLS=1" in text
     assert max(len(line) for line in text.splitlines() if "fix:" in line) <= 100
     report = env_report.collect(env.BufferSpec(num_ranks=1), free_memory=False)

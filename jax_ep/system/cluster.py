@@ -1,13 +1,14 @@
 """The cross-host preflight: whether this host has what an EP group across hosts needs.
 
 An EP group across hosts reaches its peers through NVSHMEM over an RDMA network (InfiniBand,
-RoCE or EFA): NVSHMEM's host library with its bootstrap and network transport plugins, RDMA
-devices with a port up (and their device files inside a container), GPUDirect RDMA (the
-`nvidia_peermem` module, or dma-buf), optionally IBGDA (GPU-initiated network requests), a NIC
-near each GPU on the PCIe tree, and an environment that lets NVSHMEM use the network. Each check
-here reads the system through `root` (default "/": `root/sys/class/infiniband`, `root/proc/...`)
-and the environment through `environ`, so tests run them on a folder of faked files. None
-raises for a missing file: a missing file is a finding.
+RoCE or EFA): NVSHMEM's host library with its bootstrap and network transport plugins (and the
+system libraries its chosen network transport loads), RDMA devices with a port up (and their
+device files inside a container), GPUDirect RDMA (the `nvidia_peermem` module, or dma-buf),
+optionally IBGDA (GPU-initiated network requests), a NIC near each GPU on the PCIe tree, and an
+environment that lets NVSHMEM use the network. Each check here reads the system through `root`
+(default "/": `root/sys/class/infiniband`, `root/proc/...`) and the environment through
+`environ`, so tests run them on a folder of faked files. None raises for a missing file: a
+missing file is a finding.
 
 `preflight(...)` -> tuple of `PreflightCheck` (name, "ok" | "warn" | "fail", what was found,
 the fix, detail lines); `jax-ep-env --cluster` prints them (`jax_ep.tools.env_report`).
@@ -418,6 +419,60 @@ def check_remote_transport(environ: Mapping[str, str] | None = None, root: str =
     return PreflightCheck(name, OK, shown, "")
 
 
+# The libraries NVSHMEM's network transport plugins need from the system (the dependencies
+# `ldd` finds missing from the nvidia-nvshmem-cu13 wheel's plugins; ibrc opens libibverbs when
+# it starts). The wheel carries none of them.
+TRANSPORT_LIBRARIES = {"ibrc": ("libibverbs.so.1",), "ucx": ("libucp.so.0", "libucs.so.0"),
+                       "libfabric": ("libfabric.so.1",)}
+_TRANSPORT_LIBRARY_FIX = {
+    "ibrc": "install rdma-core's libibverbs (Debian/Ubuntu: libibverbs1; RHEL: rdma-core)",
+    "ucx": "install UCX (a system package, or `pip install libucx-cu13`) and put its lib folder "
+           "on LD_LIBRARY_PATH in every process",
+    "libfabric": "install libfabric (on EFA: the AWS EFA installer) and put its lib folder on "
+                 "LD_LIBRARY_PATH in every process",
+}
+# Where the dynamic loader looks besides LD_LIBRARY_PATH and /etc/ld.so.conf.d's folders.
+_LIBRARY_DIRS = ("lib", "lib64", "usr/lib", "usr/lib64", "usr/local/lib",
+                 "lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib/aarch64-linux-gnu",
+                 "usr/lib/aarch64-linux-gnu")
+
+
+def library_dirs(root: str = "/", environ: Mapping[str, str] | None = None) -> list[str]:
+    """The folders the dynamic loader searches: LD_LIBRARY_PATH's, those listed in
+    `root`/etc/ld.so.conf.d/*.conf, and the system's default ones (under `root`)."""
+    environ = os.environ if environ is None else environ
+    dirs = [d for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    for conf in sorted(glob.glob(_path(root, "etc", "ld.so.conf.d", "*.conf"))):
+        for line in (_read(conf) or "").splitlines():
+            line = line.split("#")[0].strip()
+            if line.startswith("/"):
+                dirs.append(_path(root, line.lstrip("/")))
+    return dirs + [_path(root, d) for d in _LIBRARY_DIRS]
+
+
+def check_network_libraries(environ: Mapping[str, str] | None = None, root: str = "/"
+                            ) -> PreflightCheck:
+    """The system libraries of the network transport NVSHMEM_REMOTE_TRANSPORT selects: without
+    them NVSHMEM cannot load its plugin, and a job across hosts fails to start."""
+    name = "Network transport libraries"
+    environ = os.environ if environ is None else environ
+    transport = (environ.get("NVSHMEM_REMOTE_TRANSPORT") or "").strip().lower() or (
+        DEFAULT_REMOTE_TRANSPORT)
+    needed = TRANSPORT_LIBRARIES.get(transport)
+    if needed is None:
+        return PreflightCheck(name, OK, f"{transport}: no system library to check", "")
+    dirs = library_dirs(root, environ)
+    where = {lib: next((d for d in dirs if os.path.exists(os.path.join(d, lib))), None)
+             for lib in needed}
+    missing = [lib for lib, d in where.items() if d is None]
+    if missing:
+        return PreflightCheck(name, FAIL, f"{transport}: no {', '.join(missing)} where the "
+                              "dynamic loader looks", _TRANSPORT_LIBRARY_FIX[transport],
+                              tuple(f"searched: {d}" for d in dirs))
+    return PreflightCheck(name, OK, f"{transport}: " + ", ".join(
+        f"{lib} in {d}" for lib, d in where.items()), "")
+
+
 # --------------------------------------------------------------------------------- all
 
 
@@ -445,5 +500,6 @@ def preflight(root: str = "/", environ: Mapping[str, str] | None = None,
         check_ibgda(root, environ),
         check_gpu_nics(root, gpus),
         check_remote_transport(environ, root),
+        check_network_libraries(environ, root),
         check_nvlink_multicast(environ),
     )

@@ -93,7 +93,7 @@ import jax
 
 from jax_ep import settings
 from jax_ep.backends import cuda
-from jax_ep.backends.gate import decide_backend
+from jax_ep.backends.gate import ACROSS_HOSTS_SETTINGS, decide_backend
 from jax_ep.system import cluster as cluster_checks
 from jax_ep.system import config
 from jax_ep.system.compat import (
@@ -312,8 +312,9 @@ def format_cluster(checks: Sequence[PreflightCheck]) -> list[str]:
     counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "fail")}
     out = [f"Cross-host preflight ({counts['ok']} ok, {counts['warn']} warn, {counts['fail']} "
            f"fail)",
-           "  An EP group across hosts runs on the reference backend today; these are what the "
-           "CUDA path across hosts (NVSHMEM over RDMA) needs."]
+           f"  An EP group across hosts runs the CUDA kernels over NVSHMEM's device API with "
+           f"{ACROSS_HOSTS_SETTINGS} (else the reference backend); these are what that path "
+           f"(NVSHMEM over RDMA) needs."]
     width = max((len(c.name) for c in checks), default=0)
     indent = " " * (width + 8)
     for c in checks:
