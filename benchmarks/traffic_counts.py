@@ -26,6 +26,7 @@ Process 0 writes ``{"runs": [{"mode", "scheme", "hosts", "ranks_per_host", "rout
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -87,24 +88,30 @@ def counted(bufs, run, read=traffic):
             for (s, d), c in sorted(rows.items())]
 
 
-def run_sharded(mesh, axes, fn, topk_idx):
-    """``fn(topk_idx of a rank)`` on every rank of ``mesh`` (``topk_idx`` ``[R, T, K]``, the same in
-    every process; ranks along ``axes``), to completion. Every process compiles before any runs:
-    a kernel's wait for a peer that is still compiling would count against its bound."""
+def compiled(mesh, axes, fn, topk_idx):
+    """``fn(topk_idx of a rank)`` on every rank of ``mesh`` (ranks along ``axes``), compiled in
+    every process before any runs (a kernel's wait for a peer still compiling would count
+    against its bound): returns ``run(topk_idx)``, which runs it to completion on a ``[R, T,
+    K]`` routing, the same in every process (``topk_idx``: one such, for its shape)."""
     spec = P(axes)
-    idx = jax.make_array_from_callback(topk_idx.shape, NamedSharding(mesh, spec),
-                                       lambda index: topk_idx[index])
+    sharding = NamedSharding(mesh, spec)
+
+    def place(routing):
+        return jax.make_array_from_callback(routing.shape, sharding, lambda index: routing[index])
+
     program = jax.jit(jax.shard_map(lambda i: fn(i[0])[None], mesh=mesh, in_specs=spec,
-                                    out_specs=spec)).lower(idx).compile()
+                                    out_specs=spec)).lower(place(topk_idx)).compile()
     ipc.kv_client().wait_at_barrier(f"traffic_counts/compiled{next(_barriers)}", 600_000)
-    jax.block_until_ready(program(idx))
+    return lambda routing: jax.block_until_ready(program(place(routing)))
 
 
-def normal_runs(sn, mesh, hosts, routing):
-    """Flat and hierarchical: one dispatch and one combine each."""
+def normal_runs(sn, mesh, hosts, routings):
+    """``(routing, scheme, rows)``: one dispatch and one combine of each routing (``{name: [R,
+    T, K]}``), flat then hierarchical, each scheme's Buffers and program made once."""
     gpus = mesh.shape["ep"] // hosts
     kw = dict(num_experts=sn.E, hidden=sn.H, max_tokens_per_rank=sn.T_NORMAL, num_topk=sn.K,
               dtype=jnp.bfloat16, backend="cuda")
+    some = next(iter(routings.values()))
 
     def tokens():  # made inside each program: a closed-over array would be a constant of it
         return (jnp.zeros((sn.T_NORMAL, sn.H), jnp.bfloat16),
@@ -118,8 +125,10 @@ def normal_runs(sn, mesh, hosts, routing):
         d = jax_ep.dispatch(flat, x, idx, weights)
         return jax_ep.combine(flat, d.recv_x, d.handle)[0].sum(dtype=jnp.float32)
 
+    run = compiled(mesh, "ep", flat_pair, some)
     ranks = list(range(mesh.shape["ep"]))
-    yield "flat", counted([(flat, ranks)], lambda: run_sharded(mesh, "ep", flat_pair, routing))
+    for name, routing in routings.items():
+        yield name, "flat", counted([(flat, ranks)], functools.partial(run, routing))
     flat.check()  # no row dropped, no fault the proxies found
     flat.close()
 
@@ -135,17 +144,18 @@ def normal_runs(sn, mesh, hosts, routing):
         d = hierarchical.dispatch(hbuf, x, idx, weights)
         return hierarchical.combine(hbuf, d.recv_x, d.handle)[0].sum(dtype=jnp.float32)
 
-    yield "hierarchical", counted(
-        [(hbuf.across, across), (hbuf.within, within)],
-        lambda: run_sharded(grid, ("host", "gpu"), hierarchical_pair, routing))
+    run = compiled(grid, ("host", "gpu"), hierarchical_pair, some)
+    for name, routing in routings.items():
+        yield name, "hierarchical", counted([(hbuf.across, across), (hbuf.within, within)],
+                                            functools.partial(run, routing))
     hbuf.across.check()
     hbuf.within.check()
     hbuf.close()
 
 
-def low_latency_runs(sn, mesh, hosts, routing):
-    """Flat (the low-latency kernels put every selection to its rank): one fp8 dispatch and one
-    combine."""
+def low_latency_runs(sn, mesh, hosts, routings):
+    """``(routing, "flat", rows)`` (the low-latency kernels put every selection to its rank):
+    one fp8 dispatch and one combine of each routing, the Buffer and program made once."""
     del hosts
     buf = jax_ep.Buffer(mesh, "ep", num_experts=sn.E, hidden=sn.H, max_tokens_per_rank=sn.T_LL,
                         num_topk=sn.K, low_latency=True, backend="cuda")
@@ -157,8 +167,10 @@ def low_latency_runs(sn, mesh, hosts, routing):
         y = jnp.zeros(d.recv_x.shape, jnp.bfloat16)
         return jax_ep.low_latency_combine(buf, y, idx, weights, d.handle).sum(dtype=jnp.float32)
 
+    run = compiled(mesh, "ep", pair, next(iter(routings.values())))
     ranks = list(range(mesh.shape["ep"]))
-    yield "flat", counted([(buf, ranks)], lambda: run_sharded(mesh, "ep", pair, routing))
+    for name, routing in routings.items():
+        yield name, "flat", counted([(buf, ranks)], functools.partial(run, routing))
     buf.check()
     buf.close()
 
@@ -173,7 +185,6 @@ def gather(rows):
         return None
     return [row for p in range(jax.process_count())
             for row in json.loads(client.blocking_key_value_get(f"{key}/p{p}", 600_000))]
-
 
 
 def main(argv=None):
@@ -194,22 +205,23 @@ def main(argv=None):
     for mode in args.modes.split(","):
         tokens = sn.traffic_tokens(mode)
         make_runs = normal_runs if mode == "normal" else low_latency_runs
+        routings = {}
         for routing_name in args.routings.split(","):
             max_hosts = sn.NODE_LIMITED_MAX_HOSTS if routing_name == "node_limited" else args.hosts
-            routing = testing.make_node_limited_routing(
+            routings[routing_name] = testing.make_node_limited_routing(
                 np.random.default_rng(args.seed), num_ranks, tokens, sn.E, sn.K, args.hosts,
                 max_hosts, sn.NODE_LIMITED_GROUP_TOP)
-            for scheme, rows in make_runs(sn, mesh, args.hosts, routing):
-                every = gather(rows)
-                if every is None:
-                    continue
-                runs.append(dict(mode=mode, scheme=scheme, hosts=args.hosts, ranks_per_host=gpus,
-                                 routing=routing_name, tokens=tokens, hidden=sn.H, experts=sn.E,
-                                 topk=sn.K, seed=args.seed, traffic=every))
-                same, cross = testing.fold_traffic(every, num_ranks, gpus)
-                print(f"{mode} {scheme} {routing_name} {args.hosts} x {gpus}: per rank "
-                      f"{cross.mean() / 1e9:.4f} GB cross-host, {same.mean() / 1e9:.4f} GB "
-                      f"same-host", flush=True)
+        for routing_name, scheme, rows in make_runs(sn, mesh, args.hosts, routings):
+            every = gather(rows)
+            if every is None:
+                continue
+            runs.append(dict(mode=mode, scheme=scheme, hosts=args.hosts, ranks_per_host=gpus,
+                             routing=routing_name, tokens=tokens, hidden=sn.H, experts=sn.E,
+                             topk=sn.K, seed=args.seed, traffic=every))
+            same, cross = testing.fold_traffic(every, num_ranks, gpus)
+            print(f"{mode} {scheme} {routing_name} {args.hosts} x {gpus}: per rank "
+                  f"{cross.mean() / 1e9:.4f} GB cross-host, {same.mean() / 1e9:.4f} GB "
+                  f"same-host", flush=True)
     if jax.process_index() == 0:
         with open(args.out, "w") as f:
             json.dump({"runs": runs, "commit": os.environ.get("JAX_EP_COMMIT", "unknown"),
