@@ -95,7 +95,7 @@ def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
     monkeypatch.setattr(grouped_gemm, "_import_status", lambda module: (True, module))
     monkeypatch.setattr(grouped_gemm, "library_status", lambda library: (True, library))
     _fixed_timing(monkeypatch)
-    bml.main(["--quick", "--hidden", "512", "--ffn", "512", "--matmul", "tokamax+mosaic",
+    bml.main(["--quick", "--hidden", "256", "--ffn", "256", "--matmul", "tokamax+mosaic",
               "--impls", "jax_ep", "--out", str(tmp_path), "--n-long", "2"])
     (path,) = glob.glob(os.path.join(str(tmp_path), "*-moe_layer.json"))
     with open(path) as f:
@@ -112,7 +112,7 @@ def test_bench_library_matmuls_run_every_section(tmp_path, monkeypatch):
     for rec in payload["results"]:
         assert rec["time_us"] > 0, rec
         if rec["op"] == "expert_gemm_product":
-            assert (rec["k"], rec["m"]) == {"gate_up": (512, 1024), "down": (512, 512)}[
+            assert (rec["k"], rec["m"]) == {"gate_up": (256, 512), "down": (256, 256)}[
                 rec["shape"]], rec
 
 
