@@ -32,6 +32,9 @@
 #              processes (several minutes; SUITE_ARGS "--ignore=tests/test_device_transport.py")
 #   mutants    the normal-mode protocol mutants under the ops (two fake hosts, two seeds each)
 #   seeds20    the fake-hosts normal digests under 20 emulator seeds (JAX_EP_TRANSPORT_SEEDS=20)
+#   groups     the stress tier's groups of many processes, one pytest run each (GROUP_K: its
+#              -k selections, comma-separated; GROUP_S: each one's bound, default 300), with the
+#              GPU's memory and every process's share sampled each second (gpu_memory.log)
 #   ucx        NVSHMEM's own network path on one machine: the fake-hosts NVSHMEM test with P2P
 #              off and NVSHMEM_REMOTE_TRANSPORT=ucx over TCP loopback (needs the libucx-cu13
 #              wheel in .whl/; NVSHMEM_DEBUG=INFO in the log says which transport it took)
@@ -150,6 +153,22 @@ if has ucx; then
   NVSHMEM_DISABLE_P2P=1 NVSHMEM_REMOTE_TRANSPORT=ucx UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo \
     NVSHMEM_DEBUG=INFO LD_LIBRARY_PATH="$ucx_lib:${LD_LIBRARY_PATH:-}" step ucx "$(limit ucx 300)" \
     "${PYTEST[@]}" -s tests/test_gpu_multiprocess.py -k "fake_hosts_over_nvshmem and 2-2"
+fi
+if has groups; then
+  while :; do  # the GPU's memory in use, then each process's
+    echo "$(date +%T) $(nvidia-smi --query-gpu=memory.used --format=csv,noheader) |" \
+      $(nvidia-smi --query-compute-apps=used_memory --format=csv,noheader,nounits)
+    sleep 1
+  done >> "$OUT/gpu_memory.log" 2>&1 & sampler=$!
+  groups="hierarchical and 2-8,emulated_network and 2-8,nvshmem_match and 2-2"
+  groups+=",nvshmem_match and 2-8,killed,ep_group and 16,ep_group and 32,adversarial"
+  IFS=, read -ra selections <<< "${GROUP_K:-$groups}"
+  for k in "${selections[@]}"; do
+    echo "== $(date +%T) $k" >> "$OUT/gpu_memory.log"
+    step "group_${k//[^a-z0-9]/_}" "$(limit group 300)" "${PYTEST[@]}" -rA --durations=0 \
+      tests/test_gpu_multiprocess.py -k "$k"
+  done
+  kill "$sampler"
 fi
 has seeds20 && step seeds20 "$(limit seeds20 540)" env JAX_EP_TRANSPORT_SEEDS=20 "${PYTEST[@]}" \
   -s --durations=0 tests/test_device_transport.py -k normal_ops_across_fake_hosts
