@@ -105,10 +105,12 @@ def assert_op_tests_pass_in_every_process(num_processes, test_files, selection,
     (with ``skips=False``, skipping none)."""
     n = str(num_processes)
     tests = [str(launching.ROOT / "tests" / name) for name in test_files]
+    # Each child names its tests as it starts them (-v): a run cut by the launcher's bound shows
+    # where every rank was.
     with tempfile.TemporaryDirectory() as cwd:  # children import the installed jax_ep
         proc, _ = launching.run_launcher(
             "-n", n, "--processes-per-gpu", n, *launcher_flags, "--timeout", "500", "--",
-            sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", "-p", "no:cacheprovider",
             "-m", launching.EVERY_GPU_TEST, "-k", selection, *tests, platform="gpu",
             extra_env=extra_env, cwd=cwd, timeout=560)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
