@@ -24,10 +24,21 @@ DISPATCH_FIELDS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tok
                    "num_recv_tokens_per_expert")
 
 
+@pytest.fixture(autouse=True)
+def _close_groups():
+    """Closes the test's groups after it (every process alike: closing is collective), so that
+    a process running these tests holds one test's Buffers, and their proxies, at a time."""
+    yield
+    while Group.made:
+        Group.made.pop().close()
+
+
 class Group:
     """The hierarchical Buffer over (host, gpu) and the flat one over the same devices, in the
     flat rank order (host by host): ``HIERARCHICAL_HOSTS`` hosts (the launcher's fake hosts,
     which group consecutive processes), else 2 when the devices split in two, else 1."""
+
+    made = []  # the groups of the running test
 
     def __init__(self, backend, dtype, capacity=None):
         flat_mesh = ep_mesh(backend)
@@ -42,6 +53,11 @@ class Group:
                   backend=backend)
         self.hierarchical = hierarchical.HierarchicalBuffer(mesh, "host", "gpu", **kw)
         self.flat = jax_ep.Buffer(flat_mesh, "ep", **kw)
+        Group.made.append(self)
+
+    def close(self):
+        self.hierarchical.close()
+        self.flat.close()
 
     def inputs(self, kind, dtype, seed=0):
         rng = np.random.default_rng(seed)
