@@ -88,6 +88,13 @@ def counted(bufs, run, read=traffic):
             for (s, d), c in sorted(rows.items())]
 
 
+def counted_runs(routings, scheme, bufs, run):
+    """``(routing name, scheme, rows)``: ``run`` (as ``compiled`` returns it) on each routing
+    of ``routings``, counted (``bufs``: as ``counted``'s)."""
+    for name, routing in routings.items():
+        yield name, scheme, counted(bufs, functools.partial(run, routing))
+
+
 def compiled(mesh, axes, fn, topk_idx):
     """``fn(topk_idx of a rank)`` on every rank of ``mesh`` (ranks along ``axes``), compiled in
     every process before any runs (a kernel's wait for a peer still compiling would count
@@ -127,8 +134,7 @@ def normal_runs(sn, mesh, hosts, routings):
 
     run = compiled(mesh, "ep", flat_pair, some)
     ranks = list(range(mesh.shape["ep"]))
-    for name, routing in routings.items():
-        yield name, "flat", counted([(flat, ranks)], functools.partial(run, routing))
+    yield from counted_runs(routings, "flat", [(flat, ranks)], run)
     flat.check()  # no row dropped, no fault the proxies found
     flat.close()
 
@@ -145,9 +151,8 @@ def normal_runs(sn, mesh, hosts, routings):
         return hierarchical.combine(hbuf, d.recv_x, d.handle)[0].sum(dtype=jnp.float32)
 
     run = compiled(grid, ("host", "gpu"), hierarchical_pair, some)
-    for name, routing in routings.items():
-        yield name, "hierarchical", counted([(hbuf.across, across), (hbuf.within, within)],
-                                            functools.partial(run, routing))
+    yield from counted_runs(routings, "hierarchical",
+                            [(hbuf.across, across), (hbuf.within, within)], run)
     hbuf.across.check()
     hbuf.within.check()
     hbuf.close()
@@ -169,8 +174,7 @@ def low_latency_runs(sn, mesh, hosts, routings):
 
     run = compiled(mesh, "ep", pair, next(iter(routings.values())))
     ranks = list(range(mesh.shape["ep"]))
-    for name, routing in routings.items():
-        yield name, "flat", counted([(buf, ranks)], functools.partial(run, routing))
+    yield from counted_runs(routings, "flat", [(buf, ranks)], run)
     buf.check()
     buf.close()
 
