@@ -5,9 +5,11 @@ launcher itself (``JAX_EP_NUM_PROCESSES`` set) these tests skip: they start laun
 """
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import launching
@@ -141,6 +143,46 @@ def test_timeout_terminates_everything():
     assert proc.returncode == launch.TIMEOUT_EXIT_CODE, proc.stderr
     assert elapsed < 30, elapsed
     assert "timeout after 2 s" in proc.stderr
+
+
+def test_children_that_ignore_sigterm_end_when_the_launchers_reader_is_gone(tmp_path):
+    """As when a bounded run kills the launcher's parent: its output pipes have no reader, the
+    children ignore SIGTERM (JAX's preemption notifier takes it) and keep printing. The
+    launcher's own SIGTERM still ends every child, by SIGKILL after the grace."""
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(os.path.join({str(tmp_path)!r}, os.environ["JAX_EP_PROCESS_ID"]), "w").write(
+            str(os.getpid()))
+        while True:
+            try:
+                print("x" * 200, flush=True)
+            except OSError:  # no reader: live on, as a child blocked in a kernel would
+                pass
+            time.sleep(0.001)
+    """)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jax_ep.launch", "--platform", "cpu", "-n", "2", "--grace", "1",
+         "--", sys.executable, "-c", script], cwd=launching.ROOT,
+        env=launching.child_env("cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(f.read_text()) for f in tmp_path.iterdir()]
+    assert len(pids) == 2, "the children did not start"
+    launcher.stdout.close()  # the reader is gone
+    launcher.stderr.close()
+    time.sleep(0.5)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=30)
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)  # leaves nothing behind when the launcher failed
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    assert not alive, f"children {alive} outlived the launcher"
 
 
 def test_reference_backend_across_two_processes():

@@ -197,15 +197,27 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
     return envs
 
 
+def _write(sink, data, lock):
+    """Writes ``data`` to ``sink``; False once the sink is gone (the reader of a pipe died, as
+    when the launcher's parent was killed), so that no writer stops on it."""
+    try:
+        with lock:
+            sink.write(data)
+            sink.flush()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _pump(stream, sink, prefix, lock):
-    """Copies ``stream`` line by line to ``sink`` (a binary file), each line prefixed."""
+    """Copies ``stream`` line by line to ``sink`` (a binary file), each line prefixed. Once the
+    sink is gone it keeps reading and drops the lines: a child never blocks on a full pipe."""
+    live = True
     with stream:
         for line in iter(stream.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
-            with lock:
-                sink.write(prefix + line)
-                sink.flush()
+            live = live and _write(sink, prefix + line, lock)
 
 
 def _exit_code(returncode):
@@ -229,8 +241,8 @@ def _terminate(procs, grace_s, say):
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            say(f"process {procs.index(p)} ignored SIGTERM for {grace_s:g} s: SIGKILL")
             _signal_group(p, signal.SIGKILL)
+            say(f"process {procs.index(p)} ignored SIGTERM for {grace_s:g} s: SIGKILL")
             p.wait()
 
 
@@ -250,9 +262,7 @@ def launch(command, num_processes, *, coordinator=None, devices_per_process=None
     lock = threading.Lock()
 
     def say(message):
-        with lock:
-            stderr.write(f"[launch] {message}\n".encode())
-            stderr.flush()
+        _write(stderr, f"[launch] {message}\n".encode(), lock)
 
     procs, pumps = [], []
     # The launcher's own SIGTERM / SIGINT end the children too.
