@@ -350,6 +350,8 @@ KILLED_SCRIPT = textwrap.dedent("""
     import jax_ep
     from jax_ep import launch
     from jax_ep.peers import ipc
+    # JAX ends every process when one dies (fate-sharing); off, the survivors live to report.
+    jax.config.update("jax_enable_recoverability", True)
     launch.initialize_from_env()
     from jax_ep import _C_testing
     _C_testing.register_emulated_transport()
