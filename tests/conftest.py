@@ -86,9 +86,15 @@ def _use_compilation_cache(config):
 
 
 def gpu_devices():
+    """jax's GPUs, or none. A process that the launcher handed a GPU and that cannot start it
+    fails instead: its peers wait for it in the GPU backend's start, and a skip would leave them
+    waiting."""
     try:
         return jax.devices("gpu")
-    except RuntimeError:
+    except RuntimeError as e:
+        if os.environ.get("JAX_EP_NUM_PROCESSES") and os.environ.get("CUDA_VISIBLE_DEVICES"):
+            pytest.fail(f"the launcher gave this process GPU {os.environ['CUDA_VISIBLE_DEVICES']}"
+                        f" but jax could not start it: {e}")
         return []
 
 

@@ -344,7 +344,8 @@ def test_cuda_buffer_names_a_process_that_never_joins(tmp_path):
 
 
 KILLED_SCRIPT = textwrap.dedent("""
-    import os, signal, time
+    import faulthandler, os, signal, time
+    faulthandler.dump_traceback_later(60)  # a process still here then shows where it waits
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_ep
@@ -402,7 +403,7 @@ def test_a_killed_process_ends_its_peers_bounded_waits_naming_it(tmp_path):
         "-n", "4", "--processes-per-gpu", "4", "--fake-hosts", "2", "--grace", "60",
         "--timeout", "200", "--", sys.executable, "-c", KILLED_SCRIPT, platform="gpu",
         timeout=240, cwd=tmp_path, extra_env=launching.device_transport_env("emulated"))
-    out = proc.stdout[-6000:] + proc.stderr[-3000:]
+    out = proc.stdout[-6000:] + proc.stderr[-12000:]
     assert proc.returncode != 0 and seconds < 150, out  # the launcher reports the killed one
     for rank in range(3):
         lines = lines_of(proc.stdout, rank)

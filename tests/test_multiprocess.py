@@ -106,6 +106,25 @@ def test_processes_per_gpu_share_each_gpu():
         launch.child_environments(2, "h:1", platform="cpu", processes_per_gpu=2)
 
 
+def test_processes_sharing_a_gpu_ask_for_no_more_connections_than_its_channels_hold():
+    """16 processes on one GPU that each asked for 32 connections left 4 without CUDA: the
+    launcher lowers the ask to what P contexts fit, keeps a smaller one, and never goes below
+    CUDA's default."""
+    def connections(p, asked):
+        environ = {"CUDA_VISIBLE_DEVICES": "0", **({} if asked is None else
+                                                   {"CUDA_DEVICE_MAX_CONNECTIONS": asked})}
+        envs = launch.child_environments(p, "h:1", processes_per_gpu=p, environ=environ)
+        return {e.get("CUDA_DEVICE_MAX_CONNECTIONS") for e in envs}
+
+    assert connections(16, "32") == {"24"}
+    assert connections(32, "32") == {"8"}
+    assert connections(4, "32") == {"32"}
+    assert connections(16, "4") == {"4"}
+    assert connections(16, None) == {None}
+    assert all(p * (launch.max_connections(p) + launch.CHANNELS_PER_CONTEXT)
+               <= launch.GPU_CHANNELS for p in (2, 4, 8, 16, 32))
+
+
 def test_initialize_from_env_without_variables(monkeypatch):
     monkeypatch.delenv(launch.ENV_NUM_PROCESSES, raising=False)
     assert launch.initialize_from_env() is False

@@ -7,6 +7,7 @@ build would have made it.
   selection: the default (CPU) run, the tiers and ``-m multihost`` cover the whole suite.
 - conftest.require_extension: with nvcc found or a GPU seen, a missing _C fails; with neither,
   it skips.
+- conftest.gpu_devices: a launched process handed a GPU that jax cannot start fails.
 """
 
 import json
@@ -155,3 +156,17 @@ def test_missing_extension_fails_where_a_gpu_is_seen(without_extension, monkeypa
     for check in (conftest.require_extension, conftest.require_gpus):  # the GPU tests' gate too
         result, message = outcome(check)
         assert result == "failed" and "jax sees 1 GPU(s) but" in message, (result, message)
+
+
+def test_a_launched_process_that_cannot_start_its_gpu_fails(monkeypatch):
+    """Its peers wait for it in the GPU backend's start: a skip would leave them waiting."""
+    def no_gpu(*_):
+        raise RuntimeError("Unable to initialize backend 'cuda': no supported devices found")
+
+    monkeypatch.setattr(conftest.jax, "devices", no_gpu)
+    monkeypatch.delenv("JAX_EP_NUM_PROCESSES", raising=False)
+    assert conftest.gpu_devices() == []  # not launched: no GPU here, the tests skip
+    monkeypatch.setenv("JAX_EP_NUM_PROCESSES", "16")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(pytest.fail.Exception, match="gave this process GPU 0 but jax could not"):
+        conftest.gpu_devices()

@@ -17,7 +17,9 @@ Each child gets, besides the launcher's own environment:
   (default ``K`` = 1).
 - with ``--processes-per-gpu P`` (P > 1, GPUs only): ``P`` consecutive processes share each
   GPU (one GPU per process: process ``i`` gets GPU ``i // P``), and each gets
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` = ``0.7 / P`` unless set. This runs the multi-process
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` = ``0.7 / P`` unless set, and ``CUDA_DEVICE_MAX_CONNECTIONS``
+  at most :func:`max_connections` ``(P)``: the contexts sharing a GPU share its hardware
+  channels, and a process that finds none left cannot start CUDA. This runs the multi-process
   protocol (CUDA IPC or NVSHMEM peers) on fewer GPUs than ranks, for correctness only: kernels
   of processes on one GPU take turns (time slices), so their timings mean nothing, and NCCL
   refuses two ranks on one GPU (XLA collectives across those processes fail).
@@ -183,6 +185,9 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
             env[ENV_HOST] = env["NCCL_HOSTID"] = host
         if processes_per_gpu > 1:
             env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.7 / processes_per_gpu:.3f}")
+            cap = max_connections(processes_per_gpu)
+            if int(env.get(ENV_MAX_CONNECTIONS, 0) or 0) > cap:
+                env[ENV_MAX_CONNECTIONS] = str(cap)
         if use_gpus and share_gpus:
             first = (i * k) // processes_per_gpu  # the index among the visible GPUs
             env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(d) for d in range(first, first + k))
@@ -195,6 +200,21 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
                 env["JAX_PLATFORMS"] = "cpu"
         envs.append(env)
     return envs
+
+
+# The hardware channels of one GPU that the contexts sharing it may take, and what a context
+# takes besides one per connection. Inferred on an H100: 16 contexts of 32 connections each
+# left 4 processes without CUDA ("no supported devices found"), 12 started; 32 contexts of the
+# default 8 all started.
+GPU_CHANNELS = 512
+CHANNELS_PER_CONTEXT = 8
+ENV_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def max_connections(processes_per_gpu: int) -> int:
+    """The most ``CUDA_DEVICE_MAX_CONNECTIONS`` that ``processes_per_gpu`` processes sharing a
+    GPU may each ask for and all start CUDA (never below CUDA's default, 8)."""
+    return max(8, GPU_CHANNELS // processes_per_gpu - CHANNELS_PER_CONTEXT)
 
 
 def _write(sink, data, lock):
