@@ -405,11 +405,14 @@ def test_a_killed_process_ends_its_peers_bounded_waits_naming_it(tmp_path):
         timeout=240, cwd=tmp_path, extra_env=launching.device_transport_env("emulated"))
     out = proc.stdout[-6000:] + proc.stderr[-12000:]
     assert proc.returncode != 0 and seconds < 150, out  # the launcher reports the killed one
-    for rank in range(3):
-        lines = lines_of(proc.stdout, rank)
+    # Every survivor's outcome first, in full (pytest cuts a long message that is not a str).
+    said = {rank: [x for x in lines_of(proc.stdout, rank)
+                   if x.startswith(("the second call", "reported:"))] for rank in range(3)}
+    for rank, lines in said.items():
+        why = f"rank {rank}; what each survivor said: {said}\n{out}"
         raised = [x for x in lines if x.startswith("the second call raised after")]
-        assert raised and float(raised[0].split()[-2]) < 30, (rank, out)
+        assert raised and float(raised[0].split()[-2]) < 30, why
         reported = [x for x in lines if x.startswith("reported:")]
-        assert reported and "waited for rank 3 on host " in reported[0], (rank, out)
-        assert "/fake1" in reported[0].split("waited for rank 3 on host ")[1], (rank, out)
-        assert " in " in reported[0].split("waited for rank 3")[1], (rank, out)
+        assert reported and "waited for rank 3 on host " in reported[0], why
+        assert "/fake1" in reported[0].split("waited for rank 3 on host ")[1], why
+        assert " in " in reported[0].split("waited for rank 3")[1], why
