@@ -116,13 +116,14 @@ def test_processes_sharing_a_gpu_ask_for_no_more_connections_than_its_channels_h
         envs = launch.child_environments(p, "h:1", processes_per_gpu=p, environ=environ)
         return {e.get("CUDA_DEVICE_MAX_CONNECTIONS") for e in envs}
 
-    assert connections(16, "32") == {"24"}
+    assert connections(16, "32") == {"20"}
     assert connections(32, "32") == {"8"}
     assert connections(4, "32") == {"32"}
     assert connections(16, "4") == {"4"}
     assert connections(16, None) == {None}
+    # Within the budget, down to CUDA's default (at which 32 processes started on an H100).
     assert all(p * (launch.max_connections(p) + launch.CHANNELS_PER_CONTEXT)
-               <= launch.GPU_CHANNELS for p in (2, 4, 8, 16, 32))
+               <= launch.GPU_CHANNELS for p in (2, 4, 8, 16))
 
 
 def test_initialize_from_env_without_variables(monkeypatch):

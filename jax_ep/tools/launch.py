@@ -202,11 +202,12 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
     return envs
 
 
-# The hardware channels of one GPU that the contexts sharing it may take, and what a context
-# takes besides one per connection. Inferred on an H100: 16 contexts of 32 connections each
-# left 4 processes without CUDA ("no supported devices found"), 12 started; 32 contexts of the
-# default 8 all started.
-GPU_CHANNELS = 512
+# The hardware channels of one GPU that the launched contexts sharing it may take, and what a
+# context takes besides one per connection. Inferred on an H100: 16 contexts of 32 connections
+# each left 4 processes without CUDA ("no supported devices found"), 12 started; 32 contexts of
+# the default 8 all started. Both fit about 512 channels and 8 a context; the budget leaves 64
+# of them to other contexts on the GPU (the test runner's own, a profiler's).
+GPU_CHANNELS = 448
 CHANNELS_PER_CONTEXT = 8
 ENV_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
