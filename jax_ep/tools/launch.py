@@ -134,6 +134,22 @@ def visible_gpus(environ=None) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip().isdigit()]
 
 
+# The hardware channels of one GPU that the launched contexts sharing it may take, and what a
+# context takes besides one per connection. Inferred on an H100: 16 contexts of 32 connections
+# each left 4 processes without CUDA ("no supported devices found"), 12 started; 32 contexts of
+# the default 8 all started. Both fit about 512 channels and 8 a context; the budget leaves 64
+# of them to other contexts on the GPU (the test runner's own, a profiler's).
+GPU_CHANNELS = 448
+CHANNELS_PER_CONTEXT = 8
+ENV_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def max_connections(processes_per_gpu: int) -> int:
+    """The most ``CUDA_DEVICE_MAX_CONNECTIONS`` that ``processes_per_gpu`` processes sharing a
+    GPU may each ask for and all start CUDA (never below CUDA's default, 8)."""
+    return max(8, GPU_CHANNELS // processes_per_gpu - CHANNELS_PER_CONTEXT)
+
+
 def child_environments(num_processes, coordinator, devices_per_process=None, platform="auto",
                        environ=None, share_gpus=False, processes_per_gpu=1, fake_hosts=None):
     """The environment of every child (see the module docstring). Raises ValueError on a
@@ -200,22 +216,6 @@ def child_environments(num_processes, coordinator, devices_per_process=None, pla
                 env["JAX_PLATFORMS"] = "cpu"
         envs.append(env)
     return envs
-
-
-# The hardware channels of one GPU that the launched contexts sharing it may take, and what a
-# context takes besides one per connection. Inferred on an H100: 16 contexts of 32 connections
-# each left 4 processes without CUDA ("no supported devices found"), 12 started; 32 contexts of
-# the default 8 all started. Both fit about 512 channels and 8 a context; the budget leaves 64
-# of them to other contexts on the GPU (the test runner's own, a profiler's).
-GPU_CHANNELS = 448
-CHANNELS_PER_CONTEXT = 8
-ENV_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
-
-
-def max_connections(processes_per_gpu: int) -> int:
-    """The most ``CUDA_DEVICE_MAX_CONNECTIONS`` that ``processes_per_gpu`` processes sharing a
-    GPU may each ask for and all start CUDA (never below CUDA's default, 8)."""
-    return max(8, GPU_CHANNELS // processes_per_gpu - CHANNELS_PER_CONTEXT)
 
 
 def _write(sink, data, lock):
