@@ -49,8 +49,9 @@
 #   step       profile_ops (kernel times) and bench_step (what a program pays per step: with the
 #              stand-in expert, and --bare: the op pairs alone; STEP_BARE_ONLY=1, STEP_ARGS)
 #   traffic    benchmarks/traffic_counts.py on fake hosts over the emulated network (processes
-#              sharing the GPU; TRAFFIC_LAYOUTS, default "2x8 4x8": hosts x ranks per host), then
-#              benchmarks/traffic.py with those counts: the counted traffic records
+#              sharing the GPU; TRAFFIC_LAYOUTS, default "2x8 4x8": hosts x ranks per host;
+#              TRAFFIC_ARGS appended, e.g. "--modes normal"), then benchmarks/traffic.py with
+#              those counts: the counted traffic records
 #   launchfloor  benchmarks/launch_floor.py: a custom call's cost by how its kernel launches
 #   overlap    bench_overlap.py (train and decode at the bench shape, --num-sms 24 --unpinned),
 #              with jax's Mosaic GPU GEMMs, then with the non-persistent tiled ones; records
@@ -204,10 +205,14 @@ if has traffic; then
   counts=()
   for layout in ${TRAFFIC_LAYOUTS:-2x8 4x8}; do
     n=$(( ${layout%x*} * ${layout#*x} ))
-    JAX_EP_DEVICE_TRANSPORT=emulated CUDA_DEVICE_MAX_CONNECTIONS=32 step "traffic_$layout" \
+    # XLA takes what each process uses, not 0.7/n of the GPU up front: the workspaces (up to
+    # 1.9 GB a rank at 16 ranks) live beside XLA's pool, in the GPU's other 30%.
+    JAX_EP_DEVICE_TRANSPORT=emulated CUDA_DEVICE_MAX_CONNECTIONS=32 \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false step "traffic_$layout" \
       "$(limit traffic 400)" python3 -m jax_ep.launch -n "$n" --processes-per-gpu "$n" \
       --fake-hosts "${layout%x*}" --timeout "$(( $(limit traffic 400) - 20 ))" -- python3 \
-      "$R/benchmarks/traffic_counts.py" --hosts "${layout%x*}" --out "$OUT/traffic-counts-$layout.json"
+      "$R/benchmarks/traffic_counts.py" --hosts "${layout%x*}" \
+      --out "$OUT/traffic-counts-$layout.json" ${TRAFFIC_ARGS:-}
     [[ -f "$OUT/traffic-counts-$layout.json" ]] && counts+=(--counts "$OUT/traffic-counts-$layout.json")
   done
   step traffic_records 60 python3 "$R/benchmarks/traffic.py" --out "$OUT" "${counts[@]}"
