@@ -54,11 +54,14 @@ class Group:
                   backend=backend)
         self.hierarchical = hierarchical.HierarchicalBuffer(mesh, "host", "gpu", **kw)
         self.flat = jax_ep.Buffer(flat_mesh, "ep", **kw)
-        # Processes on the launcher's fake hosts: the flat group spans them, so its combine
-        # sums per host too (docs/api.md, "combine").
-        self.flat_spans_hosts = jax.process_count() > 1 and len(set(ipc.all_gather(
-            self.flat, "test_hierarchical/host", ipc.host_name()).values())) > 1
         Group.made.append(self)
+
+    def flat_spans_hosts(self):
+        """Whether the flat group's processes sit on more than one host (the launcher's fake
+        hosts), where its combine sums per host too (docs/api.md, "combine"). Collective: every
+        process asks."""
+        return jax.process_count() > 1 and len(set(ipc.all_gather(
+            self.flat, "test_hierarchical/host", ipc.host_name()).values())) > 1
 
     def close(self):
         self.hierarchical.close()
@@ -116,7 +119,7 @@ def test_dispatch_moves_the_flat_bits_and_combine_sums_per_host(backend):
         if kind == "uniform" and group.hosts > 1 and group.num_ranks >= 8:
             # Inside one host the flat combine sums in one pass and differs from the oracle's
             # per-host sums, so the check tells the two apart; across hosts it sums per host.
-            assert np.array_equal(bits(flat_y), bits(expected)) == group.flat_spans_hosts
+            assert np.array_equal(bits(flat_y), bits(expected)) == group.flat_spans_hosts()
 
 
 def test_a_capacity_drops_the_rows_the_flat_dispatch_drops(backend):
