@@ -16,7 +16,12 @@ process's value. The record's top-level times are those medians. The cases:
   ``WARMUP_EXECUTIONS`` times on the example arrays), then the first call;
 - ``warm_no_cmdbuf`` (jax_ep) and ``aot_no_cmdbuf`` (the peer): ``warm`` and ``aot`` in a
   process whose ``XLA_FLAGS`` end in ``--xla_gpu_enable_command_buffer=``: XLA runs the program
-  thunk by thunk, without command buffers (CUDA graphs).
+  thunk by thunk, without command buffers (CUDA graphs);
+- ``warm_fusion_cmdbuf`` (jax_ep): ``warm`` with ``--xla_gpu_enable_command_buffer=FUSION``:
+  XLA's own kernels in command buffers, jax_ep's custom calls outside them. Against ``warm``, it
+  tells what re-tracing the custom calls costs a call with new arguments (XLA calls a custom
+  call's handler again under stream capture when its buffers move) from what updating the
+  graph's kernel nodes costs.
 
 After the first call every process makes, in this order: ``--steady-calls`` calls on the same
 arguments (their median is ``steady_us``, the first of them ``second_us``); single calls that
@@ -62,19 +67,21 @@ import bench_records as br
 import bench_timing as bt
 
 MODES = ("normal", "low_latency")
-# case -> (how the process warms up before its first call, XLA's command buffers on)
+# case -> (how the process warms up before its first call, the command types XLA may put in
+# command buffers: None for XLA's default, "" for none)
 CASE_SETUP = {
-    "cold": ("cold", True),
-    "aot": ("aot", True),
-    "warm": ("warm", True),
-    "warm_no_cmdbuf": ("warm", False),
-    "aot_no_cmdbuf": ("aot", False),
+    "cold": ("cold", None),
+    "aot": ("aot", None),
+    "warm": ("warm", None),
+    "warm_no_cmdbuf": ("warm", ""),
+    "warm_fusion_cmdbuf": ("warm", "FUSION"),
+    "aot_no_cmdbuf": ("aot", ""),
 }
-CASES = ("cold", "aot", "warm", "warm_no_cmdbuf")
+CASES = ("cold", "aot", "warm", "warm_no_cmdbuf", "warm_fusion_cmdbuf")
 PEER_CASES = ("cold", "aot", "aot_no_cmdbuf")  # the peer has nothing to warm up
-# Appended to a *_no_cmdbuf process's XLA_FLAGS: an empty list of command types turns XLA's
-# command buffers (CUDA graphs) off.
-NO_COMMAND_BUFFERS_FLAG = "--xla_gpu_enable_command_buffer="
+# Appended, with the case's command types, to the XLA_FLAGS of a case that sets them; an empty
+# list turns XLA's command buffers (CUDA graphs) off.
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer="
 # The single calls with new arguments (or after a new executable), in the order a process makes
 # them; each gives <name>_us, <name>_captured and <name>_new_outputs.
 NEW_ARGUMENT_CALLS = ("same_args", "fresh_args", "fresh_args_second", "host_args", "recompiled")
@@ -332,11 +339,12 @@ def run_child(args):
 
 
 def child_env(case):
-    """The environment of a ``case``'s process: this one's, with command buffers off for the
-    *_no_cmdbuf cases."""
+    """The environment of a ``case``'s process: this one's, with the case's command types (none
+    for the *_no_cmdbuf cases) appended to ``XLA_FLAGS``."""
     env = dict(os.environ)
-    if not CASE_SETUP[case][1]:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS_FLAG}".strip()
+    types = CASE_SETUP[case][1]
+    if types is not None:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}{types}".strip()
     return env
 
 
@@ -381,7 +389,7 @@ def case_summary(results):
     ``spread`` over them."""
     names = sorted({name for r in results for name in r["measures"]})
     return {"num_runs": len(results),
-            "command_buffers": CASE_SETUP[results[0]["case"]][1],
+            "command_buffers": CASE_SETUP[results[0]["case"]][1] != "",
             "xla_flags": sorted({r["xla_flags"] for r in results}),
             "measures": {name: spread([r["measures"].get(name) for r in results])
                          for name in names}}
@@ -486,7 +494,8 @@ def print_tables(records, errors, processes):
           "of calls alternating two sets; paused: median of calls after 0.1 s idle. captured: "
           "jax_ep handlers run under CUDA-graph capture during same/fresh/fresh2/host/"
           "recompiled (median; '-' without jax_ep's CUDA backend). *_no_cmdbuf: XLA_FLAGS "
-          f"{NO_COMMAND_BUFFERS_FLAG} (no CUDA graphs).", flush=True)
+          f"{COMMAND_BUFFER_FLAG} (no CUDA graphs); *_fusion_cmdbuf: {COMMAND_BUFFER_FLAG}FUSION "
+          "(jax_ep's calls outside CUDA graphs).", flush=True)
     for e in errors:
         print(f"{e['mode']:12s} {e['impl']:10s} {e['case']:15s} run {e['run']} "
               f"ERROR {e['error'][:160]}")

@@ -46,7 +46,7 @@ def test_first_call_quick(tmp_path):
         assert set(rec["cases"]) == {"warm"}, rec["cases"]
         warm = rec["cases"]["warm"]
         assert warm["command_buffers"]
-        assert not any(first_call.NO_COMMAND_BUFFERS_FLAG in f for f in warm["xla_flags"])
+        assert not any(first_call.COMMAND_BUFFER_FLAG in f for f in warm["xla_flags"])
         assert warm["num_runs"] == 2, warm
         for name in ("first_us", "steady_us", "second_us", "steady_alternating_us",
                      "paused_us", *(f"{c}_us" for c in first_call.NEW_ARGUMENT_CALLS)):
@@ -63,12 +63,15 @@ def test_first_call_quick(tmp_path):
     assert seen == expected
 
 
-def test_first_call_turns_command_buffers_off_only_in_the_no_cmdbuf_cases(monkeypatch):
+def test_first_call_sets_command_buffer_types_only_in_the_cases_named_for_them(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    flag = first_call.COMMAND_BUFFER_FLAG
     for case in {*first_call.CASES, *first_call.PEER_CASES}:
         flags = first_call.child_env(case)["XLA_FLAGS"]
         assert flags.startswith("--xla_force_host_platform_device_count=8"), (case, flags)
-        assert flags.endswith(first_call.NO_COMMAND_BUFFERS_FLAG) == case.endswith("_no_cmdbuf")
+        assert flags.endswith(flag) == case.endswith("_no_cmdbuf"), (case, flags)
+        assert flags.endswith(f"{flag}FUSION") == case.endswith("_fusion_cmdbuf"), (case, flags)
+        assert (flag in flags) == case.endswith(("_no_cmdbuf", "_fusion_cmdbuf")), (case, flags)
 
 
 def process_result(case, impl, **measures):
