@@ -383,9 +383,28 @@ KILLED_SCRIPT = textwrap.dedent("""
     faulthandler.dump_traceback_later(20, repeat=True)
     from jax_ep.backends import cuda as _cuda
     module, _ = _cuda.load_extension()
+    def native_threads():
+        # Each thread's name, state and kernel wait (e.g. XLA's cuda_stream_monitor, which fails
+        # a trapped stream's outputs, or py_xla_callback): what faulthandler's stacks leave out.
+        rows = []
+        for tid in sorted(os.listdir("/proc/self/task"), key=int):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                with open(f"/proc/self/task/{tid}/wchan") as f:
+                    wait = f.read().strip() or "-"
+            except OSError:
+                continue
+            rows.append(f"{name}:{state}:{wait}")
+        return " ".join(rows)
     def watch():
         time.sleep(15)
         print("at 15 s, timeout records:", module.read_timeouts(buf.buffer_id), flush=True)
+        print("at 15 s, threads:", native_threads(), flush=True)
+        time.sleep(30)
+        print("at 45 s, threads:", native_threads(), flush=True)
     threading.Thread(target=watch, daemon=True).start()
     start = time.monotonic()
     try:
@@ -417,7 +436,7 @@ def test_a_killed_process_ends_its_peers_bounded_waits_naming_it(tmp_path):
     out = proc.stdout[-6000:] + proc.stderr[-12000:]
     assert proc.returncode != 0 and seconds < 150, out  # the launcher reports the killed one
     # Every survivor's outcome first, in full (pytest cuts a long message that is not a str).
-    told = ("the second call", "reported:", "at 15 s", "enqueued")
+    told = ("the second call", "reported:", "at 15 s", "at 45 s", "enqueued")
     said = {rank: [x for x in lines_of(proc.stdout, rank) if x.startswith(told)]
             for rank in range(3)}
     for rank, lines in said.items():
