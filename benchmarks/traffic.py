@@ -27,7 +27,8 @@ Sources:
   "routing", "tokens", "traffic": [{"src", "dst", "bytes", ...}, ...]}]}``, the rows of every
   rank's proxy (``EmulatedQueueForTests.traffic()``'s format), as
   ``benchmarks/traffic_counts.py`` writes it from a GPU run over the emulated network. Its
-  bytes are whatever the transport moved, flags and counts included.
+  bytes are whatever the transport moved, flags and counts included. A run's ``"hidden"``
+  (default H) is its record's, and its formula's.
 
 Runs on a CPU in seconds. Writes ``<out>/<machine>-<date>-traffic.json`` (or ``--out`` itself
 when it ends in ``.json``) and prints a table.
@@ -105,12 +106,13 @@ def routing_rows(sn, mode, hosts, routing_name, rng, tokens=None):
 
 
 def make_record(sn, mode, scheme, hosts, routing_name, source, same_bytes, cross_bytes,
-                tokens=None, **extra):
+                tokens=None, hidden=None, **extra):
     tokens = sn.traffic_tokens(mode) if tokens is None else tokens
+    hidden = sn.H if hidden is None else hidden
     formula_cross = sn.traffic_bytes(mode, scheme, hosts, routing_name, RANKS_PER_HOST,
-                                     tokens)[1]
+                                     tokens, hidden)[1]
     return dict(op=OP, mode=mode, scheme=scheme, hosts=hosts, ranks_per_host=RANKS_PER_HOST,
-                routing=routing_name, tokens=tokens, hidden=sn.H, experts=sn.E, topk=sn.K,
+                routing=routing_name, tokens=tokens, hidden=hidden, experts=sn.E, topk=sn.K,
                 cross_host_bytes_per_rank=float(cross_bytes),
                 same_host_bytes_per_rank=float(same_bytes),
                 formula_cross_host_bytes_per_rank=float(formula_cross), source=source, **extra)
@@ -153,8 +155,7 @@ def counted_records(sn, path):
         runs = json.load(f)["runs"]
     out = []
     for run in runs:
-        for key, want in (("hidden", sn.H), ("experts", sn.E), ("topk", sn.K),
-                          ("ranks_per_host", RANKS_PER_HOST)):
+        for key, want in (("experts", sn.E), ("topk", sn.K), ("ranks_per_host", RANKS_PER_HOST)):
             if run.get(key, want) != want:
                 raise ValueError(f"{path}: a run with {key}={run[key]}; the formula is for "
                                  f"{key}={want}")
@@ -162,6 +163,7 @@ def counted_records(sn, path):
         same, cross = testing.fold_traffic(run["traffic"], num_ranks, RANKS_PER_HOST)
         out.append(make_record(sn, run["mode"], run["scheme"], run["hosts"], run["routing"],
                                "counted", same.mean(), cross.mean(), tokens=run["tokens"],
+                               hidden=run.get("hidden", sn.H),
                                counts_file=os.path.basename(path)))
     return out
 

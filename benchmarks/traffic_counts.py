@@ -8,7 +8,8 @@ of benchmarks/traffic.py, which turns it into ``"source": "counted"`` records.
 
 Every process is one rank of an EP group of ``--hosts`` fake hosts (the launcher's
 ``--fake-hosts``, which group consecutive processes), at docs/scaling_numbers.py's shapes (H, E,
-top-K; T = 4096 normal, 128 low latency) under its two routings (uniform top-K, and DeepSeek-V3's
+top-K; T = 4096 normal, 128 low latency; ``--hidden`` for another H, e.g. where 32 low-latency
+workspaces of H = 7168 do not fit one GPU) under its two routings (uniform top-K, and DeepSeek-V3's
 node-limited one: ``jax_ep.testing.make_node_limited_routing``, seed ``--seed``). Over
 ``JAX_EP_DEVICE_TRANSPORT=emulated`` every row and signal between ranks, same host or not, is a
 command of the emulated transport, whose proxies count what they deliver per (source,
@@ -60,6 +61,9 @@ def parse_args(argv):
                    help="comma-separated: normal (flat and hierarchical), low_latency (flat)")
     p.add_argument("--routings", default="uniform,node_limited",
                    help="comma-separated: uniform, node_limited")
+    p.add_argument("--hidden", type=int,
+                   help="channels a row (default the formula's H, 7168): the low-latency "
+                        "workspace grows with it, about 1.9 GB a rank at 7168")
     return p.parse_args(argv)
 
 
@@ -112,16 +116,17 @@ def compiled(mesh, axes, fn, topk_idx):
     return lambda routing: jax.block_until_ready(program(place(routing)))
 
 
-def normal_runs(sn, mesh, hosts, routings):
+def normal_runs(sn, mesh, hosts, hidden, routings):
     """``(routing, scheme, rows)``: one dispatch and one combine of each routing (``{name: [R,
-    T, K]}``), flat then hierarchical, each scheme's Buffers and program made once."""
+    T, K]}``) with rows of ``hidden`` channels, flat then hierarchical, each scheme's Buffers and
+    program made once."""
     gpus = mesh.shape["ep"] // hosts
-    kw = dict(num_experts=sn.E, hidden=sn.H, max_tokens_per_rank=sn.T_NORMAL, num_topk=sn.K,
+    kw = dict(num_experts=sn.E, hidden=hidden, max_tokens_per_rank=sn.T_NORMAL, num_topk=sn.K,
               dtype=jnp.bfloat16, backend="cuda")
     some = next(iter(routings.values()))
 
     def tokens():  # made inside each program: a closed-over array would be a constant of it
-        return (jnp.zeros((sn.T_NORMAL, sn.H), jnp.bfloat16),
+        return (jnp.zeros((sn.T_NORMAL, hidden), jnp.bfloat16),
                 jnp.full((sn.T_NORMAL, sn.K), 1.0 / sn.K, jnp.float32))
 
     # Half of every row a rank could receive: top-8 of 256 sends a rank ~39% (16 ranks) of them.
@@ -158,15 +163,16 @@ def normal_runs(sn, mesh, hosts, routings):
     hbuf.close()
 
 
-def low_latency_runs(sn, mesh, hosts, routings):
+def low_latency_runs(sn, mesh, hosts, hidden, routings):
     """``(routing, "flat", rows)`` (the low-latency kernels put every selection to its rank):
-    one fp8 dispatch and one combine of each routing, the Buffer and program made once."""
+    one fp8 dispatch and one combine of each routing with rows of ``hidden`` channels, the Buffer
+    and program made once."""
     del hosts
-    buf = jax_ep.Buffer(mesh, "ep", num_experts=sn.E, hidden=sn.H, max_tokens_per_rank=sn.T_LL,
+    buf = jax_ep.Buffer(mesh, "ep", num_experts=sn.E, hidden=hidden, max_tokens_per_rank=sn.T_LL,
                         num_topk=sn.K, low_latency=True, backend="cuda")
 
     def pair(idx):
-        x = jnp.zeros((sn.T_LL, sn.H), jnp.bfloat16)
+        x = jnp.zeros((sn.T_LL, hidden), jnp.bfloat16)
         weights = jnp.full((sn.T_LL, sn.K), 1.0 / sn.K, jnp.float32)
         d = jax_ep.low_latency_dispatch(buf, x, idx, use_fp8=True)
         y = jnp.zeros(d.recv_x.shape, jnp.bfloat16)
@@ -205,6 +211,7 @@ def main(argv=None):
     if num_ranks % args.hosts:
         raise SystemExit(f"--hosts {args.hosts} does not divide the {num_ranks} ranks")
     gpus = num_ranks // args.hosts
+    hidden = sn.H if args.hidden is None else args.hidden
     runs = []
     for mode in args.modes.split(","):
         tokens = sn.traffic_tokens(mode)
@@ -215,12 +222,12 @@ def main(argv=None):
             routings[routing_name] = testing.make_node_limited_routing(
                 np.random.default_rng(args.seed), num_ranks, tokens, sn.E, sn.K, args.hosts,
                 max_hosts, sn.NODE_LIMITED_GROUP_TOP)
-        for routing_name, scheme, rows in make_runs(sn, mesh, args.hosts, routings):
+        for routing_name, scheme, rows in make_runs(sn, mesh, args.hosts, hidden, routings):
             every = gather(rows)
             if every is None:
                 continue
             runs.append(dict(mode=mode, scheme=scheme, hosts=args.hosts, ranks_per_host=gpus,
-                             routing=routing_name, tokens=tokens, hidden=sn.H, experts=sn.E,
+                             routing=routing_name, tokens=tokens, hidden=hidden, experts=sn.E,
                              topk=sn.K, seed=args.seed, traffic=every))
             same, cross = testing.fold_traffic(every, num_ranks, gpus)
             print(f"{mode} {scheme} {routing_name} {args.hosts} x {gpus}: per rank "

@@ -195,13 +195,13 @@ def traffic_tokens(mode):
     return T_NORMAL if mode == "normal" else T_LL
 
 
-def traffic_row_bytes(mode):
-    """(dispatch, combine) bytes of one row on the wire: normal bf16 dispatch rows (payload, K
-    ids, K weights, source index) and 2H combine rows; low-latency fp8 rows with one f32 scale
-    per 128 channels and 2H combine rows."""
+def traffic_row_bytes(mode, hidden=H):
+    """(dispatch, combine) bytes of one row of `hidden` channels on the wire: normal bf16
+    dispatch rows (payload, K ids, K weights, source index) and 2H combine rows; low-latency fp8
+    rows with one f32 scale per 128 channels and 2H combine rows."""
     if mode == "normal":
-        return dispatch_row_bytes(2 * H, 0), 2 * H
-    return H + 4 * (H // CHANNELS_PER_SCALE), 2 * H
+        return dispatch_row_bytes(2 * hidden, 0), 2 * hidden
+    return hidden + 4 * (hidden // CHANNELS_PER_SCALE), 2 * hidden
 
 
 def uniform_destinations(hosts, ranks_per_host=GPUS_PER_NODE):
@@ -280,11 +280,12 @@ def traffic_rows(mode, scheme, hosts, d_rank, d_host, ranks_per_host=GPUS_PER_NO
     return same + cross * (g - 1) / g, t * d_host * (hosts - 1) / hosts
 
 
-def traffic_bytes(mode, scheme, hosts, routing_name, ranks_per_host=GPUS_PER_NODE, tokens=None):
+def traffic_bytes(mode, scheme, hosts, routing_name, ranks_per_host=GPUS_PER_NODE, tokens=None,
+                  hidden=H):
     """(same-host bytes, cross-host bytes) per rank for one dispatch and one combine."""
     d_rank, d_host = destinations(routing_name, hosts, ranks_per_host)
     same, cross = traffic_rows(mode, scheme, hosts, d_rank, d_host, ranks_per_host, tokens)
-    row = sum(traffic_row_bytes(mode))
+    row = sum(traffic_row_bytes(mode, hidden))
     return same * row, cross * row
 
 

@@ -93,6 +93,30 @@ def test_a_counts_file_becomes_counted_records(tmp_path):
     assert abs(record["cross_host_bytes_per_rank"] / want - 1) < 0.05  # 16 * 256 tokens
 
 
+def test_a_counted_run_of_another_hidden_size_has_its_own_formula(tmp_path):
+    """A run at H = 2048 (traffic_counts.py --hidden) keeps its H, and its formula figure is the
+    formula's at that H: the bytes of its rows, not H = 7168's."""
+    traffic = bench_module("traffic")
+    sn = traffic.load_formula()
+    hidden = 2048
+    rows = traffic.routing_rows(sn, "low_latency", 2, "uniform", np.random.default_rng(4),
+                                tokens=128)["flat"]
+    row_bytes = sum(sn.traffic_row_bytes("low_latency", hidden))
+    assert row_bytes == hidden + 4 * hidden // 128 + 2 * hidden
+    counts = [{"src": s, "dst": d, "puts": int(rows[s, d]), "bytes": int(rows[s, d]) * row_bytes,
+               "signals": 0} for s in range(16) for d in range(16) if rows[s, d]]
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps({"runs": [
+        {"mode": "low_latency", "scheme": "flat", "hosts": 2, "ranks_per_host": 8,
+         "routing": "uniform", "tokens": 128, "hidden": hidden, "traffic": counts}]}))
+    (record,) = traffic.counted_records(sn, str(path))
+    assert record["hidden"] == hidden
+    want = sn.traffic_bytes("low_latency", "flat", 2, "uniform", 8, 128, hidden)[1]
+    assert record["formula_cross_host_bytes_per_rank"] == want
+    assert want < 0.3 * sn.traffic_bytes("low_latency", "flat", 2, "uniform", 8, 128)[1]
+    assert abs(record["cross_host_bytes_per_rank"] / want - 1) < 0.04
+
+
 def test_counted_traffic_is_the_op_pair_s_in_flat_ranks():
     """benchmarks/traffic_counts.py's reading of the proxies: what an op pair added (after minus
     before), each leg's ranks renamed to the flat group's and summed where two legs meet."""
