@@ -10,6 +10,7 @@ tokens.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 
 import jax
@@ -32,6 +33,10 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 ERROR_COUNTERS = ("invalid_expert_ids", "overflow_rows", "dropped_low_latency_rows")
 # JAX_EP_DEVICE_TRANSPORT's values, in the order of the C++ DeviceTransport enum.
 DEVICE_TRANSPORTS = ("stores", "mapped", "emulated", "nvshmem")
+# The CUDA_DEVICE_MAX_CONNECTIONS (hardware queues) the emulated transport wants: its proxy
+# copies on a stream of its own, which must not share a queue with a stream that waits for the
+# kernel waiting for those copies (CUDA's default, 8, is fewer than XLA's streams).
+EMULATED_TRANSPORT_CONNECTIONS = 32
 
 _buffer_ids = itertools.count(1)
 
@@ -51,6 +56,21 @@ def describe_timeout(record, host_of_rank=None) -> str:
             f"for rank {record['timeout_peer']}{on_host(record['timeout_peer'])} in {phase} "
             f"(call {record['seq']}) longer than the timeout; the GPU context of that device is "
             f"lost: restart the process")
+
+
+def emulated_transport_hint(environ=None) -> str:
+    """Why a wait over the emulated transport may time out with every peer alive, or "": its
+    copies' stream may share a hardware queue with one that waits for the waiting kernel."""
+    if settings.value("JAX_EP_DEVICE_TRANSPORT", environ) != "emulated":
+        return ""
+    environ = os.environ if environ is None else environ
+    asked = environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() or "8 (CUDA's default)"
+    if asked.isdigit() and int(asked) >= EMULATED_TRANSPORT_CONNECTIONS:
+        return ""
+    return (f"the emulated transport copies on a stream of its own, and with "
+            f"CUDA_DEVICE_MAX_CONNECTIONS={asked}, under {EMULATED_TRANSPORT_CONNECTIONS}, that "
+            f"stream may share a hardware queue with one that waits for the waiting kernel: its "
+            f"copies then never start, whether or not the peer is alive")
 
 
 def rank_hosts(ep_groups, process_hosts, axis_name="ep"):
@@ -498,6 +518,9 @@ class Buffer:
                             f"{self.max_tokens_per_rank} rows to one expert (a token repeats "
                             f"an expert in its top-k)")
         problems += [f"timeout: {t}" for t in errors["timeouts"]]
+        hint = emulated_transport_hint() if errors["timeouts"] else ""
+        if hint:
+            problems.append(hint)
         if not errors["timeouts"]:  # a device that timed out cannot be reset
             self._reset_errors()
         if problems:

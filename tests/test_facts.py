@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jax_ep import Buffer, buffer, env, fp8
 from jax_ep.backends import cuda
-from jax_ep.buffer import describe_timeout
+from jax_ep.buffer import describe_timeout, emulated_transport_hint
 from jax_ep.system import config
 
 # None where the extension is missing: the `extension` fixture (conftest's rule) then fails each
@@ -75,6 +75,20 @@ def test_a_timeout_names_the_hosts_of_both_ranks():
     text = describe_timeout(record, {0: "node-a", 9: "node-b"}.get)
     assert text.startswith("rank 0 on host node-a (device 0) waited for rank 9 on host node-b in "
                            f"{_C.wait_phase_names()[1]} (call 3)"), text
+
+
+def test_a_timeout_over_the_emulated_transport_with_few_hardware_queues_says_why():
+    """Over the emulated transport, fewer CUDA connections than it wants may stall its copies
+    behind the waiting kernel: a timeout then says so (any other transport, or enough
+    connections: nothing to add)."""
+    emulated = {"JAX_EP_DEVICE_TRANSPORT": "emulated"}
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=8 (CUDA's default), under 32" in emulated_transport_hint(
+        emulated)
+    assert "=20, under 32" in emulated_transport_hint(
+        dict(emulated, CUDA_DEVICE_MAX_CONNECTIONS="20"))
+    assert emulated_transport_hint(dict(emulated, CUDA_DEVICE_MAX_CONNECTIONS="32")) == ""
+    assert emulated_transport_hint({"JAX_EP_DEVICE_TRANSPORT": "nvshmem"}) == ""
+    assert emulated_transport_hint({}) == ""
 
 
 def test_the_probe_reports_the_kernels_rank_limit():

@@ -25,6 +25,8 @@ import tempfile
 import pytest
 from conftest import require_gpus
 
+from jax_ep.buffer import EMULATED_TRANSPORT_CONNECTIONS
+
 pytestmark = pytest.mark.gpu
 
 SEEDS = range(5)
@@ -76,7 +78,7 @@ def run_child(args, cases, timeout):
     # Each emulated rank's proxy copies on a stream of its own, next to the kernels' streams:
     # past CUDA_DEVICE_MAX_CONNECTIONS (8 by default) streams share hardware queues, and a copy
     # queued behind a spinning kernel never starts (the kernel waits for it).
-    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32")
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS=str(EMULATED_TRANSPORT_CONNECTIONS))
     proc = subprocess.run([sys.executable, "-X", "faulthandler", *args, json.dumps(cases)],
                           capture_output=True, text=True, timeout=timeout,
                           cwd=tempfile.gettempdir(), env=env)
