@@ -95,7 +95,9 @@ step() {  # step NAME SECONDS CMD...: CMD under a timeout, output in $OUT/NAME.l
   summary+=("$name rc=$rc $(( $(date +%s) - s ))s $(grep -E '[0-9]+ (passed|failed|skipped)|ERROR SUMMARY' "$OUT/$name.log" | tail -1)")
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m;
-  python3 -c "import jax; print(jax.__version__)"; } > "$OUT/machine.txt" 2>&1
+  python3 -c "import jax; print(jax.__version__)";
+  # MPS would let many processes share one GPU's hardware queues (docs/decisions.md, channels).
+  echo "MPS control: $(command -v nvidia-cuda-mps-control || echo none)"; } > "$OUT/machine.txt" 2>&1
 arch=(env ${BUILD_ARCHS:+JAX_EP_CUDA_ARCHS=$BUILD_ARCHS})
 if [[ ${SKIP_BUILD:-0} == 1 ]]; then
   :
