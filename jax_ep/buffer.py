@@ -20,7 +20,7 @@ import numpy as np
 from jax_ep import _vma, backends, settings
 from jax_ep.backends import cuda, gate
 from jax_ep.peers import ipc, nvshmem
-from jax_ep.system import config
+from jax_ep.system import config, cuda_driver
 
 BACKENDS = ("auto", "cuda", "reference")
 # The reference backend's earlier name, still accepted: Buffer(backend="xla") is "reference".
@@ -64,13 +64,14 @@ def emulated_transport_hint(environ=None) -> str:
     if settings.value("JAX_EP_DEVICE_TRANSPORT", environ) != "emulated":
         return ""
     environ = os.environ if environ is None else environ
-    asked = environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() or "8 (CUDA's default)"
+    asked = (environ.get(cuda_driver.ENV_MAX_CONNECTIONS, "").strip()
+             or f"{cuda_driver.DEFAULT_MAX_CONNECTIONS} (CUDA's default)")
     if asked.isdigit() and int(asked) >= EMULATED_TRANSPORT_CONNECTIONS:
         return ""
     return (f"the emulated transport copies on a stream of its own, and with "
-            f"CUDA_DEVICE_MAX_CONNECTIONS={asked}, under {EMULATED_TRANSPORT_CONNECTIONS}, that "
-            f"stream may share a hardware queue with one that waits for the waiting kernel: its "
-            f"copies then never start, whether or not the peer is alive")
+            f"{cuda_driver.ENV_MAX_CONNECTIONS}={asked}, under {EMULATED_TRANSPORT_CONNECTIONS}, "
+            f"that stream may share a hardware queue with one that waits for the waiting "
+            f"kernel: its copies then never start, whether or not the peer is alive")
 
 
 def rank_hosts(ep_groups, process_hosts, axis_name="ep"):

@@ -34,7 +34,7 @@ def device_transport_env(transport, seed=0, **extra_env):
     (``seed``: the emulator's, rank r with seed + r), plus ``extra_env``."""
     return {"JAX_EP_DEVICE_TRANSPORT": transport, "JAX_EP_EMULATOR_SEED": str(seed),
             # The proxy's copies must not queue behind the kernel that waits for them.
-            "CUDA_DEVICE_MAX_CONNECTIONS": str(EMULATED_TRANSPORT_CONNECTIONS),
+            launch.ENV_MAX_CONNECTIONS: str(EMULATED_TRANSPORT_CONNECTIONS),
             # A kernel wait's bound, for runs slowed by the emulator and by a shared GPU.
             "JAX_EP_TIMEOUT_S": "20", **extra_env}
 

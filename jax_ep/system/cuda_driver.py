@@ -20,6 +20,12 @@ import ctypes
 import functools
 import sys
 
+# The hardware queues (connections) a context's streams are spread over, and how many there are
+# when the variable is unset: streams past them share a queue, and work on a shared queue waits
+# for the work queued before it, whatever its stream.
+ENV_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+DEFAULT_MAX_CONNECTIONS = 8
+
 # CUresult values named in messages (cuda.h).
 CUDA_SUCCESS = 0
 CUDA_ERROR_NO_DEVICE = 100

@@ -52,6 +52,8 @@ import sys
 import threading
 import time
 
+from jax_ep.system.cuda_driver import DEFAULT_MAX_CONNECTIONS, ENV_MAX_CONNECTIONS
+
 ENV_COORDINATOR = "JAX_EP_COORDINATOR"
 ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
 ENV_LOCAL_DEVICE_IDS = "JAX_EP_LOCAL_DEVICE_IDS"
@@ -141,13 +143,12 @@ def visible_gpus(environ=None) -> list[str]:
 # of them to other contexts on the GPU (the test runner's own, a profiler's).
 GPU_CHANNELS = 448
 CHANNELS_PER_CONTEXT = 8
-ENV_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
 def max_connections(processes_per_gpu: int) -> int:
     """The most ``CUDA_DEVICE_MAX_CONNECTIONS`` that ``processes_per_gpu`` processes sharing a
     GPU may each ask for and all start CUDA (never below CUDA's default, 8)."""
-    return max(8, GPU_CHANNELS // processes_per_gpu - CHANNELS_PER_CONTEXT)
+    return max(DEFAULT_MAX_CONNECTIONS, GPU_CHANNELS // processes_per_gpu - CHANNELS_PER_CONTEXT)
 
 
 def child_environments(num_processes, coordinator, devices_per_process=None, platform="auto",
