@@ -163,7 +163,7 @@ def counted_records(sn, path):
         same, cross = testing.fold_traffic(run["traffic"], num_ranks, RANKS_PER_HOST)
         out.append(make_record(sn, run["mode"], run["scheme"], run["hosts"], run["routing"],
                                "counted", same.mean(), cross.mean(), tokens=run["tokens"],
-                               hidden=run.get("hidden", sn.H),
+                               hidden=run.get("hidden"),
                                counts_file=os.path.basename(path)))
     return out
 
