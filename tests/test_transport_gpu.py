@@ -26,6 +26,7 @@ import pytest
 from conftest import require_gpus
 
 from jax_ep.buffer import EMULATED_TRANSPORT_CONNECTIONS
+from jax_ep.system.cuda_driver import ENV_MAX_CONNECTIONS
 
 pytestmark = pytest.mark.gpu
 
@@ -75,10 +76,8 @@ def run_child(args, cases, timeout):
     a crash prints its Python stack). The child runs outside the source tree, so that `-c`
     imports the installed jax_ep (with _C_testing), not the checkout's."""
     require_gpus(1)
-    # Each emulated rank's proxy copies on a stream of its own, next to the kernels' streams:
-    # past CUDA_DEVICE_MAX_CONNECTIONS (8 by default) streams share hardware queues, and a copy
-    # queued behind a spinning kernel never starts (the kernel waits for it).
-    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS=str(EMULATED_TRANSPORT_CONNECTIONS))
+    # The proxy's copies must not queue behind the kernel that waits for them (buffer.py).
+    env = {**os.environ, ENV_MAX_CONNECTIONS: str(EMULATED_TRANSPORT_CONNECTIONS)}
     proc = subprocess.run([sys.executable, "-X", "faulthandler", *args, json.dumps(cases)],
                           capture_output=True, text=True, timeout=timeout,
                           cwd=tempfile.gettempdir(), env=env)
